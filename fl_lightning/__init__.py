@@ -1,0 +1,3 @@
+"""fl-lightning: federated learning on Lightning Fabric."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,81 @@
+"""The algorithm interface: a client rule, a server rule, and the state each keeps.
+
+Shared mechanics (sampling, weights, flattening, the all-reduce, checkpoints) live in
+`fl_lightning.federation`; an algorithm module holds only what makes it different.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+import torch
+
+from fl_lightning.client import ClientRun
+from fl_lightning.server_optimizers import ServerOptimizer
+
+PSEUDO_GRADIENT = "pseudo_gradient"
+
+
+class Algorithm:
+    """Base class. A subclass sets its uploads and overrides `client_update` (and, if its server
+    does more than step the server optimizer on the pseudo-gradient, `server_update`).
+
+    Uploads are flat vectors the size of the model. Those in `weighted_uploads` are aggregated as
+    sum_i p_i * upload_i (p from `weighting`), those in `summed_uploads` as sum_i upload_i, all in
+    one all-reduce.
+    """
+
+    default_weighting: ClassVar[Literal["num_samples", "uniform"]] = "num_samples"
+    weighted_uploads: ClassVar[tuple[str, ...]] = (PSEUDO_GRADIENT,)
+    summed_uploads: ClassVar[tuple[str, ...]] = ()
+    client_state: ClassVar[tuple[str, ...]] = ()
+    """Names of per-client vectors that persist across rounds (e.g. SCAFFOLD's c_i)."""
+
+    server_optimizer: ServerOptimizer
+    num_clients: int
+
+    def setup(self, server_optimizer: ServerOptimizer, num_params: int, num_clients: int, device: torch.device) -> None:
+        """Called once on every rank before the first round (and before a resume loads state)."""
+        self.server_optimizer = server_optimizer
+        self.num_clients = num_clients
+        self.server_state: dict[str, torch.Tensor] = self.initial_server_state(num_params, device)
+
+    def initial_server_state(self, num_params: int, device: torch.device) -> dict[str, torch.Tensor]:
+        return {}
+
+    def client_update(self, client: ClientRun) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def server_update(self, params: torch.Tensor, aggregate: dict[str, torch.Tensor]) -> None:
+        """Update the global parameters in place from the aggregated uploads (same on every rank)."""
+        self.server_optimizer.step(params, aggregate[PSEUDO_GRADIENT])
+
+    def round_metrics(self) -> dict[str, float]:
+        """Extra per-round scalars to log after `server_update`."""
+        return {}
+
+    def state_dict(self) -> dict:
+        return {
+            "server_state": {k: v.detach().cpu().clone() for k, v in self.server_state.items()},
+            "server_optimizer": self.server_optimizer.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict, device: torch.device) -> None:
+        self.server_state = {k: v.to(device) for k, v in state["server_state"].items()}
+        self.server_optimizer.load_state_dict(state["server_optimizer"], device)
+
+
+def train_locally(client: ClientRun, correction=None, project=None) -> torch.Tensor:
+    """The local SGD loop shared by the local-update methods: returns the final local model y.
+
+    `correction(y)` (optional) is added to each mini-batch gradient before the optimizer step
+    (SCAFFOLD's c - c_i, FedProx's mu (y - x), ...).
+    """
+    params = client.global_params.clone()
+    optimizer = client.local_sgd(project)
+    for batch in client.batches():
+        _, gradient = client.loss_and_grad(params, batch)
+        if correction is not None:
+            gradient = gradient + correction(params)
+        optimizer.step(params, gradient)
+    return params

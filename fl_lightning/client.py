@@ -1,0 +1,184 @@
+"""What a client's local update works with: its mini-batch stream, the loss and its gradient at
+any parameters, and an explicit local SGD.
+
+Everything a client draws comes from a generator seeded by (seed, round, client), never by rank,
+so a run gives the same model on 1, 2 or 8 ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional
+
+import numpy as np
+import torch
+from torch.func import functional_call
+
+from fl_lightning.config import ClientOptimizerArgs
+from fl_lightning.flat import FlatLayout
+from fl_lightning.module import ClassificationModule, TrainingStepCall
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+# Separate streams, so that a client's batches never share random numbers with client sampling.
+SAMPLING_STREAM = 0
+CLIENT_STREAM = 1
+
+
+def seeded_generator(*keys: int) -> torch.Generator:
+    """A CPU generator whose stream depends only on `keys` (e.g. seed, stream, round, client)."""
+    state = np.random.SeedSequence([int(k) for k in keys]).generate_state(2, dtype=np.uint64)
+    return torch.Generator().manual_seed(int(state[0] >> np.uint64(1)))
+
+
+def num_local_steps(num_samples: int, batch_size: int, local_steps: Optional[int], local_epochs: Optional[int]) -> int:
+    return local_steps if local_steps is not None else local_epochs * math.ceil(num_samples / batch_size)
+
+
+def batch_positions(
+    num_samples: int,
+    batch_size: int,
+    local_steps: Optional[int],
+    local_epochs: Optional[int],
+    generator: torch.Generator,
+) -> list[torch.Tensor]:
+    """Positions into the client's sample list for each local step.
+
+    `local_epochs`: each epoch is a fresh permutation cut into ceil(n / B) batches (the last may be
+    smaller). `local_steps`: K batches of exactly B from back-to-back permutations.
+    """
+    if local_epochs is not None:
+        return [
+            chunk
+            for _ in range(local_epochs)
+            for chunk in torch.randperm(num_samples, generator=generator).split(batch_size)
+        ]
+    needed = local_steps * batch_size
+    permutations = [torch.randperm(num_samples, generator=generator) for _ in range(math.ceil(needed / num_samples))]
+    return list(torch.cat(permutations)[:needed].split(batch_size))
+
+
+class LocalSGD:
+    """SGD with momentum, weight decay, Nesterov and clipping, written out on flat vectors.
+
+    `project` (optional) maps the direction after weight decay and before momentum; FedCONST's
+    constraint projection plugs in here so that momentum only ever accumulates projected steps.
+    Momentum starts at zero every round, as in all reference code.
+    """
+
+    def __init__(self, args: ClientOptimizerArgs, project: Optional[Callable[[torch.Tensor], torch.Tensor]] = None):
+        self.args = args
+        self.project = project
+        self.momentum_buffer: Optional[torch.Tensor] = None
+
+    def step(self, params: torch.Tensor, gradient: torch.Tensor) -> None:
+        args = self.args
+        if args.grad_clip_norm is not None:
+            gradient = gradient * min(1.0, args.grad_clip_norm / (gradient.norm().item() + 1e-12))
+        direction = gradient + args.weight_decay * params if args.weight_decay else gradient
+        if self.project is not None:
+            direction = self.project(direction)
+        if args.momentum:
+            if self.momentum_buffer is None:
+                self.momentum_buffer = direction.clone()
+            else:
+                self.momentum_buffer.mul_(args.momentum).add_(direction)
+            direction = direction + args.momentum * self.momentum_buffer if args.nesterov else self.momentum_buffer
+        params.sub_(args.lr * direction)
+
+
+@dataclass
+class ClientRun:
+    """One client's share of one round."""
+
+    client_id: int
+    round: int
+    num_samples: int
+    num_steps: int
+    global_params: torch.Tensor
+    """The global model x as a flat vector (read only)."""
+    buffers: torch.Tensor
+    """This client's copy of the model's float buffers (BatchNorm running stats); train-mode
+    forward passes update it, and it is averaged into the global buffers."""
+    state: dict[str, torch.Tensor]
+    """Persistent per-client state of stateful algorithms, written back after the round."""
+    optimizer_args: ClientOptimizerArgs
+    _trainer: "LocalTrainer"
+    _positions: list[torch.Tensor]
+    _sample_indices: torch.Tensor
+    _generator: torch.Generator
+    losses: list[float] = field(default_factory=list)
+
+    def batches(self) -> Iterator[Batch]:
+        """The client's `num_steps` mini-batches, augmented and normalised on the device."""
+        for positions in self._positions:
+            yield self._trainer.make_batch(self._sample_indices[positions], self._generator)
+
+    def loss_and_grad(self, params: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The module's training loss at flat `params` on `batch`, and its gradient (flat)."""
+        loss, gradient = self._trainer.loss_and_grad(params, self.buffers, batch)
+        self.losses.append(loss.item())
+        return loss, gradient
+
+    def local_sgd(self, project: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> LocalSGD:
+        return LocalSGD(self.optimizer_args, project)
+
+    @property
+    def mean_loss(self) -> float:
+        return float(np.mean(self.losses)) if self.losses else float("nan")
+
+
+class LocalTrainer:
+    """Builds `ClientRun`s on one rank and evaluates the module's loss at arbitrary flat parameters."""
+
+    def __init__(self, fabric, module: ClassificationModule, train_images: torch.Tensor, train_labels: torch.Tensor,
+                 transform, param_layout: FlatLayout, buffer_layout: FlatLayout):
+        self.fabric = fabric
+        self.module = module
+        self.call = TrainingStepCall(module)
+        self.train_images = train_images
+        self.train_labels = train_labels
+        self.transform = transform
+        self.param_layout = param_layout
+        self.buffer_layout = buffer_layout
+        # Integer buffers (BatchNorm's num_batches_tracked) are not averaged; each client gets a copy.
+        self.integer_buffers = {n: b for n, b in module.named_buffers() if not b.is_floating_point()}
+
+    def make_batch(self, indices: torch.Tensor, generator: torch.Generator) -> Batch:
+        indices = indices.to(self.train_images.device)
+        return self.transform(self.train_images[indices], generator), self.train_labels[indices]
+
+    def loss_and_grad(self, params: torch.Tensor, buffers: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        params = params.detach().requires_grad_(True)
+        tensors = {**self.param_layout.views(params), **self.buffer_layout.views(buffers)}
+        tensors.update({n: b.clone() for n, b in self.integer_buffers.items()})
+        tensors = {TrainingStepCall.prefix + n: t for n, t in tensors.items()}
+        self.module.train()
+        with self.fabric.autocast():
+            loss = functional_call(self.call, tensors, (batch,))
+        (gradient,) = torch.autograd.grad(loss, params)
+        return loss.detach(), gradient
+
+    def client_run(self, *, client_id: int, round_index: int, seed: int, sample_indices: torch.Tensor,
+                   global_params: torch.Tensor, global_buffers: torch.Tensor, state: dict[str, torch.Tensor],
+                   batch_size: int, local_steps: Optional[int], local_epochs: Optional[int],
+                   optimizer_args: ClientOptimizerArgs) -> ClientRun:
+        generator = seeded_generator(seed, CLIENT_STREAM, round_index, client_id)
+        num_samples = len(sample_indices)
+        positions = batch_positions(num_samples, batch_size, local_steps, local_epochs, generator)
+        return ClientRun(
+            client_id=client_id,
+            round=round_index,
+            num_samples=num_samples,
+            num_steps=len(positions),
+            global_params=global_params,
+            buffers=global_buffers.clone(),
+            state=state,
+            optimizer_args=optimizer_args,
+            _trainer=self,
+            _positions=positions,
+            _sample_indices=sample_indices,
+            _generator=generator,
+        )

@@ -1,0 +1,215 @@
+"""The round loop: the one module that knows about ranks and the all-reduce.
+
+Every rank holds the global model and server state. Each round, the sampled clients are split
+over the ranks; each rank runs its clients' updates and adds their weighted uploads into one flat
+buffer; one all-reduce(sum) aggregates; every rank then applies the same server rule.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+from fl_lightning.algorithms import Algorithm
+from fl_lightning.checkpoint import save_checkpoint
+from fl_lightning.client import SAMPLING_STREAM, LocalTrainer, seeded_generator
+from fl_lightning.config import CheckpointArgs, ClientOptimizerArgs, DataArgs, FederationArgs, LoggerArgs
+from fl_lightning.data import DeviceTransform, ImageDataset
+from fl_lightning.flat import FlatLayout
+from fl_lightning.module import ClassificationModule
+from fl_lightning.run_logging import MetricsLog, start_wandb
+from fl_lightning.server_optimizers import ServerOptimizer
+
+
+@dataclass
+class FederatedRun:
+    """Everything a rank needs to run the federation (picklable, for spawned ranks)."""
+
+    algorithm: Algorithm
+    server_optimizer: ServerOptimizer
+    module: ClassificationModule
+    train: ImageDataset
+    test: ImageDataset
+    partition: list[np.ndarray]
+    federation: FederationArgs
+    data: DataArgs
+    client_optimizer: ClientOptimizerArgs
+    logger: LoggerArgs
+    checkpoint: CheckpointArgs
+    seed: int
+    out_dir: Path
+    run_id: str
+    hyperparameters: dict
+    resume_state: Optional[dict] = None
+
+
+def sample_clients(seed: int, round_index: int, num_clients: int, clients_per_round: int) -> list[int]:
+    """The round's clients: the same draw on every rank and for any number of ranks."""
+    generator = seeded_generator(seed, SAMPLING_STREAM, round_index)
+    return sorted(torch.randperm(num_clients, generator=generator)[:clients_per_round].tolist())
+
+
+def aggregation_weights(clients: list[int], sizes: list[int], weighting: str) -> dict[int, float]:
+    if weighting == "uniform":
+        return {c: 1.0 / len(clients) for c in clients}
+    total = sum(sizes[c] for c in clients)
+    return {c: sizes[c] / total for c in clients}
+
+
+def clients_of_rank(clients: list[int], rank: int, world_size: int, stateful: bool) -> list[int]:
+    """Stateful clients stay with their owner rank (client id mod world size), where their state
+    lives; stateless clients are dealt round-robin so ranks get nearly equal shares."""
+    if stateful:
+        return [c for c in clients if c % world_size == rank]
+    return clients[rank::world_size]
+
+
+class UploadBuffer:
+    """The flat buffer one all-reduce sums: weighted uploads, float buffers, summed uploads, and the
+    weighted training loss, in that order."""
+
+    def __init__(self, algorithm: Algorithm, num_params: int, num_buffers: int, device: torch.device):
+        self.sections: list[tuple[str, int, bool]] = (
+            [(name, num_params, True) for name in algorithm.weighted_uploads]
+            + [("buffers", num_buffers, True)]
+            + [(name, num_params, False) for name in algorithm.summed_uploads]
+            + [("train_loss", 1, True)]
+        )
+        self.flat = torch.zeros(sum(size for _, size, _ in self.sections), device=device)
+        self._views = dict(zip([n for n, _, _ in self.sections], self.flat.split([s for _, s, _ in self.sections])))
+        self._weighted = {n for n, _, w in self.sections if w}
+
+    def add(self, values: dict[str, torch.Tensor], weight: float) -> None:
+        for name, value in values.items():
+            self._views[name].add_(value, alpha=weight if name in self._weighted else 1.0)
+
+    def reduced(self, fabric) -> dict[str, torch.Tensor]:
+        total = fabric.all_reduce(self.flat, reduce_op="sum") if fabric.world_size > 1 else self.flat
+        return dict(zip([n for n, _, _ in self.sections], total.split([s for _, s, _ in self.sections])))
+
+
+def _bind_to_flat(module: torch.nn.Module, layout: FlatLayout, flat: torch.Tensor, getter) -> None:
+    """Make the module's tensors views into `flat`, so the server's in-place steps are the model."""
+    for name, view in layout.views(flat).items():
+        getter(name).data = view
+
+
+def train(fabric, run: FederatedRun) -> torch.Tensor:
+    """Run the federation; returns the final global parameters (flat, on CPU)."""
+    federation = run.federation
+    device = fabric.device
+    module = fabric.to_device(run.module)
+    param_layout = FlatLayout.of(module.named_parameters())
+    buffer_layout = FlatLayout.of((n, b) for n, b in module.named_buffers() if b.is_floating_point())
+    params = param_layout.flatten(dict(module.named_parameters())).to(device)
+    global_buffers = buffer_layout.flatten(dict(module.named_buffers())).to(device)
+    _bind_to_flat(module, param_layout, params, module.get_parameter)
+    _bind_to_flat(module, buffer_layout, global_buffers, module.get_buffer)
+
+    algorithm = run.algorithm
+    algorithm.setup(run.server_optimizer, param_layout.numel, federation.num_clients, device)
+    start_round = 0
+    if run.resume_state is not None:
+        module.load_state_dict(run.resume_state["model"])
+        algorithm.load_state_dict(run.resume_state["algorithm"], device)
+        start_round = run.resume_state["round"]
+
+    train_images, train_labels = run.train.images.to(device), run.train.labels.to(device)
+    test_images, test_labels = run.test.images.to(device), run.test.labels.to(device)
+    train_transform = DeviceTransform(run.train.mean, run.train.std, augment=run.data.augment,
+                                      crop_padding=run.data.crop_padding)
+    test_transform = DeviceTransform(run.test.mean, run.test.std, augment=False)
+    trainer = LocalTrainer(fabric, module, train_images, train_labels, train_transform, param_layout, buffer_layout)
+    client_indices = [torch.as_tensor(p, dtype=torch.long) for p in run.partition]
+    sizes = [len(p) for p in run.partition]
+    weighting = federation.weighting or algorithm.default_weighting
+    stateful = bool(algorithm.client_state)
+
+    def evaluate() -> dict[str, float]:
+        module.eval()
+        shard = torch.arange(fabric.global_rank, len(test_labels), fabric.world_size, device=device)
+        with torch.no_grad(), fabric.autocast():
+            for chunk in shard.split(federation.eval_batch_size):
+                module.validation_step((test_transform(test_images[chunk]), test_labels[chunk]))
+        return module.compute_test_metrics()
+
+    is_logger = fabric.global_rank == 0
+    logger = start_wandb(fabric.loggers[0] if fabric.loggers else None, run.hyperparameters) if is_logger else None
+    metrics_log = MetricsLog(run.out_dir, start_round) if is_logger else None
+    progress = _progress_bar(run, start_round) if is_logger else None
+    latest_accuracy = None
+
+    for round_index in range(start_round, federation.rounds):
+        started = time.perf_counter()
+        clients = sample_clients(run.seed, round_index, federation.num_clients, federation.clients_per_round)
+        weights = aggregation_weights(clients, sizes, weighting)
+        buffer = UploadBuffer(algorithm, param_layout.numel, buffer_layout.numel, device)
+        for client_id in clients_of_rank(clients, fabric.global_rank, fabric.world_size, stateful):
+            client = trainer.client_run(
+                client_id=client_id, round_index=round_index, seed=run.seed,
+                sample_indices=client_indices[client_id], global_params=params, global_buffers=global_buffers,
+                state={}, batch_size=federation.batch_size, local_steps=federation.local_steps,
+                local_epochs=federation.local_epochs, optimizer_args=run.client_optimizer,
+            )
+            uploads = algorithm.client_update(client)
+            uploads["buffers"] = client.buffers
+            uploads["train_loss"] = torch.tensor([client.mean_loss], device=device)
+            buffer.add(uploads, weights[client_id])
+        aggregate = buffer.reduced(fabric)
+        if not all(torch.isfinite(aggregate[name]).all() for name in algorithm.weighted_uploads + algorithm.summed_uploads):
+            raise FloatingPointError(
+                f"round {round_index + 1}: the aggregated update of clients {clients} is not finite "
+                f"(NaN or inf); the last good checkpoint is in {run.out_dir / 'checkpoints'}"
+            )
+        algorithm.server_update(params, aggregate)
+        global_buffers.copy_(aggregate["buffers"])
+
+        completed = round_index + 1
+        metrics = {"round": completed, "train_loss": aggregate["train_loss"].item(),
+                   "round_seconds": time.perf_counter() - started}
+        metrics.update(algorithm.round_metrics())
+        if completed % federation.eval_every == 0 or completed == federation.rounds:
+            metrics.update(evaluate())
+            latest_accuracy = metrics["test_accuracy"]
+        if completed % run.checkpoint.every == 0 or completed == federation.rounds:
+            _save(fabric, run, module, algorithm, completed)
+        if is_logger:
+            metrics_log.append(metrics)
+            if logger is not None:
+                logger.log_metrics(metrics, step=completed)
+            if progress is not None:
+                progress.update(1)
+                progress.set_postfix(s_per_round=f"{metrics['round_seconds']:.2f}",
+                                     acc="-" if latest_accuracy is None else f"{latest_accuracy:.4f}")
+    if progress is not None:
+        progress.close()
+    if logger is not None:
+        logger.finalize("success")
+    return params.detach().cpu().clone()
+
+
+def _save(fabric, run: FederatedRun, module, algorithm: Algorithm, completed: int) -> None:
+    if fabric.global_rank == 0:
+        save_checkpoint({
+            "round": completed,
+            "model": {k: v.detach().cpu().clone() for k, v in module.state_dict().items()},
+            "algorithm": algorithm.state_dict(),
+            "partition": [p.tolist() for p in run.partition],
+            "run_id": run.run_id,
+            "rng": torch.get_rng_state(),
+            "hyperparameters": run.hyperparameters,
+        }, run.out_dir, run.checkpoint.keep)
+    fabric.barrier()
+
+
+def _progress_bar(run: FederatedRun, start_round: int):
+    if not run.logger.progress_bar:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=run.federation.rounds, initial=start_round, desc="rounds", unit="round", dynamic_ncols=True)

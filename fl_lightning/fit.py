@@ -1,0 +1,183 @@
+"""`fl-lightning fit`: check every setting, build data, model and Fabric, then run the federation.
+
+The signature of `fit` is the config schema (jsonargparse): each dataclass is a group of the
+command line, and `algorithm` / `server_optimizer` are classes chosen with `class_path`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import os
+from datetime import timedelta
+from pathlib import Path
+from typing import Literal, Optional, Union
+
+import torch
+import yaml
+from jsonargparse import lazy_instance
+
+from fl_lightning.algorithms import SHORT_NAMES, Algorithm
+from fl_lightning.checkpoint import resolve_resume
+from fl_lightning.config import (
+    CheckpointArgs,
+    ClientOptimizerArgs,
+    ConfigError,
+    DataArgs,
+    FabricArgs,
+    FederationArgs,
+    LoggerArgs,
+    ModelArgs,
+)
+from fl_lightning.data import class_histogram, load_dataset, partition_indices, plot_partition
+from fl_lightning.federation import FederatedRun, train
+from fl_lightning.models import create_model
+from fl_lightning.module import ClassificationModule
+from fl_lightning.run_logging import new_run_id, wandb_logger
+from fl_lightning.server_optimizers import ServerOptimizer, ServerSGD
+
+
+def fit(
+    algorithm: Algorithm,
+    model: ModelArgs = ModelArgs(),
+    data: DataArgs = DataArgs(),
+    federation: FederationArgs = FederationArgs(),
+    client_optimizer: ClientOptimizerArgs = ClientOptimizerArgs(),
+    server_optimizer: ServerOptimizer = lazy_instance(ServerSGD),
+    fabric: FabricArgs = FabricArgs(),
+    logger: LoggerArgs = LoggerArgs(),
+    checkpoint: CheckpointArgs = CheckpointArgs(),
+    seed: int = 0,
+    out_dir: Path = Path("runs/default"),
+    resume: Optional[Union[Literal["auto"], Path]] = "auto",
+) -> torch.Tensor:
+    """Train a federation and write its logs and checkpoints to out_dir.
+
+    Args:
+        algorithm: the federated algorithm (class_path/init_args, class name, or a short name on the
+            command line: fedavg, ctpfl).
+        model: the network.
+        data: the dataset and its split over clients.
+        federation: clients, rounds and local budget.
+        client_optimizer: the clients' local SGD (local-update algorithms).
+        server_optimizer: the server's step on the aggregated pseudo-gradient (ServerSGD lr is the
+            server lr gamma; FedAdam, FedYogi, FedAdagrad).
+        fabric: accelerator, ranks, nodes and precision.
+        logger: Weights & Biases settings.
+        checkpoint: checkpoint schedule.
+        seed: seeds the model init, the partition, client sampling and every client's batches.
+        out_dir: folder for config.yaml, metrics.jsonl, partition.json, checkpoints/ and wandb/.
+        resume: "auto" continues from the newest good checkpoint in out_dir (if any); a path resumes
+            from that checkpoint; null starts fresh.
+
+    Returns the final global parameters as one flat CPU tensor.
+    """
+    federation.validate()
+    client_optimizer.validate()
+    _check_writable(out_dir)
+    resume_state = resolve_resume(resume, out_dir)
+
+    train_set, test_set = load_dataset(data.name, data.root, data.download)
+    partition = partition_indices(
+        train_set.labels.numpy(), federation.num_clients, data.partition, alpha=data.alpha,
+        min_samples=data.min_samples, shards_per_client=data.shards_per_client, seed=seed,
+    )
+    if resume_state is not None and [list(p) for p in partition] != resume_state["partition"]:
+        raise ConfigError("resume", "a checkpoint made with the same data, partition and seed", str(resume))
+    torch.manual_seed(seed)  # the same initial global model on every rank
+    network = create_model(model.name, num_classes=train_set.num_classes, in_channels=train_set.images.shape[1],
+                           image_size=train_set.images.shape[-1], norm=model.norm, bias=model.bias, **model.options)
+    module = ClassificationModule(network, train_set.num_classes)
+
+    algorithm_name = _short_name(algorithm)
+    config = {
+        "algorithm": _as_config(algorithm), "model": _as_config(model), "data": _as_config(data),
+        "federation": _as_config(federation), "client_optimizer": _as_config(client_optimizer),
+        "server_optimizer": _as_config(server_optimizer), "fabric": _as_config(fabric),
+        "logger": _as_config(logger), "checkpoint": _as_config(checkpoint), "seed": seed,
+        "out_dir": str(out_dir), "resume": None if resume is None else str(resume),
+    }
+    run_id = resume_state["run_id"] if resume_state is not None else new_run_id()
+    loggers = [wandb_logger(
+        logger, out_dir, run_id, default_name=f"{algorithm_name}-seed{seed}",
+        default_group=f"{data.name}-alpha{data.alpha}-{model.name}",
+        tags=[algorithm_name, data.name, f"alpha={data.alpha}", model.name],
+    )]
+    run = FederatedRun(
+        algorithm=algorithm, server_optimizer=server_optimizer, module=module, train=train_set, test=test_set,
+        partition=partition, federation=federation, data=data, client_optimizer=client_optimizer, logger=logger,
+        checkpoint=checkpoint, seed=seed, out_dir=Path(out_dir), run_id=run_id, hyperparameters=config,
+        resume_state=resume_state,
+    )
+    engine = _build_fabric(fabric, [lg for lg in loggers if lg is not None])
+    return engine.launch(_train_and_record, run)
+
+
+def _train_and_record(fabric, run: FederatedRun) -> torch.Tensor:
+    if fabric.global_rank == 0:
+        _write_run_files(run)
+    return train(fabric, run)
+
+
+def _write_run_files(run: FederatedRun) -> None:
+    out = run.out_dir
+    (out / "config.yaml").write_text(yaml.safe_dump(run.hyperparameters, sort_keys=False))
+    (out / "partition.json").write_text(json.dumps({str(i): p.tolist() for i, p in enumerate(run.partition)}))
+    histogram = class_histogram(run.train.labels.numpy(), run.partition, run.train.num_classes)
+    plot_partition(histogram, out / "partition.png")
+
+
+def _build_fabric(args: FabricArgs, loggers: list):
+    from lightning.fabric import Fabric
+    from lightning.fabric.strategies import DDPStrategy
+
+    ranks_per_node = args.devices if isinstance(args.devices, int) else None
+    multi_rank = args.num_nodes > 1 or ranks_per_node != 1 or args.strategy != "auto"
+    strategy = "auto"
+    if multi_rank:
+        # No DDP wrapper is ever set up (clients differ per rank); DDPStrategy only gives the
+        # process group, launch and all-reduce.
+        strategy = DDPStrategy(
+            start_method="spawn" if args.strategy == "ddp_spawn" else "popen",
+            timeout=timedelta(seconds=args.process_group_timeout_s),
+        )
+    return Fabric(accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes,
+                  precision=args.precision, strategy=strategy, loggers=loggers)
+
+
+def _check_writable(out_dir: Path) -> None:
+    try:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        probe = Path(out_dir) / f".write_probe_{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError("out_dir", "a folder that can be created and written", f"{out_dir} ({err.strerror})") from err
+
+
+def _short_name(algorithm: Algorithm) -> str:
+    names = {cls: name for name, cls in SHORT_NAMES.items()}
+    return names.get(type(algorithm), type(algorithm).__name__)
+
+
+def _as_config(value):
+    """Plain YAML-able form of a setting, in the layout `--config` reads back."""
+    if dataclasses.is_dataclass(value):
+        return {f.name: _as_config(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (Algorithm, ServerOptimizer)):
+        cls = type(value)
+        params = [name for name, p in inspect.signature(cls.__init__).parameters.items()
+                  if name != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        return {"class_path": f"{cls.__module__}.{cls.__qualname__}",
+                "init_args": {p: _as_config(getattr(value, p)) for p in params}}
+    if isinstance(value, Path):
+        return str(value)
+    for plain in (bool, int, float, str):  # jsonargparse's PositiveInt etc. are subclasses
+        if isinstance(value, plain):
+            return plain(value)
+    if isinstance(value, (list, tuple)):
+        return [_as_config(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _as_config(v) for k, v in value.items()}
+    return value
