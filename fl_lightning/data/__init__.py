@@ -1,0 +1,15 @@
+"""Datasets as uint8 tensors, their split over clients, and batched on-device augmentation."""
+
+from fl_lightning.data.augment import DeviceTransform
+from fl_lightning.data.datasets import DATASET_NAMES, ImageDataset, load_dataset
+from fl_lightning.data.partition import class_histogram, partition_indices, plot_partition
+
+__all__ = [
+    "DATASET_NAMES",
+    "DeviceTransform",
+    "ImageDataset",
+    "class_histogram",
+    "load_dataset",
+    "partition_indices",
+    "plot_partition",
+]

@@ -1,0 +1,127 @@
+import numpy as np
+import pytest
+
+from fl_lightning.config import ConfigError
+from fl_lightning.data import class_histogram, partition_indices, plot_partition
+
+
+@pytest.fixture
+def labels():
+    """2,000 samples of 10 equally frequent classes, in random order."""
+    return np.random.default_rng(7).permutation(np.repeat(np.arange(10), 200))
+
+
+def assert_is_partition(parts, num_samples):
+    assert all(part.dtype == np.int64 and np.all(np.diff(part) > 0) for part in parts)
+    together = np.concatenate(parts)
+    assert len(together) == num_samples
+    assert np.array_equal(np.sort(together), np.arange(num_samples))
+
+
+def mean_largest_class_share(labels, parts):
+    histogram = class_histogram(labels, parts, 10)
+    return float((histogram.max(1) / histogram.sum(1)).mean())
+
+
+def test_dirichlet_partitions_every_sample_once(labels):
+    parts = partition_indices(labels, 30, "dirichlet", alpha=0.5, seed=1)
+    assert len(parts) == 30
+    assert_is_partition(parts, len(labels))
+
+
+def test_dirichlet_tops_up_clients_below_min_samples(labels):
+    without_minimum = partition_indices(labels, 100, "dirichlet", alpha=0.05, min_samples=0, seed=2)
+    assert min(len(part) for part in without_minimum) < 15  # so the top-up below has work to do
+
+    parts = partition_indices(labels, 100, "dirichlet", alpha=0.05, min_samples=15, seed=2)
+    assert min(len(part) for part in parts) >= 15
+    assert_is_partition(parts, len(labels))
+
+
+def test_dirichlet_min_samples_can_be_exactly_feasible(labels):
+    parts = partition_indices(labels, 100, "dirichlet", alpha=0.05, min_samples=20, seed=0)
+    assert [len(part) for part in parts] == [20] * 100
+    assert_is_partition(parts, len(labels))
+
+
+def test_dirichlet_same_seed_same_partition_other_seed_differs(labels):
+    first = partition_indices(labels, 20, "dirichlet", alpha=0.3, seed=5)
+    again = partition_indices(labels, 20, "dirichlet", alpha=0.3, seed=5)
+    other = partition_indices(labels, 20, "dirichlet", alpha=0.3, seed=6)
+    assert all(np.array_equal(a, b) for a, b in zip(first, again))
+    assert not all(np.array_equal(a, b) for a, b in zip(first, other))
+
+
+def test_small_alpha_skews_labels(labels):
+    skewed = partition_indices(labels, 10, "dirichlet", alpha=0.05, min_samples=0)
+    near_iid = partition_indices(labels, 10, "dirichlet", alpha=1000.0, min_samples=0)
+    iid = partition_indices(labels, 10, "iid")
+    assert mean_largest_class_share(labels, skewed) > 0.6
+    assert mean_largest_class_share(labels, near_iid) < 0.2
+    assert mean_largest_class_share(labels, iid) < 0.2
+
+
+def test_dirichlet_thousand_clients_on_cifar100_sized_labels():
+    labels = np.random.default_rng(0).permutation(np.repeat(np.arange(100), 500))
+    parts = partition_indices(labels, 1000, "dirichlet", alpha=0.05, min_samples=10, seed=0)
+    assert len(parts) == 1000
+    assert min(len(part) for part in parts) >= 10
+    assert_is_partition(parts, len(labels))
+
+
+@pytest.mark.parametrize(
+    "num_clients, scheme, options, field_name",
+    [
+        (10, "dirichlet", {"alpha": 0.0}, "data.alpha"),
+        (10, "dirichlet", {"alpha": -1.0}, "data.alpha"),
+        (10, "dirichlet", {"alpha": float("nan")}, "data.alpha"),
+        (100, "dirichlet", {"min_samples": 21}, "data.min_samples"),
+        (2001, "iid", {}, "federation.num_clients"),
+        (0, "iid", {}, "federation.num_clients"),
+        (100, "shards", {"shards_per_client": 21}, "data.shards_per_client"),
+        (10, "pathological", {}, "data.partition"),
+    ],
+)
+def test_infeasible_requests_name_their_setting(labels, num_clients, scheme, options, field_name):
+    with pytest.raises(ConfigError) as caught:
+        partition_indices(labels, num_clients, scheme, **options)
+    assert caught.value.field_name == field_name
+    assert str(caught.value).startswith(field_name)
+
+
+def test_iid_splits_evenly(labels):
+    parts = partition_indices(labels, 7, "iid", seed=3)
+    assert_is_partition(parts, len(labels))
+    sizes = [len(part) for part in parts]
+    assert max(sizes) - min(sizes) <= 1
+
+
+def test_shards_give_each_client_its_shards_labels(labels):
+    # 10 classes x 200 samples in 40 shards of 50: no shard straddles two classes.
+    parts = partition_indices(labels, 20, "shards", shards_per_client=2, seed=4)
+    assert_is_partition(parts, len(labels))
+    histogram = class_histogram(labels, parts, 10)
+    assert ((histogram > 0).sum(1) <= 2).all()
+    assert histogram.sum(1).tolist() == [100] * 20
+
+
+def test_shards_with_uneven_classes_still_partition():
+    labels = np.random.default_rng(0).integers(0, 10, 1003)
+    parts = partition_indices(labels, 17, "shards", shards_per_client=3, seed=1)
+    assert_is_partition(parts, len(labels))
+    histogram = class_histogram(labels, parts, 10)
+    assert ((histogram > 0).sum(1) <= 2 * 3).all()
+
+
+def test_class_histogram_counts_per_client():
+    labels = np.array([0, 1, 1, 2, 2, 2])
+    parts = [np.array([0, 3]), np.array([1, 2, 4, 5]), np.array([], dtype=np.int64)]
+    assert class_histogram(labels, parts, 4).tolist() == [[1, 0, 1, 0], [0, 2, 2, 0], [0, 0, 0, 0]]
+
+
+def test_plot_partition_writes_a_png(labels, tmp_path):
+    parts = partition_indices(labels, 12, "dirichlet", alpha=0.5)
+    path = tmp_path / "partition.png"
+    plot_partition(class_histogram(labels, parts, 10), path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert path.stat().st_size > 5000
