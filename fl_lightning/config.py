@@ -148,3 +148,6 @@ class CheckpointArgs:
     """Save every this many rounds (and always after the last round)."""
     keep: PositiveInt = 2
     """How many numbered checkpoints to keep besides last.ckpt."""
+    requeue_signal: Optional[str] = "SIGUSR1"
+    """Signal (besides SIGTERM) that asks the run to checkpoint at the next round boundary, then
+    requeue itself under SLURM (sbatch --signal) and exit 0."""

@@ -17,6 +17,7 @@ import torch
 
 from fl_lightning.algorithms import Algorithm
 from fl_lightning.checkpoint import save_checkpoint
+from fl_lightning.cluster import PreemptionHandler
 from fl_lightning.client import SAMPLING_STREAM, LocalTrainer, seeded_generator
 from fl_lightning.config import CheckpointArgs, ClientOptimizerArgs, DataArgs, FederationArgs, LoggerArgs
 from fl_lightning.data import DeviceTransform, ImageDataset
@@ -69,16 +70,20 @@ def clients_of_rank(clients: list[int], rank: int, world_size: int, stateful: bo
     return clients[rank::world_size]
 
 
+STOP_REQUESTED = "stop_requested"
+
+
 class UploadBuffer:
-    """The flat buffer one all-reduce sums: weighted uploads, float buffers, summed uploads, and the
-    weighted training loss, in that order."""
+    """The flat buffer one all-reduce sums: weighted uploads, float buffers, summed uploads, the
+    weighted training loss, and the number of ranks asked to stop (a preemption signal), in that
+    order. Riding on the aggregation, the stop request needs no collective of its own."""
 
     def __init__(self, algorithm: Algorithm, num_params: int, num_buffers: int, device: torch.device):
         self.sections: list[tuple[str, int, bool]] = (
             [(name, num_params, True) for name in algorithm.weighted_uploads]
             + [("buffers", num_buffers, True)]
             + [(name, num_params, False) for name in algorithm.summed_uploads]
-            + [("train_loss", 1, True)]
+            + [("train_loss", 1, True), (STOP_REQUESTED, 1, False)]
         )
         self.flat = torch.zeros(sum(size for _, size, _ in self.sections), device=device)
         self._views = dict(zip([n for n, _, _ in self.sections], self.flat.split([s for _, s, _ in self.sections])))
@@ -143,6 +148,7 @@ def train(fabric, run: FederatedRun) -> torch.Tensor:
     metrics_log = MetricsLog(run.out_dir, start_round) if is_logger else None
     progress = _progress_bar(run, start_round) if is_logger else None
     latest_accuracy = None
+    preemption = PreemptionHandler(run.checkpoint.requeue_signal)
 
     for round_index in range(start_round, federation.rounds):
         started = time.perf_counter()
@@ -160,6 +166,7 @@ def train(fabric, run: FederatedRun) -> torch.Tensor:
             uploads["buffers"] = client.buffers
             uploads["train_loss"] = torch.tensor([client.mean_loss], device=device)
             buffer.add(uploads, weights[client_id])
+        buffer.add({STOP_REQUESTED: torch.ones(1, device=device)} if preemption.requested else {}, 1.0)
         aggregate = buffer.reduced(fabric)
         if not all(torch.isfinite(aggregate[name]).all() for name in algorithm.weighted_uploads + algorithm.summed_uploads):
             raise FloatingPointError(
@@ -176,7 +183,8 @@ def train(fabric, run: FederatedRun) -> torch.Tensor:
         if completed % federation.eval_every == 0 or completed == federation.rounds:
             metrics.update(evaluate())
             latest_accuracy = metrics["test_accuracy"]
-        if completed % run.checkpoint.every == 0 or completed == federation.rounds:
+        stopping = aggregate[STOP_REQUESTED].item() > 0
+        if stopping or completed % run.checkpoint.every == 0 or completed == federation.rounds:
             _save(fabric, run, module, algorithm, completed)
         if is_logger:
             metrics_log.append(metrics)
@@ -186,6 +194,12 @@ def train(fabric, run: FederatedRun) -> torch.Tensor:
                 progress.update(1)
                 progress.set_postfix(s_per_round=f"{metrics['round_seconds']:.2f}",
                                      acc="-" if latest_accuracy is None else f"{latest_accuracy:.4f}")
+        if stopping:
+            if is_logger:
+                print(f"stop requested: checkpoint saved after round {completed}", flush=True)
+                preemption.requeue()
+            break
+    preemption.restore()
     if progress is not None:
         progress.close()
     if logger is not None:

@@ -20,6 +20,7 @@ from jsonargparse import lazy_instance
 
 from fl_lightning.algorithms import SHORT_NAMES, Algorithm
 from fl_lightning.checkpoint import resolve_resume
+from fl_lightning.cluster import check_signal_name, check_slurm_allocation
 from fl_lightning.config import (
     CheckpointArgs,
     ClientOptimizerArgs,
@@ -75,6 +76,8 @@ def fit(
     """
     federation.validate()
     client_optimizer.validate()
+    check_slurm_allocation(fabric)
+    check_signal_name(checkpoint.requeue_signal)
     _check_writable(out_dir)
     resume_state = resolve_resume(resume, out_dir)
 
