@@ -1,7 +1,9 @@
 """Checkpoints: written atomically, verified on load, the newest good one found for resume.
 
 Layout: out_dir/checkpoints/round_000010.ckpt ... and last.ckpt (a hard link to the newest).
-A checkpoint is a plain dict saved with `torch.save`, loadable with `torch.load`.
+A checkpoint is a plain dict saved with `torch.save`, loadable with `torch.load`. Per-client state
+of stateful algorithms is saved by each owner rank beside it, as round_000010.clients_rank0.pt ...,
+before the main file (whose presence marks the checkpoint complete).
 """
 
 from __future__ import annotations
@@ -36,21 +38,48 @@ def _atomic_replace(write, target: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def _save_file(obj, target: Path) -> None:
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    _atomic_replace(write, target)
+
+
+def client_shard_path(folder: Path, round_completed: int, rank: int) -> Path:
+    return folder / f"round_{round_completed:06d}.clients_rank{rank}.pt"
+
+
+def save_client_shard(states: dict, out_dir: Path, round_completed: int, rank: int) -> None:
+    folder = checkpoint_dir(out_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    _save_file(states, client_shard_path(folder, round_completed, rank))
+
+
+def load_client_shards(checkpoint_path: Path, round_completed: int, num_shards: int) -> dict:
+    """Every rank's saved client states for that checkpoint, merged: client id -> state."""
+    merged: dict = {}
+    for rank in range(num_shards):
+        path = client_shard_path(Path(checkpoint_path).parent, round_completed, rank)
+        try:
+            # mmap: a rank copies out only the clients it owns, not every client's state.
+            merged.update(torch.load(path, map_location="cpu", weights_only=False, mmap=True))
+        except Exception as err:
+            raise ValueError(f"client-state shard {path} is missing or unreadable ({err})") from err
+    return merged
+
+
 def save_checkpoint(state: dict, out_dir: Path, keep: int) -> Path:
     folder = checkpoint_dir(out_dir)
     folder.mkdir(parents=True, exist_ok=True)
     numbered = folder / f"round_{state['round']:06d}.ckpt"
-
-    def write(tmp: Path) -> None:
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-
-    _atomic_replace(write, numbered)
+    _save_file(state, numbered)
     _atomic_replace(lambda tmp: os.link(numbered, tmp), folder / LAST)
     for stale in numbered_checkpoints(folder)[:-keep]:
-        stale.unlink(missing_ok=True)
+        for path in folder.glob(stale.name.removesuffix(".ckpt") + ".*"):
+            path.unlink(missing_ok=True)
     return numbered
 
 
@@ -69,6 +98,7 @@ def load_checkpoint(path: Path) -> dict:
     missing = [k for k in REQUIRED_KEYS if not isinstance(state, dict) or k not in state]
     if missing:
         raise ValueError(f"checkpoint {path} lacks {missing}")
+    state["client_states"] = load_client_shards(path, state["round"], state.get("client_state_shards", 0))
     return state
 
 

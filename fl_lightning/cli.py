@@ -5,11 +5,19 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
-from jsonargparse import auto_cli
+from jsonargparse import ArgumentParser, auto_parser
 
 from fl_lightning.algorithms import SHORT_NAMES
 from fl_lightning.config import ConfigError
 from fl_lightning.fit import fit
+
+COMMANDS = {"fit": fit}
+
+
+def build_parser() -> ArgumentParser:
+    # as_positional=False: a required `algorithm` would otherwise become positional, and
+    # `--algorithm X` would be misread.
+    return auto_parser(COMMANDS, as_positional=False)
 
 
 def expand_short_names(argv: list[str]) -> list[str]:
@@ -30,9 +38,13 @@ def _class_path(short_name: str) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    argv = expand_short_names(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    config = parser.parse_args(expand_short_names(sys.argv[1:] if argv is None else argv))
+    command = config.subcommand
     try:
-        auto_cli({"fit": fit}, args=argv, as_positional=False)
+        arguments = parser.instantiate_classes(config)[command]
+        arguments.pop("config", None)
+        COMMANDS[command](**arguments)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from err

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from fl_lightning.algorithms import Algorithm
-from fl_lightning.checkpoint import save_checkpoint
+from fl_lightning.checkpoint import save_checkpoint, save_client_shard
 from fl_lightning.cluster import PreemptionHandler
 from fl_lightning.client import SAMPLING_STREAM, LocalTrainer, seeded_generator
 from fl_lightning.config import CheckpointArgs, ClientOptimizerArgs, DataArgs, FederationArgs, LoggerArgs
@@ -98,6 +98,28 @@ class UploadBuffer:
         return dict(zip([n for n, _, _ in self.sections], total.split([s for _, s, _ in self.sections])))
 
 
+class ClientStates:
+    """Per-client vectors of stateful algorithms (SCAFFOLD's c_i, FedDyn's h_i, MOON's previous
+    model), kept off the accelerator by the client's owner rank. A client has an entry only once
+    it has trained, so memory is one float32 vector per name per client that took part."""
+
+    def __init__(self, initial: Optional[dict] = None):
+        self.by_client: dict[int, dict[str, torch.Tensor]] = {}
+        self._pin = torch.cuda.is_available()
+        for client_id, state in (initial or {}).items():
+            self.put(client_id, state)
+
+    def get(self, client_id: int, device: torch.device) -> dict[str, torch.Tensor]:
+        return {k: v.to(device, non_blocking=True) for k, v in self.by_client.get(client_id, {}).items()}
+
+    def put(self, client_id: int, state: dict[str, torch.Tensor]) -> None:
+        stored = {}
+        for name, value in state.items():
+            host = value.detach().to("cpu", copy=True)
+            stored[name] = host.pin_memory() if self._pin else host
+        self.by_client[client_id] = stored
+
+
 def _bind_to_flat(module: torch.nn.Module, layout: FlatLayout, flat: torch.Tensor, getter) -> None:
     """Make the module's tensors views into `flat`, so the server's in-place steps are the model."""
     for name, view in layout.views(flat).items():
@@ -130,6 +152,11 @@ def train(fabric, run: FederatedRun) -> torch.Tensor:
                                       crop_padding=run.data.crop_padding)
     test_transform = DeviceTransform(run.test.mean, run.test.std, augment=False)
     trainer = LocalTrainer(fabric, module, train_images, train_labels, train_transform, param_layout, buffer_layout)
+    client_states = ClientStates()
+    if run.resume_state is not None:
+        owned = {c: st for c, st in run.resume_state["client_states"].items()
+                 if c % fabric.world_size == fabric.global_rank}
+        client_states = ClientStates(owned)
     client_indices = [torch.as_tensor(p, dtype=torch.long) for p in run.partition]
     sizes = [len(p) for p in run.partition]
     weighting = federation.weighting or algorithm.default_weighting
@@ -159,10 +186,12 @@ def train(fabric, run: FederatedRun) -> torch.Tensor:
             client = trainer.client_run(
                 client_id=client_id, round_index=round_index, seed=run.seed,
                 sample_indices=client_indices[client_id], global_params=params, global_buffers=global_buffers,
-                state={}, batch_size=federation.batch_size, local_steps=federation.local_steps,
+                state=client_states.get(client_id, device), batch_size=federation.batch_size, local_steps=federation.local_steps,
                 local_epochs=federation.local_epochs, optimizer_args=run.client_optimizer,
             )
             uploads = algorithm.client_update(client)
+            if stateful:
+                client_states.put(client_id, client.state)
             uploads["buffers"] = client.buffers
             uploads["train_loss"] = torch.tensor([client.mean_loss], device=device)
             buffer.add(uploads, weights[client_id])
@@ -185,7 +214,7 @@ def train(fabric, run: FederatedRun) -> torch.Tensor:
             latest_accuracy = metrics["test_accuracy"]
         stopping = aggregate[STOP_REQUESTED].item() > 0
         if stopping or completed % run.checkpoint.every == 0 or completed == federation.rounds:
-            _save(fabric, run, module, algorithm, completed)
+            _save(fabric, run, module, algorithm, client_states if stateful else None, completed)
         if is_logger:
             metrics_log.append(metrics)
             if logger is not None:
@@ -207,7 +236,11 @@ def train(fabric, run: FederatedRun) -> torch.Tensor:
     return params.detach().cpu().clone()
 
 
-def _save(fabric, run: FederatedRun, module, algorithm: Algorithm, completed: int) -> None:
+def _save(fabric, run: FederatedRun, module, algorithm: Algorithm, client_states: Optional[ClientStates],
+          completed: int) -> None:
+    if client_states is not None:
+        save_client_shard(client_states.by_client, run.out_dir, completed, fabric.global_rank)
+        fabric.barrier()  # every shard is on disk before the main file marks the checkpoint complete
     if fabric.global_rank == 0:
         save_checkpoint({
             "round": completed,
@@ -215,6 +248,7 @@ def _save(fabric, run: FederatedRun, module, algorithm: Algorithm, completed: in
             "algorithm": algorithm.state_dict(),
             "partition": [p.tolist() for p in run.partition],
             "run_id": run.run_id,
+            "client_state_shards": fabric.world_size if client_states is not None else 0,
             "rng": torch.get_rng_state(),
             "hyperparameters": run.hyperparameters,
         }, run.out_dir, run.checkpoint.keep)

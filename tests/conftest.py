@@ -1,0 +1,15 @@
+import os
+
+import pytest
+
+os.environ.setdefault("WANDB_SILENT", "true")
+
+
+@pytest.fixture(scope="session")
+def cifar_root(tmp_path_factory):
+    """A small CIFAR-10 folder in the real python-pickle layout."""
+    from fl_lightning.data.generate import write_cifar
+
+    root = tmp_path_factory.mktemp("cifar")
+    write_cifar(root, variant="cifar10", num_train=240, num_test=60, seed=0)
+    return root
