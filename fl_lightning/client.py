@@ -33,10 +33,6 @@ def seeded_generator(*keys: int) -> torch.Generator:
     return torch.Generator().manual_seed(int(state[0] >> np.uint64(1)))
 
 
-def num_local_steps(num_samples: int, batch_size: int, local_steps: Optional[int], local_epochs: Optional[int]) -> int:
-    return local_steps if local_steps is not None else local_epochs * math.ceil(num_samples / batch_size)
-
-
 def batch_positions(
     num_samples: int,
     batch_size: int,
@@ -105,6 +101,8 @@ class ClientRun:
     state: dict[str, torch.Tensor]
     """Persistent per-client state of stateful algorithms, written back after the round."""
     optimizer_args: ClientOptimizerArgs
+    projection: Optional[Callable[[torch.Tensor], torch.Tensor]]
+    """The round's constraint projection of local directions (FedCONST), or None."""
     _trainer: "LocalTrainer"
     _positions: list[torch.Tensor]
     _sample_indices: torch.Tensor
@@ -122,8 +120,9 @@ class ClientRun:
         self.losses.append(loss.item())
         return loss, gradient
 
-    def local_sgd(self, project: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> LocalSGD:
-        return LocalSGD(self.optimizer_args, project)
+    def local_sgd(self) -> LocalSGD:
+        """A fresh local optimizer (momentum reset) that applies the round's constraint, if any."""
+        return LocalSGD(self.optimizer_args, self.projection)
 
     @property
     def mean_loss(self) -> float:
@@ -134,7 +133,7 @@ class LocalTrainer:
     """Builds `ClientRun`s on one rank and evaluates the module's loss at arbitrary flat parameters."""
 
     def __init__(self, fabric, module: ClassificationModule, train_images: torch.Tensor, train_labels: torch.Tensor,
-                 transform, param_layout: FlatLayout, buffer_layout: FlatLayout):
+                 transform, param_layout: FlatLayout, buffer_layout: FlatLayout, constraint=None):
         self.fabric = fabric
         self.module = module
         self.call = TrainingStepCall(module)
@@ -143,6 +142,7 @@ class LocalTrainer:
         self.transform = transform
         self.param_layout = param_layout
         self.buffer_layout = buffer_layout
+        self.constraint = constraint
         # Integer buffers (BatchNorm's num_batches_tracked) are not averaged; each client gets a copy.
         self.integer_buffers = {n: b for n, b in module.named_buffers() if not b.is_floating_point()}
 
@@ -177,6 +177,7 @@ class LocalTrainer:
             buffers=global_buffers.clone(),
             state=state,
             optimizer_args=optimizer_args,
+            projection=None if self.constraint is None else self.constraint.projection(global_params, self.param_layout),
             _trainer=self,
             _positions=positions,
             _sample_indices=sample_indices,

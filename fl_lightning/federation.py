@@ -19,6 +19,7 @@ from fl_lightning.algorithms import Algorithm
 from fl_lightning.checkpoint import save_checkpoint, save_client_shard
 from fl_lightning.cluster import PreemptionHandler
 from fl_lightning.client import SAMPLING_STREAM, LocalTrainer, seeded_generator
+from fl_lightning.constraints import Constraint
 from fl_lightning.config import CheckpointArgs, ClientOptimizerArgs, DataArgs, FederationArgs, LoggerArgs
 from fl_lightning.data import DeviceTransform, ImageDataset
 from fl_lightning.flat import FlatLayout
@@ -46,6 +47,7 @@ class FederatedRun:
     out_dir: Path
     run_id: str
     hyperparameters: dict
+    constraint: Optional[Constraint] = None
     resume_state: Optional[dict] = None
 
 
@@ -151,7 +153,8 @@ def train(fabric, run: FederatedRun) -> torch.Tensor:
     train_transform = DeviceTransform(run.train.mean, run.train.std, augment=run.data.augment,
                                       crop_padding=run.data.crop_padding)
     test_transform = DeviceTransform(run.test.mean, run.test.std, augment=False)
-    trainer = LocalTrainer(fabric, module, train_images, train_labels, train_transform, param_layout, buffer_layout)
+    trainer = LocalTrainer(fabric, module, train_images, train_labels, train_transform, param_layout, buffer_layout,
+                           run.constraint)
     client_states = ClientStates()
     if run.resume_state is not None:
         owned = {c: st for c, st in run.resume_state["client_states"].items()

@@ -18,7 +18,7 @@ import torch
 import yaml
 from jsonargparse import lazy_instance
 
-from fl_lightning.algorithms import SHORT_NAMES, Algorithm
+from fl_lightning.algorithms import Algorithm
 from fl_lightning.checkpoint import resolve_resume
 from fl_lightning.cluster import check_signal_name, check_slurm_allocation
 from fl_lightning.config import (
@@ -31,6 +31,7 @@ from fl_lightning.config import (
     LoggerArgs,
     ModelArgs,
 )
+from fl_lightning.constraints import Constraint
 from fl_lightning.data import class_histogram, load_dataset, partition_indices, plot_partition
 from fl_lightning.federation import FederatedRun, train
 from fl_lightning.models import create_model
@@ -46,6 +47,7 @@ def fit(
     federation: FederationArgs = FederationArgs(),
     client_optimizer: ClientOptimizerArgs = ClientOptimizerArgs(),
     server_optimizer: ServerOptimizer = lazy_instance(ServerSGD),
+    constraint: Optional[Constraint] = None,
     fabric: FabricArgs = FabricArgs(),
     logger: LoggerArgs = LoggerArgs(),
     checkpoint: CheckpointArgs = CheckpointArgs(),
@@ -64,6 +66,8 @@ def fit(
         client_optimizer: the clients' local SGD (local-update algorithms).
         server_optimizer: the server's step on the aggregated pseudo-gradient (ServerSGD lr is the
             server lr gamma; FedAdam, FedYogi, FedAdagrad).
+        constraint: a constraint on local training composable with any local-update algorithm
+            (CONST: FedCONST's per-channel linear constraints), or null.
         fabric: accelerator, ranks, nodes and precision.
         logger: Weights & Biases settings.
         checkpoint: checkpoint schedule.
@@ -91,13 +95,20 @@ def fit(
     torch.manual_seed(seed)  # the same initial global model on every rank
     network = create_model(model.name, num_classes=train_set.num_classes, in_channels=train_set.images.shape[1],
                            image_size=train_set.images.shape[-1], norm=model.norm, bias=model.bias, **model.options)
+    network = algorithm.prepare_model(network)
+    if constraint is not None:
+        if not algorithm.trains_locally:
+            raise ConfigError("constraint", f"null for {type(algorithm).__name__}, which trains no local model",
+                              type(constraint).__name__)
+        constraint.prepare_model(network)
     module = ClassificationModule(network, train_set.num_classes)
 
     algorithm_name = _short_name(algorithm)
     config = {
         "algorithm": _as_config(algorithm), "model": _as_config(model), "data": _as_config(data),
         "federation": _as_config(federation), "client_optimizer": _as_config(client_optimizer),
-        "server_optimizer": _as_config(server_optimizer), "fabric": _as_config(fabric),
+        "server_optimizer": _as_config(server_optimizer),
+        "constraint": None if constraint is None else _as_config(constraint), "fabric": _as_config(fabric),
         "logger": _as_config(logger), "checkpoint": _as_config(checkpoint), "seed": seed,
         "out_dir": str(out_dir), "resume": None if resume is None else str(resume),
     }
@@ -111,7 +122,7 @@ def fit(
         algorithm=algorithm, server_optimizer=server_optimizer, module=module, train=train_set, test=test_set,
         partition=partition, federation=federation, data=data, client_optimizer=client_optimizer, logger=logger,
         checkpoint=checkpoint, seed=seed, out_dir=Path(out_dir), run_id=run_id, hyperparameters=config,
-        resume_state=resume_state,
+        constraint=constraint, resume_state=resume_state,
     )
     engine = _build_fabric(fabric, [lg for lg in loggers if lg is not None])
     return engine.launch(_train_and_record, run)
@@ -160,15 +171,14 @@ def _check_writable(out_dir: Path) -> None:
 
 
 def _short_name(algorithm: Algorithm) -> str:
-    names = {cls: name for name, cls in SHORT_NAMES.items()}
-    return names.get(type(algorithm), type(algorithm).__name__)
+    return algorithm.short_name or type(algorithm).__name__
 
 
 def _as_config(value):
     """Plain YAML-able form of a setting, in the layout `--config` reads back."""
     if dataclasses.is_dataclass(value):
         return {f.name: _as_config(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, (Algorithm, ServerOptimizer)):
+    if isinstance(value, (Algorithm, ServerOptimizer, Constraint)):
         cls = type(value)
         params = [name for name, p in inspect.signature(cls.__init__).parameters.items()
                   if name != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]

@@ -9,11 +9,13 @@ from __future__ import annotations
 from typing import ClassVar, Literal
 
 import torch
+from torch import nn
 
 from fl_lightning.client import ClientRun
 from fl_lightning.server_optimizers import ServerOptimizer
 
 PSEUDO_GRADIENT = "pseudo_gradient"
+SHORT_NAMES: dict[str, type["Algorithm"]] = {}
 
 
 class Algorithm:
@@ -25,6 +27,10 @@ class Algorithm:
     one all-reduce.
     """
 
+    short_name: ClassVar[str] = ""
+    """The name `--algorithm` accepts on the command line (e.g. fedavg)."""
+    trains_locally: ClassVar[bool] = True
+    """Whether clients run local SGD (so a constraint such as CONST applies to them)."""
     default_weighting: ClassVar[Literal["num_samples", "uniform"]] = "num_samples"
     weighted_uploads: ClassVar[tuple[str, ...]] = (PSEUDO_GRADIENT,)
     summed_uploads: ClassVar[tuple[str, ...]] = ()
@@ -33,6 +39,16 @@ class Algorithm:
 
     server_optimizer: ServerOptimizer
     num_clients: int
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.short_name:
+            SHORT_NAMES[cls.short_name] = cls
+
+    def prepare_model(self, network: nn.Module) -> nn.Module:
+        """Adapt the freshly initialised network before training (e.g. MOON adds a projection
+        head); the same on every rank."""
+        return network
 
     def setup(self, server_optimizer: ServerOptimizer, num_params: int, num_clients: int, device: torch.device) -> None:
         """Called once on every rank before the first round (and before a resume loads state)."""
@@ -65,14 +81,14 @@ class Algorithm:
         self.server_optimizer.load_state_dict(state["server_optimizer"], device)
 
 
-def train_locally(client: ClientRun, correction=None, project=None) -> torch.Tensor:
+def train_locally(client: ClientRun, correction=None) -> torch.Tensor:
     """The local SGD loop shared by the local-update methods: returns the final local model y.
 
     `correction(y)` (optional) is added to each mini-batch gradient before the optimizer step
     (SCAFFOLD's c - c_i, FedProx's mu (y - x), ...).
     """
     params = client.global_params.clone()
-    optimizer = client.local_sgd(project)
+    optimizer = client.local_sgd()
     for batch in client.batches():
         _, gradient = client.loss_and_grad(params, batch)
         if correction is not None:

@@ -19,6 +19,8 @@ from fl_lightning.config import ConfigError
 
 
 class CTPFL(Algorithm):
+    short_name = "ctpfl"
+    trains_locally = False
     default_weighting = "uniform"
 
     def __init__(self, span: Optional[float] = None, weight_decay: float = 0.0, clip_norm: Optional[float] = None):
