@@ -9,6 +9,7 @@ before the main file (whose presence marks the checkpoint complete).
 from __future__ import annotations
 
 import os
+import sys
 import re
 import warnings
 from pathlib import Path
@@ -115,7 +116,9 @@ def resolve_resume(resume: Union[None, str, Path], out_dir: Path) -> Optional[di
     candidates = numbered_checkpoints(checkpoint_dir(out_dir))[::-1]
     for path in candidates:
         try:
-            return load_checkpoint(path)
+            state = load_checkpoint(path)
+            print(f"resuming from {path} (round {state['round']})", file=sys.stderr, flush=True)
+            return state
         except ValueError as err:
             warnings.warn(f"{err}; trying the previous checkpoint", stacklevel=2)
     if candidates:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
-from jsonargparse import ArgumentParser, auto_parser
+from jsonargparse import ArgumentParser, auto_parser, set_parsing_settings
 
 from fl_lightning.algorithms import SHORT_NAMES
 from fl_lightning.config import ConfigError
@@ -15,6 +15,8 @@ COMMANDS = {"fit": fit}
 
 
 def build_parser() -> ArgumentParser:
+    # The config dataclasses document each field in a docstring under it; show those in --help.
+    set_parsing_settings(docstring_parse_attribute_docstrings=True)
     # as_positional=False: a required `algorithm` would otherwise become positional, and
     # `--algorithm X` would be misread.
     return auto_parser(COMMANDS, as_positional=False)
@@ -48,6 +50,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from err
+    except FloatingPointError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(1) from err
 
 
 if __name__ == "__main__":

@@ -128,8 +128,8 @@ def _bind_to_flat(module: torch.nn.Module, layout: FlatLayout, flat: torch.Tenso
         getter(name).data = view
 
 
-def train(fabric, run: FederatedRun) -> torch.Tensor:
-    """Run the federation; returns the final global parameters (flat, on CPU)."""
+def train(fabric, run: FederatedRun) -> None:
+    """Run the federation; the final global model is the last checkpoint."""
     federation = run.federation
     device = fabric.device
     module = fabric.to_device(run.module)
@@ -229,14 +229,15 @@ def train(fabric, run: FederatedRun) -> torch.Tensor:
         if stopping:
             if is_logger:
                 print(f"stop requested: checkpoint saved after round {completed}", flush=True)
-                preemption.requeue()
+                if completed < federation.rounds:  # a finished run has nothing to come back for
+                    preemption.requeue()
             break
     preemption.restore()
     if progress is not None:
         progress.close()
     if logger is not None:
         logger.finalize("success")
-    return params.detach().cpu().clone()
+
 
 
 def _save(fabric, run: FederatedRun, module, algorithm: Algorithm, client_states: Optional[ClientStates],

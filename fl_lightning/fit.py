@@ -7,6 +7,7 @@ command line, and `algorithm` / `server_optimizer` are classes chosen with `clas
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import inspect
 import json
 import os
@@ -19,7 +20,7 @@ import yaml
 from jsonargparse import lazy_instance
 
 from fl_lightning.algorithms import Algorithm
-from fl_lightning.checkpoint import resolve_resume
+from fl_lightning.checkpoint import LAST, checkpoint_dir, load_checkpoint, resolve_resume
 from fl_lightning.cluster import check_signal_name, check_slurm_allocation
 from fl_lightning.config import (
     CheckpointArgs,
@@ -34,6 +35,7 @@ from fl_lightning.config import (
 from fl_lightning.constraints import Constraint
 from fl_lightning.data import class_histogram, load_dataset, partition_indices, plot_partition
 from fl_lightning.federation import FederatedRun, train
+from fl_lightning.flat import FlatLayout
 from fl_lightning.models import create_model
 from fl_lightning.module import ClassificationModule
 from fl_lightning.run_logging import new_run_id, wandb_logger
@@ -76,8 +78,9 @@ def fit(
         resume: "auto" continues from the newest good checkpoint in out_dir (if any); a path resumes
             from that checkpoint; null starts fresh.
 
-    Returns the final global parameters as one flat CPU tensor.
+    Returns the final global parameters as one flat tensor, in the module's parameter order.
     """
+    server_optimizer = _materialise(server_optimizer)
     federation.validate()
     client_optimizer.validate()
     check_slurm_allocation(fabric)
@@ -125,10 +128,14 @@ def fit(
         constraint=constraint, resume_state=resume_state,
     )
     engine = _build_fabric(fabric, [lg for lg in loggers if lg is not None])
-    return engine.launch(_train_and_record, run)
+    # Ranks return nothing: a spawned rank's return value travels through a pipe that a model
+    # would block. The final model is the last checkpoint, always written at the end.
+    engine.launch(_train_and_record, run)
+    module.load_state_dict(load_checkpoint(checkpoint_dir(out_dir) / LAST)["model"])
+    return FlatLayout.of(module.named_parameters()).flatten(dict(module.named_parameters()))
 
 
-def _train_and_record(fabric, run: FederatedRun) -> torch.Tensor:
+def _train_and_record(fabric, run: FederatedRun) -> None:
     if fabric.global_rank == 0:
         _write_run_files(run)
     return train(fabric, run)
@@ -158,6 +165,17 @@ def _build_fabric(args: FabricArgs, loggers: list):
         )
     return Fabric(accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes,
                   precision=args.precision, strategy=strategy, loggers=loggers)
+
+
+def _materialise(default: ServerOptimizer) -> ServerOptimizer:
+    """A fresh instance in place of the signature's shared lazy default, so that no optimizer state
+    carries over between calls of `fit` in one process."""
+    if not hasattr(default, "lazy_get_init_data"):
+        return default
+    init = default.lazy_get_init_data()
+    module_name, class_name = init.class_path.rsplit(".", 1)
+    cls = getattr(importlib.import_module(module_name), class_name)
+    return cls(**dict(init.get("init_args") or {}))
 
 
 def _check_writable(out_dir: Path) -> None:

@@ -29,7 +29,8 @@ def small_setup(root: Path, out_dir: Path, **federation) -> dict:
         model=ModelArgs(name="linear"),
         data=DataArgs(name="cifar10", root=root, partition="dirichlet", alpha=1.0, min_samples=10, augment=False),
         federation=FederationArgs(**federation_args),
-        fabric=FabricArgs(accelerator="cpu", devices=1),
+        # A short collective timeout: a rank left waiting by a failed peer ends the test quickly.
+        fabric=FabricArgs(accelerator="cpu", devices=1, process_group_timeout_s=120),
         logger=LoggerArgs(progress_bar=False),
         seed=SEED,
         out_dir=out_dir,
