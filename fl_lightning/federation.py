@@ -24,7 +24,7 @@ from fl_lightning.config import CheckpointArgs, ClientOptimizerArgs, DataArgs, F
 from fl_lightning.data import DeviceTransform, ImageDataset
 from fl_lightning.flat import FlatLayout
 from fl_lightning.module import ClassificationModule
-from fl_lightning.run_logging import MetricsLog, start_wandb
+from fl_lightning.run_logging import MetricsLog, finish_wandb, start_wandb
 from fl_lightning.server_optimizers import ServerOptimizer
 
 
@@ -236,7 +236,7 @@ def train(fabric, run: FederatedRun) -> None:
     if progress is not None:
         progress.close()
     if logger is not None:
-        logger.finalize("success")
+        finish_wandb(logger)
 
 
 

@@ -80,3 +80,10 @@ def start_wandb(logger, hyperparameters: dict) -> Optional[object]:
         logger.experiment
     logger.log_hyperparams(hyperparameters)
     return logger
+
+
+def finish_wandb(logger) -> None:
+    """Fabric never finalizes its loggers, and the logger's finalize leaves the W&B run open:
+    close it so the run is marked finished (and an offline run is complete on disk)."""
+    logger.finalize("success")
+    logger.experiment.finish()

@@ -1,0 +1,29 @@
+# `make quickstart` and `make test` work on a fresh machine: each installs into .venv first if needed.
+VENV ?= .venv
+PYTHON := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install quickstart test test-fast benchmark clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PYTHON) -m pip install --quiet --upgrade pip
+	$(PYTHON) -m pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+quickstart: $(STAMP)
+	$(VENV)/bin/fl-lightning fit --config configs/quickstart.yaml
+
+test: $(STAMP)
+	$(PYTHON) -m pytest -q
+
+test-fast: $(STAMP)
+	$(PYTHON) -m pytest -q -m "not multiprocess"
+
+benchmark: $(STAMP)
+	$(PYTHON) benchmarks/throughput.py
+
+clean:
+	rm -rf $(VENV) runs
