@@ -80,7 +80,8 @@ def fit(
 
     Returns the final global parameters as one flat tensor, in the module's parameter order.
     """
-    server_optimizer = _materialise(server_optimizer)
+    configured_server_optimizer = _materialise(server_optimizer)
+    server_optimizer = algorithm.server_optimizer_for(configured_server_optimizer)
     federation.validate()
     client_optimizer.validate()
     check_slurm_allocation(fabric)
@@ -110,7 +111,7 @@ def fit(
     config = {
         "algorithm": _as_config(algorithm), "model": _as_config(model), "data": _as_config(data),
         "federation": _as_config(federation), "client_optimizer": _as_config(client_optimizer),
-        "server_optimizer": _as_config(server_optimizer),
+        "server_optimizer": _as_config(configured_server_optimizer),
         "constraint": None if constraint is None else _as_config(constraint), "fabric": _as_config(fabric),
         "logger": _as_config(logger), "checkpoint": _as_config(checkpoint), "seed": seed,
         "out_dir": str(out_dir), "resume": None if resume is None else str(resume),

@@ -105,7 +105,7 @@ def test_fedavgm_resumes_its_server_momentum(cifar_root, tmp_path):
 ])
 def test_fedavgm_refuses_a_server_optimizer_it_cannot_own(server_optimizer, field):
     with pytest.raises(ConfigError) as error:
-        FedAvgM().setup(server_optimizer, num_params=4, num_clients=2, device=torch.device("cpu"))
+        FedAvgM().server_optimizer_for(server_optimizer)
     assert error.value.field_name == field
 
 

@@ -50,8 +50,14 @@ class Algorithm:
         head); the same on every rank."""
         return network
 
+    def server_optimizer_for(self, configured: ServerOptimizer) -> ServerOptimizer:
+        """The server optimizer this algorithm runs with, given the configured one; checked before
+        any data is loaded (FedAvgM adds its momentum here)."""
+        return configured
+
     def setup(self, server_optimizer: ServerOptimizer, num_params: int, num_clients: int, device: torch.device) -> None:
         """Called once on every rank before the first round (and before a resume loads state)."""
+        server_optimizer.state = {}  # a fresh run starts from zero; a resume loads the saved state
         self.server_optimizer = server_optimizer
         self.num_clients = num_clients
         self.server_state: dict[str, torch.Tensor] = self.initial_server_state(num_params, device)

@@ -7,8 +7,6 @@ The momentum is the server optimizer's (ServerSGD); FedAvgM only fixes it, so th
 
 from __future__ import annotations
 
-import torch
-
 from fl_lightning.algorithms.fedavg import FedAvg
 from fl_lightning.config import ConfigError
 from fl_lightning.server_optimizers import ServerOptimizer, ServerSGD
@@ -26,7 +24,7 @@ class FedAvgM(FedAvg):
             raise ConfigError("algorithm.init_args.server_momentum", "a value in [0, 1)", server_momentum)
         self.server_momentum = server_momentum
 
-    def setup(self, server_optimizer: ServerOptimizer, num_params: int, num_clients: int, device: torch.device) -> None:
+    def server_optimizer_for(self, server_optimizer: ServerOptimizer) -> ServerOptimizer:
         if not isinstance(server_optimizer, ServerSGD):
             raise ConfigError("server_optimizer", "ServerSGD with FedAvgM (its momentum is FedAvgM's)",
                               type(server_optimizer).__name__)
@@ -35,6 +33,5 @@ class FedAvgM(FedAvg):
                               "0 with FedAvgM, which sets it from algorithm.init_args.server_momentum",
                               server_optimizer.momentum)
         # A fresh optimizer rather than the configured one changed in place: the configured object
-        # stays as the config file records it, and the momentum starts from zero.
-        momentum_sgd = ServerSGD(lr=server_optimizer.lr, momentum=self.server_momentum)
-        super().setup(momentum_sgd, num_params, num_clients, device)
+        # stays as the config file records it.
+        return ServerSGD(lr=server_optimizer.lr, momentum=self.server_momentum)
