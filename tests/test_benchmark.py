@@ -1,0 +1,59 @@
+"""The throughput benchmark runs end to end, and its fl-lightning FedAvg path computes the same round
+as its naive one-model-copy-per-client reference, so the speed comparison is like for like."""
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.fabric import Fabric
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "throughput.py"
+
+
+@pytest.fixture(scope="module")
+def throughput():
+    spec = importlib.util.spec_from_file_location("throughput", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_prints_every_method_with_a_positive_rate(throughput, capsys):
+    medians = throughput.main(["--model", "linear", "--clients", "2", "--local-steps", "2", "--batch-size", "8",
+                               "--repeats", "1"])
+    printed = capsys.readouterr().out
+    methods = [throughput.CENTRALISED, throughput.NAIVE_FEDERATED, throughput.FL_LIGHTNING_FEDAVG,
+               throughput.FL_LIGHTNING_CTPFL]
+    assert list(medians) == methods
+    for method in methods:
+        row = re.search(rf"^{re.escape(method)}\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$", printed, re.MULTILINE)
+        assert row is not None, f"no row for {method!r} in:\n{printed}"
+        assert all(float(value) > 0 for value in row.groups())
+    assert "2 clients x 2 local steps x batch 8 = 32 client-samples per round" in printed
+    assert "precision 32-true" in printed
+
+
+# resnet18 adds BatchNorm statistics to the average. It takes one local step: its local SGD steps
+# differ in the last bit (torch.optim.SGD computes p - lr * g in one rounding, LocalSGD in two), and
+# BatchNorm on random images amplifies that difference into the next step's gradient.
+@pytest.mark.parametrize(("model_name", "local_steps"), [("linear", 2), ("lenet5", 2), ("resnet18", 1)])
+def test_fedavg_round_matches_the_naive_loop(throughput, model_name, local_steps):
+    fabric = Fabric(accelerator="cpu", devices=1, precision="32-true")
+    workload = throughput.Workload(num_clients=2, local_steps=local_steps, batch_size=8, device=fabric.device)
+    methods = {method.name: method for method in throughput.build_methods(fabric, model_name, workload)}
+    naive = methods[throughput.NAIVE_FEDERATED]
+    fedavg = methods[throughput.FL_LIGHTNING_FEDAVG]
+    initial = {name: tensor.clone() for name, tensor in naive.global_model.state_dict().items()}
+
+    naive.run_round(0)
+    fedavg.run_round(0)
+
+    expected = naive.global_model.state_dict()
+    actual = fedavg.module.network.state_dict()
+    floating = [name for name, tensor in expected.items() if tensor.is_floating_point()]
+    for name in floating:
+        torch.testing.assert_close(actual[name], expected[name], msg=f"{model_name}: {name} differs")
+    # Both moved away from the shared start, so the match is not two untouched copies.
+    assert any(not torch.equal(expected[name], initial[name]) for name in floating)
