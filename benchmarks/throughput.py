@@ -31,8 +31,7 @@ from fl_lightning.client import CLIENT_STREAM, Batch, LocalTrainer, batch_positi
 from fl_lightning.config import ClientOptimizerArgs
 from fl_lightning.data import DeviceTransform
 from fl_lightning.data.datasets import CIFAR10_MEAN, CIFAR10_STD
-from fl_lightning.federation import UploadBuffer, aggregation_weights
-from fl_lightning.flat import FlatLayout
+from fl_lightning.federation import FlatGlobalModel, UploadBuffer, aggregation_weights
 from fl_lightning.models import create_model, registered_models
 from fl_lightning.module import ClassificationModule
 from fl_lightning.server_optimizers import ServerSGD
@@ -181,15 +180,9 @@ class FlLightning:
         self.algorithm = algorithm
         device = fabric.device
         module = fabric.to_device(ClassificationModule(copy.deepcopy(network), NUM_CLASSES))
-        self.param_layout = FlatLayout.of(module.named_parameters())
-        self.buffer_layout = FlatLayout.of((n, b) for n, b in module.named_buffers() if b.is_floating_point())
-        self.params = self.param_layout.flatten(dict(module.named_parameters())).to(device)
-        self.global_buffers = self.buffer_layout.flatten(dict(module.named_buffers())).to(device)
-        # The module's tensors become views into the flat vectors, so the server's in-place step is the model.
-        for tensor_name, view in self.param_layout.views(self.params).items():
-            module.get_parameter(tensor_name).data = view
-        for tensor_name, view in self.buffer_layout.views(self.global_buffers).items():
-            module.get_buffer(tensor_name).data = view
+        global_model = FlatGlobalModel.bind(module, device)
+        self.param_layout, self.buffer_layout = global_model.param_layout, global_model.buffer_layout
+        self.params, self.global_buffers = global_model.params, global_model.buffers
         self.module = module
         algorithm.setup(ServerSGD(lr=server_lr), self.param_layout.numel, workload.num_clients, device)
         self.trainer = LocalTrainer(fabric, module, workload.images, workload.labels, workload.transform,

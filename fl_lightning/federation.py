@@ -122,10 +122,28 @@ class ClientStates:
         self.by_client[client_id] = stored
 
 
-def _bind_to_flat(module: torch.nn.Module, layout: FlatLayout, flat: torch.Tensor, getter) -> None:
-    """Make the module's tensors views into `flat`, so the server's in-place steps are the model."""
-    for name, view in layout.views(flat).items():
-        getter(name).data = view
+@dataclass
+class FlatGlobalModel:
+    """The global model as two flat vectors that the module's own tensors are views of, so the
+    server's in-place steps are the model (for evaluation and checkpoints alike)."""
+
+    param_layout: FlatLayout
+    buffer_layout: FlatLayout
+    params: torch.Tensor
+    buffers: torch.Tensor
+    """The float buffers (BatchNorm running statistics)."""
+
+    @classmethod
+    def bind(cls, module: torch.nn.Module, device: torch.device) -> "FlatGlobalModel":
+        param_layout = FlatLayout.of(module.named_parameters())
+        buffer_layout = FlatLayout.of((n, b) for n, b in module.named_buffers() if b.is_floating_point())
+        params = param_layout.flatten(dict(module.named_parameters())).to(device)
+        buffers = buffer_layout.flatten(dict(module.named_buffers())).to(device)
+        for name, view in param_layout.views(params).items():
+            module.get_parameter(name).data = view
+        for name, view in buffer_layout.views(buffers).items():
+            module.get_buffer(name).data = view
+        return cls(param_layout, buffer_layout, params, buffers)
 
 
 def train(fabric, run: FederatedRun) -> None:
@@ -133,12 +151,9 @@ def train(fabric, run: FederatedRun) -> None:
     federation = run.federation
     device = fabric.device
     module = fabric.to_device(run.module)
-    param_layout = FlatLayout.of(module.named_parameters())
-    buffer_layout = FlatLayout.of((n, b) for n, b in module.named_buffers() if b.is_floating_point())
-    params = param_layout.flatten(dict(module.named_parameters())).to(device)
-    global_buffers = buffer_layout.flatten(dict(module.named_buffers())).to(device)
-    _bind_to_flat(module, param_layout, params, module.get_parameter)
-    _bind_to_flat(module, buffer_layout, global_buffers, module.get_buffer)
+    global_model = FlatGlobalModel.bind(module, device)
+    param_layout, buffer_layout = global_model.param_layout, global_model.buffer_layout
+    params, global_buffers = global_model.params, global_model.buffers
 
     algorithm = run.algorithm
     algorithm.setup(run.server_optimizer, param_layout.numel, federation.num_clients, device)
