@@ -13,6 +13,7 @@ from typing import Callable, Iterator, Optional
 
 import numpy as np
 import torch
+from torch import nn
 from torch.func import functional_call
 
 from fl_lightning.config import ClientOptimizerArgs
@@ -120,6 +121,11 @@ class ClientRun:
         self.losses.append(loss.item())
         return loss, gradient
 
+    def features(self, params: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+        """The network's `forward_features` at flat `params` on `inputs`, differentiable in `params`;
+        computed as in training, without touching this client's running statistics."""
+        return self._trainer.features(params, self.buffers, inputs)
+
     def local_sgd(self) -> LocalSGD:
         """A fresh local optimizer (momentum reset) that applies the round's constraint, if any."""
         return LocalSGD(self.optimizer_args, self.projection)
@@ -127,6 +133,19 @@ class ClientRun:
     @property
     def mean_loss(self) -> float:
         return float(np.mean(self.losses)) if self.losses else float("nan")
+
+
+class ForwardFeaturesCall(nn.Module):
+    """Routes `functional_call` to the network's `forward_features` (MOON's representations), as
+    `TrainingStepCall` routes it to `training_step`; the same attribute name gives the same tensor
+    names."""
+
+    def __init__(self, module: ClassificationModule):
+        super().__init__()
+        self.module = module
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.module.network.forward_features(inputs)
 
 
 class LocalTrainer:
@@ -137,6 +156,7 @@ class LocalTrainer:
         self.fabric = fabric
         self.module = module
         self.call = TrainingStepCall(module)
+        self.features_call = ForwardFeaturesCall(module)
         self.train_images = train_images
         self.train_labels = train_labels
         self.transform = transform
@@ -160,6 +180,17 @@ class LocalTrainer:
             loss = functional_call(self.call, tensors, (batch,))
         (gradient,) = torch.autograd.grad(loss, params)
         return loss.detach(), gradient
+
+    def features(self, params: torch.Tensor, buffers: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+        # A copy of the buffers: in train mode BatchNorm normalises with the batch's statistics, as
+        # in `loss_and_grad`, but its running statistics must not be updated a second time.
+        tensors = {**self.param_layout.views(params), **self.buffer_layout.views(buffers.clone())}
+        tensors.update({n: b.clone() for n, b in self.integer_buffers.items()})
+        tensors = {TrainingStepCall.prefix + n: t for n, t in tensors.items()}
+        self.module.train()
+        with self.fabric.autocast():
+            features = functional_call(self.features_call, tensors, (inputs,))
+        return features.float()
 
     def client_run(self, *, client_id: int, round_index: int, seed: int, sample_indices: torch.Tensor,
                    global_params: torch.Tensor, global_buffers: torch.Tensor, state: dict[str, torch.Tensor],

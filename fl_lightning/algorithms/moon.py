@@ -1,0 +1,110 @@
+"""MOON (Li et al. 2021): model-contrastive local training.
+
+The network gains a projection head, as in the paper and its code: base encoder -> 2-layer MLP
+(feature_dim -> feature_dim -> ReLU -> projection_dim) -> output layer, so the classifier reads the
+projection z and the head is part of the global model. The local loss on a batch is
+
+    CE + mu * CE([cos(z, z_glob), cos(z, z_prev)] / tau, target 0)
+
+with z_glob from the global model x and z_prev from the client's own previous local model (stored
+as client state). A client that has never trained has no previous model, and the contrastive term
+is left out (it is zero there in the paper's code, where z_prev = z_glob).
+
+Gradient: the CE part is the module's own `training_step` (`client.loss_and_grad`); the
+contrastive part is differentiated separately through `client.features` at the same parameters on
+the same batch. Both evaluate the same network, so their sum is the gradient of the total loss.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fl_lightning.algorithms.base import PSEUDO_GRADIENT, Algorithm
+from fl_lightning.client import ClientRun
+from fl_lightning.config import ConfigError
+from fl_lightning.models import FeatureClassifier
+
+PREVIOUS_MODEL = "previous_model"
+
+
+class ProjectedClassifier(FeatureClassifier):
+    """`encoder`'s features -> projection head -> a new classifier on the projection.
+
+    The encoder's own classifier would be dead weight and is replaced by an identity; a timm
+    encoder keeps its head (timm owns it), which its pre-logits features never reach.
+    """
+
+    def __init__(self, encoder: FeatureClassifier, projection_dim: int):
+        super().__init__()
+        bias = encoder.classifier.bias is not None
+        num_classes = encoder.classifier.out_features
+        width = encoder.feature_dim
+        if "classifier" in dict(encoder.named_children()):
+            encoder.classifier = nn.Identity()
+        self.encoder = encoder
+        self.projection_head = nn.Sequential(
+            nn.Linear(width, width, bias=bias), nn.ReLU(), nn.Linear(width, projection_dim, bias=bias)
+        )
+        self.feature_dim = projection_dim
+        self.classifier = nn.Linear(projection_dim, num_classes, bias=bias)
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        return self.projection_head(self.encoder.forward_features(x))
+
+
+class MOON(Algorithm):
+    short_name = "moon"
+    default_weighting = "num_samples"
+    client_state = (PREVIOUS_MODEL,)
+
+    def __init__(self, mu: float = 5.0, tau: float = 0.5, projection_dim: int = 256):
+        """
+        Args:
+            mu: weight of the model-contrastive term (5 for CIFAR-10, 1 for CIFAR-100); 0 is FedAvg
+                on the network with the projection head.
+            tau: temperature of the contrastive softmax.
+            projection_dim: output width of the projection head.
+        """
+        if mu < 0:
+            raise ConfigError("algorithm.init_args.mu", "a value >= 0", mu)
+        if tau <= 0:
+            raise ConfigError("algorithm.init_args.tau", "a value > 0", tau)
+        if isinstance(projection_dim, bool) or not isinstance(projection_dim, int) or projection_dim < 1:
+            raise ConfigError("algorithm.init_args.projection_dim", "a positive integer", projection_dim)
+        self.mu = mu
+        self.tau = tau
+        self.projection_dim = projection_dim
+
+    def prepare_model(self, network: nn.Module) -> nn.Module:
+        return ProjectedClassifier(network, self.projection_dim)
+
+    def client_update(self, client: ClientRun) -> dict[str, torch.Tensor]:
+        previous_model = client.state.get(PREVIOUS_MODEL)
+        local_params = client.global_params.clone()
+        optimizer = client.local_sgd()
+        for batch in client.batches():
+            _, gradient = client.loss_and_grad(local_params, batch)
+            if previous_model is not None and self.mu:
+                gradient = gradient + self.contrastive_gradient(client, local_params, previous_model, batch[0])
+            optimizer.step(local_params, gradient)
+        client.state[PREVIOUS_MODEL] = local_params
+        return {PSEUDO_GRADIENT: client.global_params - local_params}
+
+    def contrastive_gradient(self, client: ClientRun, params: torch.Tensor, previous_model: torch.Tensor,
+                             inputs: torch.Tensor) -> torch.Tensor:
+        """The gradient of mu * the contrastive loss at `params` on `inputs`."""
+        with torch.no_grad():
+            global_features = client.features(client.global_params, inputs)
+            previous_features = client.features(previous_model, inputs)
+        params = params.detach().requires_grad_(True)
+        features = client.features(params, inputs)
+        logits = torch.stack([
+            F.cosine_similarity(features, global_features, dim=1),
+            F.cosine_similarity(features, previous_features, dim=1),
+        ], dim=1) / self.tau
+        # Target 0: the representation should agree with the global model's, not the stale one's.
+        targets = torch.zeros(len(inputs), dtype=torch.long, device=logits.device)
+        (gradient,) = torch.autograd.grad(self.mu * F.cross_entropy(logits, targets), params)
+        return gradient

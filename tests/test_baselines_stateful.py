@@ -1,0 +1,326 @@
+"""SCAFFOLD, FedDyn and MOON against direct reference computations (several rounds, partial
+participation), and their per-client state across ranks and resumes."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+
+from fl_lightning.algorithms.feddyn import FedDyn
+from fl_lightning.algorithms.moon import MOON
+from fl_lightning.algorithms.scaffold import SCAFFOLD
+from fl_lightning.checkpoint import load_checkpoint
+from fl_lightning.client import CLIENT_STREAM, batch_positions, seeded_generator
+from fl_lightning.config import ClientOptimizerArgs, ConfigError, FabricArgs, ModelArgs
+from fl_lightning.federation import sample_clients
+from fl_lightning.fit import fit
+from fl_lightning.models import create_model
+from fl_lightning.server_optimizers import ServerSGD
+from reference import SEED, LinearProblem, assert_close, small_setup
+
+
+def sampled(round_index, setup):
+    federation = setup["federation"]
+    return sample_clients(SEED, round_index, federation.num_clients, federation.clients_per_round)
+
+
+def last_checkpoint(out_dir):
+    return load_checkpoint(out_dir / "checkpoints" / "last.ckpt")
+
+
+def returning(setup):
+    """Clients that train in more than one round."""
+    rounds = [set(sampled(r, setup)) for r in range(setup["federation"].rounds)]
+    return {c for a in range(len(rounds)) for b in range(a + 1, len(rounds)) for c in rounds[a] & rounds[b]}
+
+
+def returning_after_a_gap(setup):
+    """Clients that train, sit at least one round out, then train again."""
+    rounds = [set(sampled(r, setup)) for r in range(setup["federation"].rounds)]
+    return {
+        c for c in range(setup["federation"].num_clients)
+        if any(c in rounds[a] and c not in rounds[b] and c in rounds[d]
+               for a in range(len(rounds)) for b in range(a + 1, len(rounds)) for d in range(b + 1, len(rounds)))
+    }
+
+
+def linear_batch_grad(problem, params, indices):
+    """Gradient of the linear model's mean cross-entropy on the given training samples."""
+    params = params.detach().clone().requires_grad_(True)
+    features = problem.inputs.shape[1]
+    weight = params[: problem.num_classes * features].view(problem.num_classes, features)
+    bias = params[problem.num_classes * features:]
+    loss = F.cross_entropy(problem.inputs[indices] @ weight.T + bias, problem.labels[indices])
+    (gradient,) = torch.autograd.grad(loss, params)
+    return gradient
+
+
+def client_batches(problem, setup, round_index, client):
+    """The client's mini-batches (as training-sample indices), drawn as every client draws them."""
+    federation = setup["federation"]
+    generator = seeded_generator(SEED, CLIENT_STREAM, round_index, client)
+    positions = batch_positions(problem.num_samples(client), federation.batch_size, federation.local_steps,
+                                federation.local_epochs, generator)
+    return [problem.client_samples[client][p] for p in positions]
+
+
+def distance_along_constant_direction(num_steps, lr, momentum, nesterov):
+    """How far the local optimizer's recurrence moves in num_steps along a direction of 1."""
+    position, buffer = 0.0, None
+    for _ in range(num_steps):
+        buffer = 1.0 if buffer is None else momentum * buffer + 1.0
+        position += lr * ((1.0 + momentum * buffer if nesterov else buffer) if momentum else 1.0)
+    return position
+
+
+@pytest.mark.parametrize("momentum, nesterov, effective_steps", [
+    (0.0, False, False), (0.9, False, False), (0.9, False, True), (0.5, True, True)])
+def test_scaffold_matches_reference_with_controls_kept_across_skipped_rounds(
+        cifar_root, tmp_path, momentum, nesterov, effective_steps):
+    # Mini-batches of 20 give clients of different sizes different step counts K_i.
+    setup = small_setup(cifar_root, tmp_path, rounds=5, local_epochs=1, batch_size=20, eval_every=5)
+    lr, gamma = 0.05, 0.8
+    final = fit(algorithm=SCAFFOLD(effective_steps=effective_steps),
+                client_optimizer=ClientOptimizerArgs(lr=lr, momentum=momentum, nesterov=nesterov),
+                server_optimizer=ServerSGD(lr=gamma), **setup)
+
+    problem = LinearProblem(cifar_root, tmp_path)
+    num_clients = setup["federation"].num_clients
+    x = problem.initial_params()
+    server_control = torch.zeros_like(x)
+    client_controls = {}
+    step_counts = set()
+    for r in range(setup["federation"].rounds):
+        clients = sampled(r, setup)
+        mean_change, control_change = torch.zeros_like(x), torch.zeros_like(x)
+        for c in clients:
+            control = client_controls.get(c, torch.zeros_like(x))
+            y, buffer = x.clone(), None
+            batches = client_batches(problem, setup, r, c)
+            for indices in batches:
+                d = linear_batch_grad(problem, y, indices) - control + server_control
+                buffer = d if buffer is None else momentum * buffer + d
+                y = y - lr * ((d + momentum * buffer if nesterov else buffer) if momentum else d)
+            step_length = (distance_along_constant_direction(len(batches), lr, momentum, nesterov)
+                           if effective_steps else len(batches) * lr)
+            new_control = control - server_control + (x - y) / step_length
+            mean_change += (y - x) / len(clients)  # uniform weights, the paper's default
+            control_change += new_control - control
+            client_controls[c] = new_control
+            step_counts.add(len(batches))
+        x = x + gamma * mean_change
+        server_control = server_control + control_change / num_clients
+    assert len(step_counts) > 1
+    assert returning_after_a_gap(setup)
+    assert_close(final, x)
+
+    checkpoint = last_checkpoint(tmp_path)
+    assert_close(checkpoint["algorithm"]["server_state"]["control"], server_control)
+    assert set(checkpoint["client_states"]) == set(client_controls)
+    for c, control in client_controls.items():
+        assert_close(checkpoint["client_states"][c]["control"], control)
+
+
+@pytest.mark.parametrize("alpha", [0.01, 0.3])
+def test_feddyn_matches_reference(cifar_root, tmp_path, alpha):
+    setup = small_setup(cifar_root, tmp_path, rounds=4)
+    lr, epochs = 0.05, setup["federation"].local_epochs
+    final = fit(algorithm=FedDyn(alpha=alpha), client_optimizer=ClientOptimizerArgs(lr=lr), **setup)
+
+    problem = LinearProblem(cifar_root, tmp_path)
+    num_clients = setup["federation"].num_clients
+    x = problem.initial_params()
+    h = torch.zeros_like(x)
+    client_h = {}
+    for r in range(setup["federation"].rounds):
+        local_models = []
+        for c in sampled(r, setup):
+            h_c = client_h.get(c, torch.zeros_like(x))
+            y = x.clone()
+            for _ in range(epochs):  # one full batch per epoch
+                y = y - lr * (problem.grad(y, c) - h_c + alpha * (y - x))
+            client_h[c] = h_c - alpha * (y - x)
+            local_models.append(y)
+        h = h - alpha / num_clients * sum(y - x for y in local_models)
+        x = sum(local_models) / len(local_models) - h / alpha
+    assert returning_after_a_gap(setup)
+    assert_close(final, x)
+
+    checkpoint = last_checkpoint(tmp_path)
+    assert_close(checkpoint["algorithm"]["server_state"]["h"], h)
+    for c, h_c in client_h.items():
+        assert_close(checkpoint["client_states"][c]["h_k"], h_c)
+
+
+HIDDEN, PROJECTION = 16, 32
+
+
+def moon_setup(root, out_dir, **federation):
+    setup = small_setup(root, out_dir, **federation)
+    setup["model"] = ModelArgs(name="mlp", options={"hidden": HIDDEN, "depth": 1})
+    return setup
+
+
+def moon_initial_params(num_classes):
+    torch.manual_seed(SEED)
+    network = MOON(projection_dim=PROJECTION).prepare_model(
+        create_model("mlp", num_classes=num_classes, in_channels=3, image_size=32, hidden=HIDDEN, depth=1))
+    shapes = [tuple(p.shape) for p in network.parameters()]
+    # encoder layer, head Linear(16, 16) - ReLU - Linear(16, 32), classifier on the projection
+    assert shapes == [(HIDDEN, 3072), (HIDDEN,), (HIDDEN, HIDDEN), (HIDDEN,), (PROJECTION, HIDDEN), (PROJECTION,),
+                      (num_classes, PROJECTION), (num_classes,)]
+    return torch.cat([p.detach().reshape(-1) for p in network.parameters()]).double(), shapes
+
+
+class MoonProblem:
+    """The MLP with MOON's head, written out, on each client's full batch."""
+
+    def __init__(self, problem, shapes):
+        self.problem = problem
+        self.shapes = shapes
+
+    def unpack(self, params):
+        return [chunk.view(shape) for chunk, shape in zip(params.split([torch.Size(s).numel() for s in self.shapes]),
+                                                          self.shapes)]
+
+    def projection(self, params, client):
+        w1, b1, a1, c1, a2, c2, _, _ = self.unpack(params)
+        inputs = self.problem.inputs[self.problem.client_samples[client]]
+        hidden = torch.relu(inputs @ w1.T + b1)
+        return torch.relu(hidden @ a1.T + c1) @ a2.T + c2
+
+    def cross_entropy(self, params, client):
+        *_, classifier_weight, classifier_bias = self.unpack(params)
+        logits = self.projection(params, client) @ classifier_weight.T + classifier_bias
+        return F.cross_entropy(logits, self.problem.labels[self.problem.client_samples[client]])
+
+    def contrastive(self, params, global_params, previous_params, client, tau):
+        z = self.projection(params, client)
+        z_global = self.projection(global_params, client).detach()
+        z_previous = self.projection(previous_params, client).detach()
+
+        def cosine(a, b):
+            return (a * b).sum(1) / (a.norm(dim=1) * b.norm(dim=1))
+
+        logits = torch.stack([cosine(z, z_global), cosine(z, z_previous)], 1) / tau
+        return F.cross_entropy(logits, torch.zeros(len(z), dtype=torch.long))
+
+
+def test_moon_matches_reference(cifar_root, tmp_path):
+    mu, tau, lr = 5.0, 0.5, 0.05
+    setup = moon_setup(cifar_root, tmp_path, rounds=4)
+    final = fit(algorithm=MOON(mu=mu, tau=tau, projection_dim=PROJECTION),
+                client_optimizer=ClientOptimizerArgs(lr=lr), **setup)
+
+    problem = LinearProblem(cifar_root, tmp_path)
+    x, shapes = moon_initial_params(problem.num_classes)
+    moon = MoonProblem(problem, shapes)
+    previous_models = {}
+    for r in range(setup["federation"].rounds):
+        clients = sampled(r, setup)
+        total = sum(problem.num_samples(c) for c in clients)
+        update = torch.zeros_like(x)
+        for c in clients:
+            y = x.clone()
+            for _ in range(setup["federation"].local_epochs):
+                y.requires_grad_(True)
+                loss = moon.cross_entropy(y, c)
+                if c in previous_models:
+                    loss = loss + mu * moon.contrastive(y, x, previous_models[c], c, tau)
+                (gradient,) = torch.autograd.grad(loss, y)
+                y = y.detach() - lr * gradient
+            previous_models[c] = y
+            update += problem.num_samples(c) / total * (y - x)
+        x = x + update
+    assert returning_after_a_gap(setup)
+    assert_close(final, x)
+    checkpoint = last_checkpoint(tmp_path)
+    for c, previous in previous_models.items():
+        assert_close(checkpoint["client_states"][c]["previous_model"], previous)
+
+
+def test_moon_contrastive_term_is_zero_on_a_clients_first_round_only(cifar_root, tmp_path):
+    def run(mu, rounds):
+        setup = moon_setup(cifar_root, tmp_path / f"mu{mu}_rounds{rounds}", rounds=rounds, eval_every=rounds)
+        return fit(algorithm=MOON(mu=mu, projection_dim=PROJECTION), client_optimizer=ClientOptimizerArgs(lr=0.05),
+                   **setup)
+
+    # Round 1: every client is new, so mu changes nothing.
+    torch.testing.assert_close(run(5.0, 1), run(0.0, 1), rtol=0, atol=0)
+    # Round 2 brings back clients of round 1 (with this seed), and the term acts on them.
+    assert returning(moon_setup(cifar_root, tmp_path, rounds=2))
+    assert (run(5.0, 2) - run(0.0, 2)).abs().max() > 1e-4
+
+
+STATEFUL = {
+    "scaffold": (SCAFFOLD, "linear"),
+    "feddyn": (lambda: FedDyn(alpha=0.1), "linear"),
+    "moon": (lambda: MOON(projection_dim=PROJECTION), "mlp"),
+}
+
+
+def stateful_setup(name, root, out_dir, **federation):
+    setup = moon_setup(root, out_dir, **federation) if STATEFUL[name][1] == "mlp" else small_setup(
+        root, out_dir, **federation)
+    setup["client_optimizer"] = ClientOptimizerArgs(lr=0.05, momentum=0.5)
+    return setup
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", STATEFUL)
+def test_two_ranks_give_the_same_model_as_one(cifar_root, tmp_path, name):
+    make = STATEFUL[name][0]
+    setup = stateful_setup(name, cifar_root, tmp_path / "one", rounds=3)
+    assert returning(setup)
+    single = fit(algorithm=make(), **setup)
+    setup.update(out_dir=tmp_path / "two", fabric=FabricArgs(accelerator="cpu", devices=2, strategy="ddp_spawn"))
+    double = fit(algorithm=make(), **setup)
+    torch.testing.assert_close(double, single, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", STATEFUL)
+def test_resume_from_mid_run_checkpoint_reproduces_the_uninterrupted_run(cifar_root, tmp_path, name):
+    make = STATEFUL[name][0]
+
+    def run(out_dir, rounds, resume):
+        setup = stateful_setup(name, cifar_root, out_dir, rounds=rounds, eval_every=1)
+        setup["resume"] = resume
+        return fit(algorithm=make(), **setup)
+
+    setup = stateful_setup(name, cifar_root, tmp_path, rounds=4)
+    assert set(sampled(0, setup) + sampled(1, setup)) & set(sampled(2, setup) + sampled(3, setup))  # state is read back
+    uninterrupted = run(tmp_path / "a", 4, None)
+    run(tmp_path / "b", 2, None)
+    resumed = run(tmp_path / "b", 4, "auto")
+    torch.testing.assert_close(resumed, uninterrupted, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("make, field", [
+    (lambda: FedDyn(alpha=0.0), "algorithm.init_args.alpha"),
+    (lambda: FedDyn(alpha=-0.01), "algorithm.init_args.alpha"),
+    (lambda: MOON(mu=-1.0), "algorithm.init_args.mu"),
+    (lambda: MOON(tau=0.0), "algorithm.init_args.tau"),
+    (lambda: MOON(tau=-0.5), "algorithm.init_args.tau"),
+    (lambda: MOON(projection_dim=0), "algorithm.init_args.projection_dim"),
+])
+def test_bad_hyperparameters_are_config_errors(make, field):
+    with pytest.raises(ConfigError) as error:
+        make()
+    assert error.value.field_name == field
+
+
+def test_moon_head_follows_the_networks_biases():
+    network = create_model("lenet5", num_classes=10, in_channels=3, image_size=32, bias=False)
+    moon_network = MOON().prepare_model(network)
+    assert all(p.ndim >= 2 for p in moon_network.parameters())
+    inputs = torch.randn(4, 3, 32, 32)
+    assert moon_network.forward_features(inputs).shape == (4, 256)
+    assert torch.equal(moon_network(inputs), moon_network.classifier(moon_network.forward_features(inputs)))
+
+
+def test_moon_options_are_written_back_to_the_config(cifar_root, tmp_path):
+    setup = moon_setup(cifar_root, tmp_path, rounds=1)
+    fit(algorithm=MOON(mu=2.0, tau=0.3, projection_dim=PROJECTION), **setup)
+    config = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert config["algorithm"] == {"class_path": "fl_lightning.algorithms.moon.MOON",
+                                   "init_args": {"mu": 2.0, "tau": 0.3, "projection_dim": PROJECTION}}
