@@ -83,7 +83,7 @@ class LocalSGD:
             else:
                 self.momentum_buffer.mul_(args.momentum).add_(direction)
             direction = direction + args.momentum * self.momentum_buffer if args.nesterov else self.momentum_buffer
-        params.sub_(args.lr * direction)
+        params.add_(direction, alpha=-args.lr)
 
 
 @dataclass
@@ -108,17 +108,22 @@ class ClientRun:
     _positions: list[torch.Tensor]
     _sample_indices: torch.Tensor
     _generator: torch.Generator
-    losses: list[float] = field(default_factory=list)
+    losses: list[torch.Tensor] = field(default_factory=list)
 
     def batches(self) -> Iterator[Batch]:
         """The client's `num_steps` mini-batches, augmented and normalised on the device."""
         for positions in self._positions:
             yield self._trainer.make_batch(self._sample_indices[positions], self._generator)
 
-    def loss_and_grad(self, params: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """The module's training loss at flat `params` on `batch`, and its gradient (flat)."""
-        loss, gradient = self._trainer.loss_and_grad(params, self.buffers, batch)
-        self.losses.append(loss.item())
+    def loss_and_grad(self, params: torch.Tensor, batch: Batch, training_pass: bool = True
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The module's training loss at flat `params` on `batch`, and its gradient (flat).
+
+        A training pass updates this client's BatchNorm running statistics and counts towards its
+        train loss; an extra evaluation on the same batch (FedSAM's ascent point) does neither."""
+        loss, gradient = self._trainer.loss_and_grad(params, self.buffers if training_pass else self.buffers.clone(), batch)
+        if training_pass:
+            self.losses.append(loss)
         return loss, gradient
 
     def features(self, params: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
@@ -132,7 +137,8 @@ class ClientRun:
 
     @property
     def mean_loss(self) -> float:
-        return float(np.mean(self.losses)) if self.losses else float("nan")
+        # One host sync per client rather than one per step.
+        return torch.stack(self.losses).mean().item() if self.losses else float("nan")
 
 
 class ForwardFeaturesCall(nn.Module):

@@ -6,12 +6,12 @@ Shared mechanics (sampling, weights, flattening, the all-reduce, checkpoints) li
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Callable, ClassVar, Literal, Optional
 
 import torch
 from torch import nn
 
-from fl_lightning.client import ClientRun
+from fl_lightning.client import Batch, ClientRun
 from fl_lightning.server_optimizers import ServerOptimizer
 
 PSEUDO_GRADIENT = "pseudo_gradient"
@@ -87,17 +87,22 @@ class Algorithm:
         self.server_optimizer.load_state_dict(state["server_optimizer"], device)
 
 
-def train_locally(client: ClientRun, correction=None) -> torch.Tensor:
+Direction = Callable[[torch.Tensor, torch.Tensor, Batch], torch.Tensor]
+
+
+def train_locally(client: ClientRun, direction: Optional[Direction] = None) -> torch.Tensor:
     """The local SGD loop shared by the local-update methods: returns the final local model y.
 
-    `correction(y)` (optional) is added to each mini-batch gradient before the optimizer step
-    (SCAFFOLD's c - c_i, FedProx's mu (y - x), ...).
+    `direction(y, g, batch)` (optional) turns each mini-batch gradient g at y into what the local
+    optimizer steps along: SCAFFOLD adds c - c_i, FedProx mu (y - x), FedAvg-M mixes in the global
+    direction, FedSAM re-evaluates g at its ascent point. Weight decay and a constraint's projection
+    are the optimizer's and come after.
     """
     params = client.global_params.clone()
     optimizer = client.local_sgd()
     for batch in client.batches():
         _, gradient = client.loss_and_grad(params, batch)
-        if correction is not None:
-            gradient = gradient + correction(params)
+        if direction is not None:
+            gradient = direction(params, gradient, batch)
         optimizer.step(params, gradient)
     return params

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from fl_lightning.algorithms.base import PSEUDO_GRADIENT, Algorithm
+from fl_lightning.algorithms.base import PSEUDO_GRADIENT, Algorithm, train_locally
 from fl_lightning.client import ClientRun
 from fl_lightning.config import ConfigError
 
@@ -51,13 +51,10 @@ class FedAvgMomentum(Algorithm):
         return {"global_direction": torch.zeros(num_params, device=device)}
 
     def client_update(self, client: ClientRun) -> dict[str, torch.Tensor]:
-        # The mix scales the gradient, so it is no additive correction for train_locally.
         global_share = (1 - self.gradient_weight) * self.server_state["global_direction"]
-        local_params = client.global_params.clone()
-        optimizer = client.local_sgd()
-        for batch in client.batches():
-            _, gradient = client.loss_and_grad(local_params, batch)
-            optimizer.step(local_params, self.gradient_weight * gradient + global_share)
+        local_params = train_locally(
+            client, direction=lambda _, gradient, __: self.gradient_weight * gradient + global_share
+        )
         update = client.global_params - local_params
         return {PSEUDO_GRADIENT: update, MEAN_LOCAL_STEP: update / (client.optimizer_args.lr * client.num_steps)}
 

@@ -48,7 +48,7 @@ class FedDyn(Algorithm):
         global_params = client.global_params
         client_h = client.state.get(CLIENT_H, torch.zeros_like(global_params))
         local_params = train_locally(
-            client, correction=lambda params: self.alpha * (params - global_params) - client_h
+            client, direction=lambda params, gradient, _: gradient + self.alpha * (params - global_params) - client_h
         )
         local_change = local_params - global_params
         client.state[CLIENT_H] = client_h - self.alpha * local_change

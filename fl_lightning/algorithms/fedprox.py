@@ -25,5 +25,7 @@ class FedProx(Algorithm):
 
     def client_update(self, client: ClientRun) -> dict[str, torch.Tensor]:
         global_params = client.global_params
-        local_params = train_locally(client, correction=lambda params: self.mu * (params - global_params))
+        local_params = train_locally(
+            client, direction=lambda params, gradient, _: gradient + self.mu * (params - global_params)
+        )
         return {PSEUDO_GRADIENT: global_params - local_params}

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from fl_lightning.algorithms.base import PSEUDO_GRADIENT, Algorithm
+from fl_lightning.algorithms.base import PSEUDO_GRADIENT, Algorithm, train_locally
 from fl_lightning.client import Batch, ClientRun
 from fl_lightning.config import ConfigError
 
@@ -25,21 +25,11 @@ class FedSAM(Algorithm):
         self.rho = rho
 
     def client_update(self, client: ClientRun) -> dict[str, torch.Tensor]:
-        local_params = client.global_params.clone()
-        optimizer = client.local_sgd()
-        for batch in client.batches():
-            _, gradient = client.loss_and_grad(local_params, batch)
+        def gradient_at_ascent_point(params: torch.Tensor, gradient: torch.Tensor, batch: Batch) -> torch.Tensor:
             ascent = self.rho / (gradient.norm() + 1e-12) * gradient
-            optimizer.step(local_params, gradient_at_ascent_point(client, local_params + ascent, batch))
+            # Not a training step: BatchNorm statistics and the recorded loss stay the first pass's.
+            return client.loss_and_grad(params + ascent, batch, training_pass=False)[1]
+
+        local_params = train_locally(client, direction=gradient_at_ascent_point)
         return {PSEUDO_GRADIENT: client.global_params - local_params}
 
-
-def gradient_at_ascent_point(client: ClientRun, params: torch.Tensor, batch: Batch) -> torch.Tensor:
-    """The gradient at `params` on `batch`, by a pass that does not count as a training step: the
-    BatchNorm running stats it updates and the loss it records are put back, so both reflect the
-    step's first pass only, as in FedAvg."""
-    running_stats = client.buffers.clone()
-    _, gradient = client.loss_and_grad(params, batch)
-    client.buffers.copy_(running_stats)
-    client.losses.pop()
-    return gradient

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fl_lightning.algorithms.base import PSEUDO_GRADIENT, Algorithm
-from fl_lightning.client import ClientRun
+from fl_lightning.algorithms.base import PSEUDO_GRADIENT, Algorithm, train_locally
+from fl_lightning.client import Batch, ClientRun
 from fl_lightning.config import ConfigError
 from fl_lightning.models import FeatureClassifier
 
@@ -82,13 +82,12 @@ class MOON(Algorithm):
 
     def client_update(self, client: ClientRun) -> dict[str, torch.Tensor]:
         previous_model = client.state.get(PREVIOUS_MODEL)
-        local_params = client.global_params.clone()
-        optimizer = client.local_sgd()
-        for batch in client.batches():
-            _, gradient = client.loss_and_grad(local_params, batch)
-            if previous_model is not None and self.mu:
-                gradient = gradient + self.contrastive_gradient(client, local_params, previous_model, batch[0])
-            optimizer.step(local_params, gradient)
+        contrastive = None
+        if previous_model is not None and self.mu:
+            def contrastive(params: torch.Tensor, gradient: torch.Tensor, batch: Batch) -> torch.Tensor:
+                return gradient + self.contrastive_gradient(client, params, previous_model, batch[0])
+
+        local_params = train_locally(client, direction=contrastive)
         client.state[PREVIOUS_MODEL] = local_params
         return {PSEUDO_GRADIENT: client.global_params - local_params}
 

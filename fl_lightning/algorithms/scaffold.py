@@ -56,7 +56,7 @@ class SCAFFOLD(Algorithm):
         server_control = self.server_state[CONTROL]
         client_control = client.state.get(CONTROL, torch.zeros_like(server_control))
         drift_correction = server_control - client_control
-        local_params = train_locally(client, correction=lambda params: drift_correction)
+        local_params = train_locally(client, direction=lambda _, gradient, __: gradient + drift_correction)
         model_change = client.global_params - local_params
         new_client_control = client_control - server_control + model_change / self.step_length(client)
         client.state[CONTROL] = new_client_control
