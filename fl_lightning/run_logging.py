@@ -76,6 +76,9 @@ def start_wandb(logger, hyperparameters: dict) -> Optional[object]:
         logger.experiment
     except Exception as err:  # wandb raises several error types when the server is unreachable
         warnings.warn(f"W&B online init failed ({err}); logging offline instead", stacklevel=2)
+        import wandb
+
+        wandb.teardown()  # the failed run still holds its id in the W&B service
         logger._wandb_init["mode"] = "offline"
         logger.experiment
     logger.log_hyperparams(hyperparameters)

@@ -3,6 +3,8 @@
 import json
 from pathlib import Path
 
+import pytest
+
 from fl_lightning.cli import main
 from fl_lightning.run_logging import MetricsLog, read_metrics
 
@@ -29,3 +31,14 @@ def test_metrics_log_drops_rows_past_the_resumed_checkpoint(tmp_path):
         log.append({"round": r, "train_loss": float(r)})
     MetricsLog(tmp_path, resumed_round=3)
     assert [row["round"] for row in read_metrics(tmp_path)] == [1, 2, 3]
+
+
+def test_unreachable_wandb_server_falls_back_to_offline(tmp_path, monkeypatch):
+    # A closed local port stands in for an unreachable server: the connection is refused at once.
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
+    with pytest.warns(UserWarning, match="logging offline instead"):
+        main(["fit", "--config", QUICKSTART, "--federation.rounds", "1", "--logger.wandb_mode", "online",
+              "--logger.progress_bar", "false", "--out_dir", str(tmp_path)])
+    assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert [row["round"] for row in read_metrics(tmp_path)] == [1]
