@@ -170,11 +170,9 @@ def train(fabric, run: FederatedRun) -> None:
     test_transform = DeviceTransform(run.test.mean, run.test.std, augment=False)
     trainer = LocalTrainer(fabric, module, train_images, train_labels, train_transform, param_layout, buffer_layout,
                            run.constraint)
-    client_states = ClientStates()
-    if run.resume_state is not None:
-        owned = {c: st for c, st in run.resume_state["client_states"].items()
-                 if c % fabric.world_size == fabric.global_rank}
-        client_states = ClientStates(owned)
+    saved_states = {} if run.resume_state is None else run.resume_state["client_states"]
+    client_states = ClientStates({c: state for c, state in saved_states.items()
+                                  if c % fabric.world_size == fabric.global_rank})
     client_indices = [torch.as_tensor(p, dtype=torch.long) for p in run.partition]
     sizes = [len(p) for p in run.partition]
     weighting = federation.weighting or algorithm.default_weighting
@@ -204,8 +202,9 @@ def train(fabric, run: FederatedRun) -> None:
             client = trainer.client_run(
                 client_id=client_id, round_index=round_index, seed=run.seed,
                 sample_indices=client_indices[client_id], global_params=params, global_buffers=global_buffers,
-                state=client_states.get(client_id, device), batch_size=federation.batch_size, local_steps=federation.local_steps,
-                local_epochs=federation.local_epochs, optimizer_args=run.client_optimizer,
+                state=client_states.get(client_id, device), batch_size=federation.batch_size,
+                local_steps=federation.local_steps, local_epochs=federation.local_epochs,
+                optimizer_args=run.client_optimizer,
             )
             uploads = algorithm.client_update(client)
             if stateful:
@@ -252,7 +251,6 @@ def train(fabric, run: FederatedRun) -> None:
         progress.close()
     if logger is not None:
         finish_wandb(logger)
-
 
 
 def _save(fabric, run: FederatedRun, module, algorithm: Algorithm, client_states: Optional[ClientStates],
