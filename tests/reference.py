@@ -56,17 +56,24 @@ class LinearProblem:
         model = create_model("linear", num_classes=self.num_classes, in_channels=3, image_size=32)
         return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double()
 
-    def loss(self, params: torch.Tensor, client: int) -> torch.Tensor:
+    def loss_on(self, params: torch.Tensor, samples: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy over `samples` (training-set indices)."""
         features = self.inputs.shape[1]
         weight = params[: self.num_classes * features].view(self.num_classes, features)
         bias = params[self.num_classes * features:]
-        idx = self.client_samples[client]
-        return F.cross_entropy(self.inputs[idx] @ weight.T + bias, self.labels[idx])
+        return F.cross_entropy(self.inputs[samples] @ weight.T + bias, self.labels[samples])
+
+    def grad_on(self, params: torch.Tensor, samples: torch.Tensor) -> torch.Tensor:
+        params = params.detach().clone().requires_grad_(True)
+        (gradient,) = torch.autograd.grad(self.loss_on(params, samples), params)
+        return gradient
+
+    def loss(self, params: torch.Tensor, client: int) -> torch.Tensor:
+        """The client's full-batch loss."""
+        return self.loss_on(params, self.client_samples[client])
 
     def grad(self, params: torch.Tensor, client: int) -> torch.Tensor:
-        params = params.detach().clone().requires_grad_(True)
-        (gradient,) = torch.autograd.grad(self.loss(params, client), params)
-        return gradient
+        return self.grad_on(params, self.client_samples[client])
 
     def num_samples(self, client: int) -> int:
         return len(self.client_samples[client])

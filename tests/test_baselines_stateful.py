@@ -44,17 +44,6 @@ def returning_after_a_gap(setup):
     }
 
 
-def linear_batch_grad(problem, params, indices):
-    """Gradient of the linear model's mean cross-entropy on the given training samples."""
-    params = params.detach().clone().requires_grad_(True)
-    features = problem.inputs.shape[1]
-    weight = params[: problem.num_classes * features].view(problem.num_classes, features)
-    bias = params[problem.num_classes * features:]
-    loss = F.cross_entropy(problem.inputs[indices] @ weight.T + bias, problem.labels[indices])
-    (gradient,) = torch.autograd.grad(loss, params)
-    return gradient
-
-
 def client_batches(problem, setup, round_index, client):
     """The client's mini-batches (as training-sample indices), drawn as every client draws them."""
     federation = setup["federation"]
@@ -98,7 +87,7 @@ def test_scaffold_matches_reference_with_controls_kept_across_skipped_rounds(
             y, buffer = x.clone(), None
             batches = client_batches(problem, setup, r, c)
             for indices in batches:
-                d = linear_batch_grad(problem, y, indices) - control + server_control
+                d = problem.grad_on(y, indices) - control + server_control
                 buffer = d if buffer is None else momentum * buffer + d
                 y = y - lr * ((d + momentum * buffer if nesterov else buffer) if momentum else d)
             step_length = (distance_along_constant_direction(len(batches), lr, momentum, nesterov)

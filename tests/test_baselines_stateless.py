@@ -3,7 +3,6 @@
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from fl_lightning.algorithms import SHORT_NAMES, FedAvg
 from fl_lightning.algorithms.fedavg_m import FedAvgMomentum
@@ -122,7 +121,7 @@ def mixed_direction_reference(problem, setup, gradient_weight, gamma, batches=No
             y = x.clone()
             steps = ([None] * setup["federation"].local_epochs) if batches is None else batches(r, c)
             for samples in steps:
-                g = problem.grad(y, c) if samples is None else minibatch_grad(problem, y, samples)
+                g = problem.grad(y, c) if samples is None else problem.grad_on(y, samples)
                 y = y - LR * (gradient_weight * g + (1 - gradient_weight) * global_direction)
             update += (y - x) / len(clients)
             next_direction += (x - y) / (LR * len(steps)) / len(clients)
@@ -143,17 +142,6 @@ def test_mixed_direction_methods_match_reference(cifar_root, tmp_path, algorithm
                 server_optimizer=ServerSGD(lr=0.9), **setup)
     problem = LinearProblem(cifar_root, tmp_path)
     assert_close(final, mixed_direction_reference(problem, setup, gradient_weight, gamma=0.9))
-
-
-def minibatch_grad(problem, params, samples):
-    """Gradient of the linear model's mean cross-entropy over `samples` (training-set indices)."""
-    params = params.detach().clone().requires_grad_(True)
-    features = problem.inputs.shape[1]
-    weight = params[: problem.num_classes * features].view(problem.num_classes, features)
-    bias = params[problem.num_classes * features:]
-    loss = F.cross_entropy(problem.inputs[samples] @ weight.T + bias, problem.labels[samples])
-    (gradient,) = torch.autograd.grad(loss, params)
-    return gradient
 
 
 def test_fedavg_m_divides_each_update_by_the_clients_own_step_count(cifar_root, tmp_path):
