@@ -7,7 +7,7 @@ import torch
 
 from fl_lightning.algorithms import CTPFL, FedAvg
 from fl_lightning.config import ClientOptimizerArgs, FabricArgs
-from fl_lightning.federation import aggregation_weights, clients_of_rank, sample_clients
+from fl_lightning.federation import ClientStates, aggregation_weights, clients_of_rank, sample_clients
 from fl_lightning.fit import fit
 from fl_lightning.run_logging import read_metrics
 from reference import small_setup
@@ -71,3 +71,20 @@ def test_run_outputs(cifar_root, tmp_path):
     indices = [i for part in partition.values() for i in part]
     assert sorted(indices) == list(range(240))
     assert (tmp_path / "config.yaml").exists() and (tmp_path / "partition.png").exists()
+
+
+def test_client_state_costs_its_raw_size_on_the_host():
+    """One float32 vector per name per client that trained, kept off the accelerator, copied (not
+    aliased) so the round's working tensors can be freed."""
+    states = ClientStates()
+    num_params, trained = 1000, [3, 7, 42]
+    for client in trained:
+        working = torch.full((num_params,), float(client))
+        states.put(client, {"control": working})
+        working.zero_()
+    assert sorted(states.by_client) == trained
+    stored = [t for state in states.by_client.values() for t in state.values()]
+    assert sum(t.numel() * t.element_size() for t in stored) == len(trained) * num_params * 4
+    assert all(t.device.type == "cpu" for t in stored)
+    assert states.get(7, torch.device("cpu"))["control"].eq(7.0).all()
+    assert states.get(5, torch.device("cpu")) == {}
