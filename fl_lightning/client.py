@@ -176,27 +176,25 @@ class LocalTrainer:
         indices = indices.to(self.train_images.device)
         return self.transform(self.train_images[indices], generator), self.train_labels[indices]
 
-    def loss_and_grad(self, params: torch.Tensor, buffers: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        params = params.detach().requires_grad_(True)
+    def _train_mode_call(self, call: nn.Module, params: torch.Tensor, buffers: torch.Tensor, argument):
+        """`call(argument)` in train mode with the module's tensors replaced by views of the flat
+        `params` and `buffers` (which BatchNorm's running statistics update in place)."""
         tensors = {**self.param_layout.views(params), **self.buffer_layout.views(buffers)}
         tensors.update({n: b.clone() for n, b in self.integer_buffers.items()})
-        tensors = {TrainingStepCall.prefix + n: t for n, t in tensors.items()}
         self.module.train()
         with self.fabric.autocast():
-            loss = functional_call(self.call, tensors, (batch,))
+            return functional_call(call, {TrainingStepCall.prefix + n: t for n, t in tensors.items()}, (argument,))
+
+    def loss_and_grad(self, params: torch.Tensor, buffers: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        params = params.detach().requires_grad_(True)
+        loss = self._train_mode_call(self.call, params, buffers, batch)
         (gradient,) = torch.autograd.grad(loss, params)
         return loss.detach(), gradient
 
     def features(self, params: torch.Tensor, buffers: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
         # A copy of the buffers: in train mode BatchNorm normalises with the batch's statistics, as
         # in `loss_and_grad`, but its running statistics must not be updated a second time.
-        tensors = {**self.param_layout.views(params), **self.buffer_layout.views(buffers.clone())}
-        tensors.update({n: b.clone() for n, b in self.integer_buffers.items()})
-        tensors = {TrainingStepCall.prefix + n: t for n, t in tensors.items()}
-        self.module.train()
-        with self.fabric.autocast():
-            features = functional_call(self.features_call, tensors, (inputs,))
-        return features.float()
+        return self._train_mode_call(self.features_call, params, buffers.clone(), inputs).float()
 
     def client_run(self, *, client_id: int, round_index: int, seed: int, sample_indices: torch.Tensor,
                    global_params: torch.Tensor, global_buffers: torch.Tensor, state: dict[str, torch.Tensor],
