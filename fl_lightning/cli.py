@@ -1,4 +1,5 @@
-"""The command line: `fl-lightning fit --config FILE [--group.field value ...]`."""
+"""The command line: `fl-lightning fit --config FILE [--group.field value ...]` and
+`fl-lightning compare --runs [DIR, ...]`."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ from typing import Optional
 from jsonargparse import ArgumentParser, auto_parser, set_parsing_settings
 
 from fl_lightning.algorithms import SHORT_NAMES
+from fl_lightning.compare import compare
 from fl_lightning.config import ConfigError
 from fl_lightning.fit import fit
 
-COMMANDS = {"fit": fit}
+COMMANDS = {"fit": fit, "compare": compare}
 
 
 def build_parser() -> ArgumentParser:
