@@ -47,6 +47,7 @@ CENTRALISED = "centralised"
 NAIVE_FEDERATED = "naive federated"
 FL_LIGHTNING_FEDAVG = "fl-lightning FedAvg"
 FL_LIGHTNING_CTPFL = "fl-lightning CTP-FL"
+FL_LIGHTNING_CTPFL_VECTORISED = "fl-lightning CTP-FL vmap"
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -195,17 +196,19 @@ class FlLightning:
     def run_round(self, round_index: int) -> None:
         workload, device = self.workload, self.fabric.device
         buffer = UploadBuffer(self.algorithm, self.param_layout.numel, self.buffer_layout.numel, device)
-        for client_id, indices in enumerate(workload.client_indices):
-            client = self.trainer.client_run(
+        runs = (
+            self.trainer.client_run(
                 client_id=client_id, round_index=round_index, seed=SEED, sample_indices=indices,
                 global_params=self.params, global_buffers=self.global_buffers, state={},
                 batch_size=workload.batch_size, local_steps=workload.local_steps, local_epochs=None,
                 optimizer_args=self.optimizer_args,
             )
-            uploads = self.algorithm.client_update(client)
+            for client_id, indices in enumerate(workload.client_indices)
+        )
+        for client, uploads in self.algorithm.client_updates(runs):
             uploads["buffers"] = client.buffers
             uploads["train_loss"] = torch.tensor([client.mean_loss], device=device)
-            buffer.add(uploads, self.weights[client_id])
+            buffer.add(uploads, self.weights[client.client_id])
         aggregate = buffer.reduced(self.fabric)
         self.algorithm.server_update(self.params, aggregate)
         self.global_buffers.copy_(aggregate["buffers"])
@@ -221,6 +224,8 @@ def build_methods(fabric: Fabric, model_name: str,
         # Server lr 1 is plain averaging, the same update as the naive loop's.
         FlLightning(FL_LIGHTNING_FEDAVG, fabric, network, workload, FedAvg(), server_lr=1.0),
         FlLightning(FL_LIGHTNING_CTPFL, fabric, network, workload, CTPFL(), server_lr=LEARNING_RATE),
+        FlLightning(FL_LIGHTNING_CTPFL_VECTORISED, fabric, network, workload, CTPFL(vectorise=True),
+                    server_lr=LEARNING_RATE),
     ]
 
 
@@ -263,9 +268,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, float]:
     print(f"device {args.device}{device_name}, precision {args.precision}, torch {torch.__version__}, "
           f"CPU threads: {torch.get_num_threads()}; 1 warm-up round, then the median of {args.repeats} "
           f"timed rounds per method")
-    print(f"{'method':<22}{'samples/s':>12}{'min':>12}{'max':>12}{'vs centralised':>16}")
+    print(f"{'method':<26}{'samples/s':>12}{'min':>12}{'max':>12}{'vs centralised':>16}")
     for name, values in rates.items():
-        print(f"{name:<22}{medians[name]:>12.1f}{min(values):>12.1f}{max(values):>12.1f}"
+        print(f"{name:<26}{medians[name]:>12.1f}{min(values):>12.1f}{max(values):>12.1f}"
               f"{medians[name] / ceiling:>16.2f}")
     return medians
 

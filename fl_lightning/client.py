@@ -131,6 +131,10 @@ class ClientRun:
         computed as in training, without touching this client's running statistics."""
         return self._trainer.features(params, self.buffers, inputs)
 
+    @property
+    def batch_sizes(self) -> list[int]:
+        return [len(positions) for positions in self._positions]
+
     def local_sgd(self) -> LocalSGD:
         """A fresh local optimizer (momentum reset) that applies the round's constraint, if any."""
         return LocalSGD(self.optimizer_args, self.projection)
@@ -152,6 +156,24 @@ class ForwardFeaturesCall(nn.Module):
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         return self.module.network.forward_features(inputs)
+
+
+def vectorisable(clients: list[ClientRun]) -> bool:
+    """Whether these clients' gradients can be computed together by `group_loss_and_grads`: more
+    than one, a model without buffers (BatchNorm statistics must stay per client) and the same
+    sequence of batch sizes for all."""
+    trainer = clients[0]._trainer if clients else None
+    return (len(clients) > 1 and trainer.buffer_layout.numel == 0 and not trainer.integer_buffers
+            and len({tuple(client.batch_sizes) for client in clients}) == 1)
+
+
+def group_loss_and_grads(clients: list[ClientRun], params: torch.Tensor, batches: list[Batch]) -> torch.Tensor:
+    """Every client's gradient at the same `params`, each on its own batch, in one vectorised pass
+    (rows in the clients' order); each client records its loss as `loss_and_grad` would."""
+    losses, gradients = clients[0]._trainer.loss_and_grads_per_client(params, batches)
+    for client, loss in zip(clients, losses):
+        client.losses.append(loss)
+    return gradients
 
 
 class LocalTrainer:
@@ -190,6 +212,22 @@ class LocalTrainer:
         loss = self._train_mode_call(self.call, params, buffers, batch)
         (gradient,) = torch.autograd.grad(loss, params)
         return loss.detach(), gradient
+
+    def loss_and_grads_per_client(self, params: torch.Tensor, batches: list[Batch]
+                                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each client's training loss at the same flat `params` on its own batch, and its gradient:
+        one vectorised forward/backward (`torch.func.vmap`) over the clients' stacked batches
+        instead of one per client. Only for models without buffers, whose per-client results do
+        not depend on batch statistics kept across calls."""
+        def loss_at(shared_params: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            return self._train_mode_call(self.call, shared_params, torch.zeros(0, device=shared_params.device),
+                                         (inputs, targets))
+
+        inputs = torch.stack([inputs for inputs, _ in batches])
+        targets = torch.stack([targets for _, targets in batches])
+        gradients, losses = torch.func.vmap(torch.func.grad_and_value(loss_at), in_dims=(None, 0, 0))(
+            params.detach(), inputs, targets)
+        return losses.detach(), gradients
 
     def features(self, params: torch.Tensor, buffers: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
         # A copy of the buffers: in train mode BatchNorm normalises with the batch's statistics, as

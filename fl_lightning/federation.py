@@ -198,15 +198,18 @@ def train(fabric, run: FederatedRun) -> None:
         clients = sample_clients(run.seed, round_index, federation.num_clients, federation.clients_per_round)
         weights = aggregation_weights(clients, sizes, weighting)
         buffer = UploadBuffer(algorithm, param_layout.numel, buffer_layout.numel, device)
-        for client_id in clients_of_rank(clients, fabric.global_rank, fabric.world_size, stateful):
-            client = trainer.client_run(
+        runs = (
+            trainer.client_run(
                 client_id=client_id, round_index=round_index, seed=run.seed,
                 sample_indices=client_indices[client_id], global_params=params, global_buffers=global_buffers,
                 state=client_states.get(client_id, device), batch_size=federation.batch_size,
                 local_steps=federation.local_steps, local_epochs=federation.local_epochs,
                 optimizer_args=run.client_optimizer,
             )
-            uploads = algorithm.client_update(client)
+            for client_id in clients_of_rank(clients, fabric.global_rank, fabric.world_size, stateful)
+        )
+        for client, uploads in algorithm.client_updates(runs):
+            client_id = client.client_id
             if stateful:
                 client_states.put(client_id, client.state)
             uploads["buffers"] = client.buffers

@@ -25,7 +25,7 @@ def test_prints_every_method_with_a_positive_rate(throughput, capsys):
                                "--repeats", "1"])
     printed = capsys.readouterr().out
     methods = [throughput.CENTRALISED, throughput.NAIVE_FEDERATED, throughput.FL_LIGHTNING_FEDAVG,
-               throughput.FL_LIGHTNING_CTPFL]
+               throughput.FL_LIGHTNING_CTPFL, throughput.FL_LIGHTNING_CTPFL_VECTORISED]
     assert list(medians) == methods
     for method in methods:
         row = re.search(rf"^{re.escape(method)}\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$", printed, re.MULTILINE)
