@@ -57,6 +57,13 @@ def batch_positions(
     return list(torch.cat(permutations)[:needed].split(batch_size))
 
 
+def clip_to_norm(vector: torch.Tensor, max_norm: Optional[float]) -> torch.Tensor:
+    """`vector` scaled down to L2 norm `max_norm` if longer (unchanged when max_norm is None)."""
+    if max_norm is None:
+        return vector
+    return vector * min(1.0, max_norm / (vector.norm().item() + 1e-12))
+
+
 class LocalSGD:
     """SGD with momentum, weight decay, Nesterov and clipping, written out on flat vectors.
 
@@ -72,8 +79,7 @@ class LocalSGD:
 
     def step(self, params: torch.Tensor, gradient: torch.Tensor) -> None:
         args = self.args
-        if args.grad_clip_norm is not None:
-            gradient = gradient * min(1.0, args.grad_clip_norm / (gradient.norm().item() + 1e-12))
+        gradient = clip_to_norm(gradient, args.grad_clip_norm)
         direction = gradient + args.weight_decay * params if args.weight_decay else gradient
         if self.project is not None:
             direction = self.project(direction)
@@ -93,7 +99,6 @@ class ClientRun:
     client_id: int
     round: int
     num_samples: int
-    num_steps: int
     global_params: torch.Tensor
     """The global model x as a flat vector (read only)."""
     buffers: torch.Tensor
@@ -130,6 +135,10 @@ class ClientRun:
         """The network's `forward_features` at flat `params` on `inputs`, differentiable in `params`;
         computed as in training, without touching this client's running statistics."""
         return self._trainer.features(params, self.buffers, inputs)
+
+    @property
+    def num_steps(self) -> int:
+        return len(self._positions)
 
     @property
     def batch_sizes(self) -> list[int]:
@@ -245,7 +254,6 @@ class LocalTrainer:
             client_id=client_id,
             round=round_index,
             num_samples=num_samples,
-            num_steps=len(positions),
             global_params=global_params,
             buffers=global_buffers.clone(),
             state=state,

@@ -14,7 +14,7 @@ from typing import Iterable, Iterator, Optional
 import torch
 
 from fl_lightning.algorithms.base import PSEUDO_GRADIENT, Algorithm
-from fl_lightning.client import ClientRun, group_loss_and_grads, vectorisable
+from fl_lightning.client import ClientRun, clip_to_norm, group_loss_and_grads, vectorisable
 from fl_lightning.config import ConfigError
 
 
@@ -65,7 +65,7 @@ class CTPFL(Algorithm):
             query = client.global_params - offset * direction
             _, gradient = client.loss_and_grad(query, batch)
             mean_gradient += self.with_weight_decay(gradient, query)
-        return {PSEUDO_GRADIENT: self.clipped(mean_gradient / client.num_steps)}
+        return {PSEUDO_GRADIENT: clip_to_norm(mean_gradient / client.num_steps, self.clip_norm)}
 
     def client_updates(self, clients: Iterable[ClientRun]) -> Iterator[tuple[ClientRun, dict[str, torch.Tensor]]]:
         """All of a rank's clients query the same points, so when their batches line up the K
@@ -83,15 +83,10 @@ class CTPFL(Algorithm):
             gradients = group_loss_and_grads(clients, query, [next(stream) for stream in streams])
             mean_gradients += self.with_weight_decay(gradients, query)
         for client, mean_gradient in zip(clients, mean_gradients / clients[0].num_steps):
-            yield client, {PSEUDO_GRADIENT: self.clipped(mean_gradient)}
+            yield client, {PSEUDO_GRADIENT: clip_to_norm(mean_gradient, self.clip_norm)}
 
     def with_weight_decay(self, gradient: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
         return gradient + self.weight_decay * query if self.weight_decay else gradient
-
-    def clipped(self, mean_gradient: torch.Tensor) -> torch.Tensor:
-        if self.clip_norm is None:
-            return mean_gradient
-        return mean_gradient * min(1.0, self.clip_norm / (mean_gradient.norm().item() + 1e-12))
 
     def server_update(self, params: torch.Tensor, aggregate: dict[str, torch.Tensor]) -> None:
         self.server_state["direction"] = aggregate[PSEUDO_GRADIENT].clone()
