@@ -20,7 +20,7 @@ import yaml
 from jsonargparse import lazy_instance
 
 from fl_lightning.algorithms import Algorithm
-from fl_lightning.checkpoint import LAST, checkpoint_dir, load_checkpoint, resolve_resume
+from fl_lightning.checkpoint import LAST, checkpoint_dir, resolve_resume
 from fl_lightning.cluster import check_signal_name, check_slurm_allocation
 from fl_lightning.config import (
     CheckpointArgs,
@@ -108,31 +108,30 @@ def fit(
     module = ClassificationModule(network, train_set.num_classes)
 
     algorithm_name = _short_name(algorithm)
-    config = {
-        "algorithm": _as_config(algorithm), "model": _as_config(model), "data": _as_config(data),
-        "federation": _as_config(federation), "client_optimizer": _as_config(client_optimizer),
-        "server_optimizer": _as_config(configured_server_optimizer),
-        "constraint": None if constraint is None else _as_config(constraint), "fabric": _as_config(fabric),
-        "logger": _as_config(logger), "checkpoint": _as_config(checkpoint), "seed": seed,
-        "out_dir": str(out_dir), "resume": None if resume is None else str(resume),
-    }
+    config = _as_config({
+        "algorithm": algorithm, "model": model, "data": data, "federation": federation,
+        "client_optimizer": client_optimizer, "server_optimizer": configured_server_optimizer,
+        "constraint": constraint, "fabric": fabric, "logger": logger, "checkpoint": checkpoint, "seed": seed,
+        "out_dir": out_dir, "resume": None if resume is None else str(resume),
+    })
     run_id = resume_state["run_id"] if resume_state is not None else new_run_id()
-    loggers = [wandb_logger(
+    wandb = wandb_logger(
         logger, out_dir, run_id, default_name=f"{algorithm_name}-seed{seed}",
         default_group=f"{data.name}-alpha{data.alpha}-{model.name}",
         tags=[algorithm_name, data.name, f"alpha={data.alpha}", model.name],
-    )]
+    )
     run = FederatedRun(
         algorithm=algorithm, server_optimizer=server_optimizer, module=module, train=train_set, test=test_set,
         partition=partition, federation=federation, data=data, client_optimizer=client_optimizer, logger=logger,
         checkpoint=checkpoint, seed=seed, out_dir=Path(out_dir), run_id=run_id, hyperparameters=config,
         constraint=constraint, resume_state=resume_state,
     )
-    engine = _build_fabric(fabric, [lg for lg in loggers if lg is not None])
+    engine = _build_fabric(fabric, [] if wandb is None else [wandb])
     # Ranks return nothing: a spawned rank's return value travels through a pipe that a model
     # would block. The final model is the last checkpoint, always written at the end.
     engine.launch(_train_and_record, run)
-    module.load_state_dict(load_checkpoint(checkpoint_dir(out_dir) / LAST)["model"])
+    final = torch.load(checkpoint_dir(out_dir) / LAST, map_location="cpu", weights_only=False)
+    module.load_state_dict(final["model"])
     return FlatLayout.of(module.named_parameters()).flatten(dict(module.named_parameters()))
 
 
