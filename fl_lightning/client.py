@@ -136,6 +136,13 @@ class ClientRun:
         computed as in training, without touching this client's running statistics."""
         return self._trainer.features(params, self.buffers, inputs)
 
+    def frozen_features(self, params: torch.Tensor, buffers: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+        """`forward_features` of a fixed model (flat `params` and float `buffers`) on `inputs` in eval
+        mode, without gradients: BatchNorm normalises with the running statistics in `buffers` (left
+        unchanged), dropout is off."""
+        with torch.no_grad():
+            return self._trainer.features(params, buffers, inputs, training=False)
+
     @property
     def num_steps(self) -> int:
         return len(self._positions)
@@ -207,12 +214,14 @@ class LocalTrainer:
         indices = indices.to(self.train_images.device)
         return self.transform(self.train_images[indices], generator), self.train_labels[indices]
 
-    def _train_mode_call(self, call: nn.Module, params: torch.Tensor, buffers: torch.Tensor, argument):
-        """`call(argument)` in train mode with the module's tensors replaced by views of the flat
-        `params` and `buffers` (which BatchNorm's running statistics update in place)."""
+    def _train_mode_call(self, call: nn.Module, params: torch.Tensor, buffers: torch.Tensor, argument,
+                         training: bool = True):
+        """`call(argument)` in train mode (eval mode if not `training`) with the module's tensors
+        replaced by views of the flat `params` and `buffers` (which BatchNorm's running statistics
+        update in place in train mode)."""
         tensors = {**self.param_layout.views(params), **self.buffer_layout.views(buffers)}
         tensors.update({n: b.clone() for n, b in self.integer_buffers.items()})
-        self.module.train()
+        self.module.train(training)
         with self.fabric.autocast():
             return functional_call(call, {TrainingStepCall.prefix + n: t for n, t in tensors.items()}, (argument,))
 
@@ -238,10 +247,11 @@ class LocalTrainer:
             params.detach(), inputs, targets)
         return losses.detach(), gradients
 
-    def features(self, params: torch.Tensor, buffers: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+    def features(self, params: torch.Tensor, buffers: torch.Tensor, inputs: torch.Tensor,
+                 training: bool = True) -> torch.Tensor:
         # A copy of the buffers: in train mode BatchNorm normalises with the batch's statistics, as
         # in `loss_and_grad`, but its running statistics must not be updated a second time.
-        return self._train_mode_call(self.features_call, params, buffers.clone(), inputs).float()
+        return self._train_mode_call(self.features_call, params, buffers.clone(), inputs, training).float()
 
     def client_run(self, *, client_id: int, round_index: int, seed: int, sample_indices: torch.Tensor,
                    global_params: torch.Tensor, global_buffers: torch.Tensor, state: dict[str, torch.Tensor],

@@ -5,16 +5,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
+from lightning.fabric import Fabric
+from torch import nn
 
+from fl_lightning.algorithms.base import PSEUDO_GRADIENT
 from fl_lightning.algorithms.feddyn import FedDyn
 from fl_lightning.algorithms.moon import MOON
 from fl_lightning.algorithms.scaffold import SCAFFOLD
 from fl_lightning.checkpoint import load_checkpoint
-from fl_lightning.client import CLIENT_STREAM, batch_positions, seeded_generator
+from fl_lightning.client import CLIENT_STREAM, LocalTrainer, batch_positions, seeded_generator
 from fl_lightning.config import ClientOptimizerArgs, ConfigError, FabricArgs, ModelArgs
-from fl_lightning.federation import sample_clients
+from fl_lightning.federation import FlatGlobalModel, sample_clients
 from fl_lightning.fit import fit
-from fl_lightning.models import create_model
+from fl_lightning.models import FeatureClassifier, create_model
+from fl_lightning.module import ClassificationModule
 from fl_lightning.server_optimizers import ServerSGD
 from reference import SEED, LinearProblem, assert_close, small_setup
 
@@ -184,6 +188,7 @@ class MoonProblem:
         return F.cross_entropy(logits, self.problem.labels[self.problem.client_samples[client]])
 
     def contrastive(self, params, global_params, previous_params, client, tau):
+        # z_glob and z_prev are frozen models' (eval mode: the same as train mode for this MLP).
         z = self.projection(params, client)
         z_global = self.projection(global_params, client).detach()
         z_previous = self.projection(previous_params, client).detach()
@@ -213,9 +218,9 @@ def test_moon_matches_reference(cifar_root, tmp_path):
             y = x.clone()
             for _ in range(setup["federation"].local_epochs):
                 y.requires_grad_(True)
-                loss = moon.cross_entropy(y, c)
-                if c in previous_models:
-                    loss = loss + mu * moon.contrastive(y, x, previous_models[c], c, tau)
+                # On a client's first round the global model stands in for the previous one: both
+                # logits are equal and the term's gradient vanishes, so the product leaves it out.
+                loss = moon.cross_entropy(y, c) + mu * moon.contrastive(y, x, previous_models.get(c, x), c, tau)
                 (gradient,) = torch.autograd.grad(loss, y)
                 y = y.detach() - lr * gradient
             previous_models[c] = y
@@ -239,6 +244,89 @@ def test_moon_contrastive_term_is_zero_on_a_clients_first_round_only(cifar_root,
     # Round 2 brings back clients of round 1 (with this seed), and the term acts on them.
     assert returning(moon_setup(cifar_root, tmp_path, rounds=2))
     assert (run(5.0, 2) - run(0.0, 2)).abs().max() > 1e-4
+
+
+class NormalisedEncoder(FeatureClassifier):
+    """Linear -> BatchNorm -> ReLU on flat inputs: a representation that differs between train mode
+    (batch statistics) and eval mode (running statistics)."""
+
+    def __init__(self, in_features, width, num_classes):
+        super().__init__()
+        self.linear = nn.Linear(in_features, width)
+        self.norm = nn.BatchNorm1d(width)
+        self.feature_dim = width
+        self.classifier = nn.Linear(width, num_classes)
+
+    def forward_features(self, x):
+        return torch.relu(self.norm(self.linear(x)))
+
+
+def test_moon_represents_the_global_and_previous_models_in_eval_mode():
+    """z_glob and z_prev use the running statistics of the global and of the previous model; the
+    local model normalises with its batch statistics and updates its own running statistics."""
+    num_samples, in_features, width, num_classes, projection = 24, 6, 5, 3, 4
+    mu, tau, lr, epochs = 5.0, 0.5, 0.1, 3
+    torch.manual_seed(SEED)
+    algorithm = MOON(mu=mu, tau=tau, projection_dim=projection)
+    module = ClassificationModule(algorithm.prepare_model(NormalisedEncoder(in_features, width, num_classes)),
+                                  num_classes)
+    model = FlatGlobalModel.bind(module, torch.device("cpu"))
+    shapes = [tuple(p.shape) for p in module.parameters()]
+    assert shapes == [(width, in_features), (width,), (width,), (width,), (width, width), (width,),
+                      (projection, width), (projection,), (num_classes, projection), (num_classes,)]
+    assert model.buffers.numel() == 2 * width  # running mean and variance
+    # Running statistics far from those of any batch, as after rounds of training elsewhere.
+    model.buffers.copy_(torch.cat([torch.randn(width), torch.rand(width) + 0.5]))
+    previous_params = model.params + 0.3 * torch.randn_like(model.params)
+    previous_buffers = torch.cat([torch.randn(width), torch.rand(width) + 0.5])
+    inputs, labels = torch.randn(num_samples, in_features), torch.randint(num_classes, (num_samples,))
+
+    fabric = Fabric(accelerator="cpu", devices=1, precision="32-true")
+    trainer = LocalTrainer(fabric, module, inputs, labels, lambda images, generator: images,
+                           model.param_layout, model.buffer_layout)
+    client = trainer.client_run(
+        client_id=0, round_index=1, seed=SEED, sample_indices=torch.arange(num_samples),
+        global_params=model.params, global_buffers=model.buffers,
+        state={"previous_model": previous_params.clone(), "previous_buffers": previous_buffers.clone()},
+        batch_size=num_samples, local_steps=None, local_epochs=epochs, optimizer_args=ClientOptimizerArgs(lr=lr))
+    local = model.params - algorithm.client_update(client)[PSEUDO_GRADIENT]
+
+    def unpack(params):
+        return params.split([torch.Size(s).numel() for s in shapes])
+
+    def projected(params, running, training):
+        weight, bias, gamma, beta, a1, c1, a2, c2, _, _ = [c.view(s) for c, s in zip(unpack(params), shapes)]
+        hidden = inputs.double() @ weight.T + bias
+        mean, var = (hidden.mean(0), hidden.var(0, unbiased=False)) if training else running.split(width)
+        hidden = torch.relu((hidden - mean) / torch.sqrt(var + 1e-5) * gamma + beta)
+        return torch.relu(hidden @ a1.T + c1) @ a2.T + c2
+
+    def reference(frozen_in_eval_mode):
+        x, y, running = model.params.double(), model.params.double(), model.buffers.double()
+        z_global = projected(x, running, not frozen_in_eval_mode)
+        z_previous = projected(previous_params.double(), previous_buffers.double(), not frozen_in_eval_mode)
+        for _ in range(epochs):
+            y.requires_grad_(True)
+            z = projected(y, None, True)
+            *_, classifier_weight, classifier_bias = unpack(y)
+            logits = z @ classifier_weight.view(num_classes, projection).T + classifier_bias
+            contrastive = torch.stack([F.cosine_similarity(z, z_global), F.cosine_similarity(z, z_previous)], 1) / tau
+            loss = F.cross_entropy(logits, labels) + mu * F.cross_entropy(contrastive, torch.zeros_like(labels))
+            (gradient,) = torch.autograd.grad(loss, y)
+            # BatchNorm's running statistics (momentum 0.1, unbiased batch variance) of the local model.
+            weight, bias = unpack(y.detach())[:2]
+            hidden = inputs.double() @ weight.view(width, in_features).T + bias
+            running = 0.9 * running + 0.1 * torch.cat([hidden.mean(0), hidden.var(0)])
+            y = y.detach() - lr * gradient
+        return y, running
+
+    expected, expected_buffers = reference(frozen_in_eval_mode=True)
+    assert_close(local, expected)
+    assert_close(client.state["previous_model"], expected)
+    assert_close(client.state["previous_buffers"], expected_buffers)
+    assert_close(client.buffers, expected_buffers)
+    # Representing the frozen models in train mode (batch statistics) would give another model.
+    assert (reference(frozen_in_eval_mode=False)[0] - expected).abs().max() > 1e-2
 
 
 STATEFUL = {

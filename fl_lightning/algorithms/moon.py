@@ -7,12 +7,30 @@ projection z and the head is part of the global model. The local loss on a batch
     CE + mu * CE([cos(z, z_glob), cos(z, z_prev)] / tau, target 0)
 
 with z_glob from the global model x and z_prev from the client's own previous local model (stored
-as client state). A client that has never trained has no previous model, and the contrastive term
-is left out (it is zero there in the paper's code, where z_prev = z_glob).
+as client state). As in the authors' code (main.py, train_net_fedcon), both are representations
+of frozen models: computed in eval mode and not differentiated. In eval mode BatchNorm normalises
+with running statistics and dropout is off: z_glob uses the global model's buffers as the round
+received them, z_prev the buffers the client's previous local model ended its round with (kept
+as client state beside its parameters; a checkpoint without them falls back to the global
+buffers). z is the local model's, in train mode like the CE pass.
+
+A client's first round. Here the contrastive term is left out. In the authors' code the pool of
+previous models is empty during round 0, so the logits hold only the positive column and the term
+is exactly zero (value and gradient); with every client sampled each round, as there by default,
+every first round is round 0 and the two agree. Leaving the term out is also exact against using
+the global model as the previous model (z_prev = z_glob): both logits are then equal, the softmax
+is (1/2, 1/2), and the gradient -1/2 d cos(z, z_glob) + 1/2 d cos(z, z_glob) vanishes; only the
+value, the constant mu log 2, differs (the contrastive value is not logged). Departure: under
+partial participation, a client first sampled after round 0 is contrasted in the authors' code with
+its own network as initialised before training (every party gets its own random initialisation
+there, and the pool snapshots every party's network); this project has no such per-client
+network and leaves the term out on that round too.
 
 Gradient: the CE part is the module's own `training_step` (`client.loss_and_grad`); the
 contrastive part is differentiated separately through `client.features` at the same parameters on
-the same batch. Both evaluate the same network, so their sum is the gradient of the total loss.
+the same batch. With BatchNorm both passes normalise with the same batch statistics (and only the
+CE pass updates the running statistics), so their sum is the gradient of the total loss. With
+dropout the two passes draw independent masks, where the authors' code shares one forward pass.
 """
 
 from __future__ import annotations
@@ -27,6 +45,7 @@ from fl_lightning.config import ConfigError
 from fl_lightning.models import FeatureClassifier
 
 PREVIOUS_MODEL = "previous_model"
+PREVIOUS_BUFFERS = "previous_buffers"
 
 
 class ProjectedClassifier(FeatureClassifier):
@@ -57,7 +76,7 @@ class ProjectedClassifier(FeatureClassifier):
 class MOON(Algorithm):
     short_name = "moon"
     default_weighting = "num_samples"
-    client_state = (PREVIOUS_MODEL,)
+    client_state = (PREVIOUS_MODEL, PREVIOUS_BUFFERS)
 
     def __init__(self, mu: float = 5.0, tau: float = 0.5, projection_dim: int = 256):
         """
@@ -81,22 +100,28 @@ class MOON(Algorithm):
         return ProjectedClassifier(network, self.projection_dim)
 
     def client_update(self, client: ClientRun) -> dict[str, torch.Tensor]:
+        # The buffers as received (training updates client.buffers in place): the global model's.
+        global_model = (client.global_params, client.buffers.clone())
         previous_model = client.state.get(PREVIOUS_MODEL)
         contrastive = None
         if previous_model is not None and self.mu:
+            previous_model = (previous_model, client.state.get(PREVIOUS_BUFFERS, global_model[1]))
+
             def contrastive(params: torch.Tensor, gradient: torch.Tensor, batch: Batch) -> torch.Tensor:
-                return gradient + self.contrastive_gradient(client, params, previous_model, batch[0])
+                return gradient + self.contrastive_gradient(client, params, global_model, previous_model, batch[0])
 
         local_params = train_locally(client, direction=contrastive)
         client.state[PREVIOUS_MODEL] = local_params
+        client.state[PREVIOUS_BUFFERS] = client.buffers.clone()
         return {PSEUDO_GRADIENT: client.global_params - local_params}
 
-    def contrastive_gradient(self, client: ClientRun, params: torch.Tensor, previous_model: torch.Tensor,
-                             inputs: torch.Tensor) -> torch.Tensor:
-        """The gradient of mu * the contrastive loss at `params` on `inputs`."""
-        with torch.no_grad():
-            global_features = client.features(client.global_params, inputs)
-            previous_features = client.features(previous_model, inputs)
+    def contrastive_gradient(self, client: ClientRun, params: torch.Tensor,
+                             global_model: tuple[torch.Tensor, torch.Tensor],
+                             previous_model: tuple[torch.Tensor, torch.Tensor], inputs: torch.Tensor) -> torch.Tensor:
+        """The gradient of mu * the contrastive loss at `params` on `inputs`; `global_model` and
+        `previous_model` are (flat parameters, flat float buffers), represented in eval mode."""
+        global_features = client.frozen_features(*global_model, inputs)
+        previous_features = client.frozen_features(*previous_model, inputs)
         params = params.detach().requires_grad_(True)
         features = client.features(params, inputs)
         logits = torch.stack([
