@@ -1,10 +1,11 @@
 #!/bin/bash
-# Submit slurm/sweep.sbatch as an array of exactly one task per point of its grid.
+# Submit slurm/sweep.sbatch as an array of exactly one task per point of its grid. Run it from the
+# repository root: it creates logs/ there (sbatch does not) for the tasks' logs.
 #
-#   bash slurm/submit_sweep.sh [sbatch options]
+#   bash slurm/submit_sweep.sh [sbatch options] [-- fit arguments]
 #
 # MAX_PARALLEL=N caps how many tasks run at once (--array=0-M%N). Other sbatch options (e.g.
-# --time, --partition) pass through; extra arguments for fit go after `--`:
+# --time, --partition, --gpus-per-node) pass through; extra arguments for fit go after `--`:
 #   bash slurm/submit_sweep.sh --partition gpu -- --federation.rounds 500
 set -euo pipefail
 
@@ -21,5 +22,6 @@ if (( $# > 0 )); then
     shift  # the `--`
 fi
 
+mkdir -p logs
 # The `+` form expands an empty array without tripping `set -u` in bash before 4.4.
 sbatch --array="$ARRAY" ${SBATCH_OPTIONS[@]+"${SBATCH_OPTIONS[@]}"} "$SWEEP_SCRIPT" "$@"

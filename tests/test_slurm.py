@@ -1,10 +1,15 @@
-"""The sbatch scripts in slurm/, run by bash under the environment sbatch would give them, with a
-stand-in `srun` that records the command it was asked to launch."""
+"""The batch scripts in slurm/, run by bash under the environment sbatch would give them, with a
+stand-in `srun` that records the command it was asked to launch (and, when asked to, waits for a
+signal and records which one it got)."""
 
 import itertools
 import os
 import re
+import shutil
+import signal
 import subprocess
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -14,8 +19,37 @@ from fl_lightning.cli import main as fl_lightning_main
 REPOSITORY = Path(__file__).resolve().parents[1]
 SLURM_DIR = REPOSITORY / "slurm"
 BATCH_SCRIPTS = sorted(SLURM_DIR.glob("*.sbatch"))
+FIT_SCRIPT = SLURM_DIR / "fit.sbatch"
 SWEEP_SCRIPT = SLURM_DIR / "sweep.sbatch"
 SUBMIT_SWEEP = SLURM_DIR / "submit_sweep.sh"
+LIBRARY = SLURM_DIR / "lib.sh"
+# No virtualenv on it: fl-lightning is found only where a test puts a stand-in.
+SYSTEM_PATH = "/usr/bin:/bin"
+
+STAND_IN_SRUN = """#!/bin/bash
+printf "%s\\n" "$@" > "$STAND_IN_DIR/srun_args.txt"
+printf "%s\\n" "SRUN_CPUS_PER_TASK=${SRUN_CPUS_PER_TASK-unset}" "OMP_NUM_THREADS=${OMP_NUM_THREADS-unset}" \\
+    > "$STAND_IN_DIR/srun_env.txt"
+if [[ -n ${STAND_IN_WAIT_FOR_SIGNAL:-} ]]; then
+    received() { echo "$1" > "$STAND_IN_DIR/signal.tmp"; mv "$STAND_IN_DIR/signal.tmp" "$STAND_IN_DIR/signal.txt"; \\
+                 exit "${STAND_IN_STATUS:-0}"; }
+    trap 'received USR1' USR1
+    trap 'received TERM' TERM
+    touch "$STAND_IN_DIR/srun_ready"
+    for (( i = 0; i < 600; i++ )); do sleep 0.05 & wait $!; done  # at most 30 s
+    exit 99
+fi
+exit "${STAND_IN_STATUS:-0}"
+"""
+
+
+@dataclass
+class Job:
+    status: int
+    stdout: str
+    stderr: str
+    srun_args: list[str]  # [] when srun was not started
+    srun_env: dict[str, str]
 
 
 def sbatch_options(script: Path) -> dict[str, str]:
@@ -34,29 +68,60 @@ def grid_arrays(script: Path) -> dict[str, list[str]]:
             for name in ("ALGORITHMS", "ALPHAS", "SEEDS")}
 
 
-def allocation_environment(nodes: int, tasks_per_node: int, gpus_per_node: int, **extra: str) -> dict[str, str]:
-    """What sbatch exports to a batch script for this allocation."""
-    return {"SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "fl-test", "SLURM_NNODES": str(nodes),
-            "SLURM_NTASKS_PER_NODE": str(tasks_per_node), "SLURM_NTASKS": str(nodes * tasks_per_node),
-            "SLURM_GPUS_PER_NODE": str(gpus_per_node), "SLURM_CPUS_PER_TASK": "8", **extra}
+def allocation_environment(nodes: int = 1, tasks_per_node: int = 1, gpus_per_node=None, **extra: str) -> dict[str, str]:
+    """What sbatch exports to a batch script for this allocation; gpus_per_node None: no GPUs asked for."""
+    environment = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "fl-test", "SLURM_NNODES": str(nodes),
+                   "SLURM_NTASKS_PER_NODE": str(tasks_per_node), "SLURM_NTASKS": str(nodes * tasks_per_node)}
+    if gpus_per_node is not None:
+        environment["SLURM_GPUS_PER_NODE"] = str(gpus_per_node)
+    return {**environment, **extra}
 
 
-def stand_in(bin_dir: Path, name: str, record: Path) -> None:
-    """An executable `name` in bin_dir that writes its arguments, one per line, to `record`."""
+def submit_dir(tmp_path: Path) -> Path:
+    """The folder the job is submitted from: a checkout's configs/ and slurm/lib.sh."""
+    directory = tmp_path / "submit"
+    if not directory.exists():
+        (directory / "slurm").mkdir(parents=True)
+        (directory / "configs").symlink_to(REPOSITORY / "configs")
+        shutil.copy(LIBRARY, directory / "slurm" / "lib.sh")
+    return directory
+
+
+def stand_ins(tmp_path: Path, with_fl_lightning: bool = True) -> Path:
+    """bin/ with the stand-in srun and, unless told otherwise, an fl-lightning that does nothing."""
+    bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
-    (bin_dir / name).write_text(f'#!/bin/bash\nprintf "%s\\n" "$@" > {record}\n')
-    (bin_dir / name).chmod(0o755)
+    (bin_dir / "srun").write_text(STAND_IN_SRUN)
+    (bin_dir / "srun").chmod(0o755)
+    fl_lightning = bin_dir / "fl-lightning"
+    if with_fl_lightning:
+        fl_lightning.write_text("#!/bin/bash\n")
+        fl_lightning.chmod(0o755)
+    else:
+        fl_lightning.unlink(missing_ok=True)
+    return bin_dir
 
 
-def run_script(script: Path, tmp_path: Path, environment: dict[str, str], args=()) -> tuple[int, str, list[str]]:
-    """Run `script` with bash; returns (exit status, stderr, the arguments srun got or [])."""
-    srun_args = tmp_path / "srun_args.txt"
-    srun_args.unlink(missing_ok=True)
-    stand_in(tmp_path / "bin", "srun", srun_args)
-    env = {"PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}", "HOME": str(tmp_path), **environment}
-    completed = subprocess.run(["bash", str(script), *args], env=env, cwd=tmp_path, capture_output=True, text=True)
-    launched = srun_args.read_text().splitlines() if srun_args.exists() else []
-    return completed.returncode, completed.stderr, launched
+def job_environment(tmp_path: Path, environment: dict[str, str], with_fl_lightning: bool = True) -> dict[str, str]:
+    bin_dir = stand_ins(tmp_path, with_fl_lightning)
+    return {"PATH": f"{bin_dir}{os.pathsep}{SYSTEM_PATH}", "HOME": str(tmp_path), "STAND_IN_DIR": str(tmp_path),
+            "SLURM_SUBMIT_DIR": str(submit_dir(tmp_path)), **environment}
+
+
+def launched(tmp_path: Path) -> tuple[list[str], dict[str, str]]:
+    args, env = tmp_path / "srun_args.txt", tmp_path / "srun_env.txt"
+    return (args.read_text().splitlines() if args.exists() else [],
+            dict(line.split("=", 1) for line in env.read_text().splitlines()) if env.exists() else {})
+
+
+def run_script(script: Path, tmp_path: Path, environment: dict[str, str], args=(), with_fl_lightning=True) -> Job:
+    """Run `script` with bash from the submit folder, as the batch shell of a job."""
+    for record in ("srun_args.txt", "srun_env.txt"):
+        (tmp_path / record).unlink(missing_ok=True)
+    env = job_environment(tmp_path, environment, with_fl_lightning)
+    completed = subprocess.run(["bash", str(script), *args], env=env, cwd=submit_dir(tmp_path),
+                               capture_output=True, text=True, timeout=30)
+    return Job(completed.returncode, completed.stdout, completed.stderr, *launched(tmp_path))
 
 
 def option_value(args: list[str], name: str) -> str:
@@ -64,56 +129,239 @@ def option_value(args: list[str], name: str) -> str:
     return args[args.index(name) + 1]
 
 
-@pytest.mark.parametrize("script", [*BATCH_SCRIPTS, SUBMIT_SWEEP], ids=lambda p: p.name)
+def wait_for(path: Path, process: subprocess.Popen, seconds: float = 15.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        assert process.poll() is None, f"exited {process.returncode} before {path.name}"
+        assert time.monotonic() < deadline, f"no {path.name} after {seconds} s"
+        time.sleep(0.02)
+
+
+def end_group(process: subprocess.Popen) -> tuple[str, str]:
+    """Kill what is left of the process group `process` leads; its stdout and stderr."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    return process.communicate(timeout=15)
+
+
+# --- the files ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("script", sorted(SLURM_DIR.iterdir()), ids=lambda p: p.name)
 def test_script_is_valid_bash(script):
     completed = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
     assert completed.returncode == 0, completed.stderr
 
 
-def test_all_three_batch_scripts_exist():
-    assert [p.name for p in BATCH_SCRIPTS] == ["multi_node.sbatch", "single_node.sbatch", "sweep.sbatch"]
+def test_one_template_and_a_sweep_share_the_launch():
+    assert [p.name for p in BATCH_SCRIPTS] == ["fit.sbatch", "sweep.sbatch"]
+    for script in BATCH_SCRIPTS:
+        commands = [line for line in script.read_text().splitlines() if not line.lstrip().startswith("#")]
+        assert not any(re.search(r"\bsrun\b|SLURM_NTASKS_PER_NODE|SLURM_GPUS", line) for line in commands), script
+        assert any(re.fullmatch(r'\s*source "\$FL_LIB"', line) for line in commands)
 
 
 @pytest.mark.parametrize("script", BATCH_SCRIPTS, ids=lambda p: p.name)
-def test_header_asks_for_requeue_and_an_early_signal_to_every_task(script):
+def test_header_submits_anywhere_requeues_and_logs_to_logs(script):
     options = sbatch_options(script)
     assert "requeue" in options
     assert options["open-mode"] == "append"  # a requeued job appends to its log
     # No `B:` prefix: the signal goes to the srun tasks (the ranks), not only the batch shell.
-    assert re.fullmatch(r"USR1@180", options["signal"])
-    assert options["gpus-per-node"] == options["ntasks-per-node"]
+    assert options["signal"] == "USR1@180"
+    assert options["output"].startswith("logs/%x-")
+    # Nothing a CPU-only or small node cannot give: GPUs and CPUs per task come from the command line.
+    assert not {"gpus-per-node", "gres", "gpus", "cpus-per-task"} & set(options)
+    assert options["nodes"] == "1" and options["ntasks-per-node"] == "1"
+
+
+# --- the allocation ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("script", BATCH_SCRIPTS, ids=lambda p: p.name)
+@pytest.mark.parametrize("nodes, tasks_per_node", [(1, 1), (1, 3), (2, 1), (4, 2)], ids=str)
+def test_cpu_only_allocation_runs_on_cpu(script, nodes, tasks_per_node, tmp_path):
+    job = run_script(script, tmp_path, allocation_environment(nodes, tasks_per_node, SLURM_ARRAY_TASK_ID="0"))
+    assert job.status == 0, job.stderr
+    assert job.srun_args[:3] == ["--kill-on-bad-exit=1", "fl-lightning", "fit"]
+    assert option_value(job.srun_args, "--fabric.accelerator") == "cpu"
+    assert option_value(job.srun_args, "--fabric.devices") == str(tasks_per_node)
+    assert option_value(job.srun_args, "--fabric.num_nodes") == str(nodes)
+    assert option_value(job.srun_args, "--resume") == "auto"
+    assert option_value(job.srun_args, "--checkpoint.requeue_signal") == "SIGUSR1"
 
 
 @pytest.mark.parametrize("script", BATCH_SCRIPTS, ids=lambda p: p.name)
-@pytest.mark.parametrize("allocation", ["as written", (1, 1), (1, 8), (4, 2)], ids=str)
-def test_fit_gets_the_allocations_devices_and_nodes(script, allocation, tmp_path):
-    if allocation == "as written":
-        options = sbatch_options(script)
-        nodes, tasks_per_node = int(options["nodes"]), int(options["ntasks-per-node"])
-    else:
-        nodes, tasks_per_node = allocation  # as if overridden on the sbatch command line
-    environment = allocation_environment(nodes, tasks_per_node, tasks_per_node, SLURM_ARRAY_TASK_ID="0")
-    status, stderr, srun_args = run_script(script, tmp_path, environment)
-    assert status == 0, stderr
-    assert srun_args[srun_args.index("fl-lightning"):][:2] == ["fl-lightning", "fit"]
-    assert option_value(srun_args, "--fabric.devices") == str(tasks_per_node)
-    assert option_value(srun_args, "--fabric.num_nodes") == str(nodes)
-    assert option_value(srun_args, "--resume") == "auto"
-    assert option_value(srun_args, "--checkpoint.requeue_signal") == "SIGUSR1"
+@pytest.mark.parametrize("gpu_variables", [
+    {"SLURM_GPUS_PER_NODE": "4"},  # --gpus-per-node=4
+    {"SLURM_GPUS_PER_NODE": "a100:4"},  # --gpus-per-node=a100:4
+    {"SLURM_GPUS_ON_NODE": "4"},  # --gres=gpu:4
+], ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items()))
+def test_gpu_allocation_runs_one_rank_per_gpu(script, gpu_variables, tmp_path):
+    environment = allocation_environment(2, 4, SLURM_ARRAY_TASK_ID="0", **gpu_variables)
+    job = run_script(script, tmp_path, environment)
+    assert job.status == 0, job.stderr
+    assert option_value(job.srun_args, "--fabric.accelerator") == "gpu"
+    assert option_value(job.srun_args, "--fabric.devices") == "4"
+    assert option_value(job.srun_args, "--fabric.num_nodes") == "2"
 
 
-def test_multi_node_script_asks_for_several_nodes():
-    assert int(sbatch_options(SLURM_DIR / "multi_node.sbatch")["nodes"]) > 1
-    assert int(sbatch_options(SLURM_DIR / "single_node.sbatch")["nodes"]) == 1
+def test_zero_gpus_per_node_is_a_cpu_job(tmp_path):
+    job = run_script(FIT_SCRIPT, tmp_path, allocation_environment(1, 2, 0))  # sbatch --gpus-per-node=0
+    assert job.status == 0, job.stderr
+    assert option_value(job.srun_args, "--fabric.accelerator") == "cpu"
+
+
+def test_accelerator_can_be_chosen(tmp_path):
+    job = run_script(FIT_SCRIPT, tmp_path, allocation_environment(1, 2, 4, ACCELERATOR="cpu"))
+    assert job.status == 0, job.stderr  # GPUs given but not used: no GPU check
+    assert option_value(job.srun_args, "--fabric.accelerator") == "cpu"
 
 
 @pytest.mark.parametrize("script", BATCH_SCRIPTS, ids=lambda p: p.name)
-def test_gpus_that_differ_from_tasks_stop_before_srun(script, tmp_path):
-    environment = allocation_environment(1, 4, 2, SLURM_ARRAY_TASK_ID="0")
-    status, stderr, srun_args = run_script(script, tmp_path, environment)
-    assert status != 0
-    assert "--gpus-per-node (2) must equal --ntasks-per-node (4)" in stderr
-    assert srun_args == []
+@pytest.mark.parametrize("gpus, accelerator, message", [
+    (2, None, "--gpus-per-node (2) must equal --ntasks-per-node (4)"),
+    ("a100:2", "gpu", "--gpus-per-node (2) must equal --ntasks-per-node (4)"),
+    (None, "gpu", "ACCELERATOR=gpu but the job has no GPUs"),
+    (None, "tpu", "ACCELERATOR must be gpu or cpu, not 'tpu'"),
+])
+def test_allocation_that_cannot_work_stops_before_srun(script, gpus, accelerator, message, tmp_path):
+    extra = {"ACCELERATOR": accelerator} if accelerator else {}
+    job = run_script(script, tmp_path, allocation_environment(1, 4, gpus, SLURM_ARRAY_TASK_ID="0", **extra))
+    assert job.status == 1
+    assert message in job.stderr
+    assert job.srun_args == []
+
+
+def test_outside_sbatch_the_script_says_so(tmp_path):
+    job = run_script(FIT_SCRIPT, tmp_path, {})
+    assert job.status == 1 and "submit this script with sbatch" in job.stderr
+    assert job.srun_args == []
+
+
+@pytest.mark.parametrize("cpus_per_task, srun_cpus, threads", [(None, "unset", "1"), ("3", "3", "3")])
+def test_cpus_per_task_reach_the_ranks(cpus_per_task, srun_cpus, threads, tmp_path):
+    extra = {"SLURM_CPUS_PER_TASK": cpus_per_task} if cpus_per_task else {}
+    job = run_script(FIT_SCRIPT, tmp_path, allocation_environment(1, 2, **extra))
+    assert job.status == 0, job.stderr
+    assert job.srun_env == {"SRUN_CPUS_PER_TASK": srun_cpus, "OMP_NUM_THREADS": threads}
+
+
+# --- the environment hook ----------------------------------------------------------------------
+
+def test_without_fl_lightning_on_path_the_error_says_how_to_set_the_hook(tmp_path):
+    job = run_script(FIT_SCRIPT, tmp_path, allocation_environment(), with_fl_lightning=False)
+    assert job.status == 1
+    assert "fl-lightning is not on PATH" in job.stderr
+    assert "FL_ACTIVATE='source .venv/bin/activate'" in job.stderr
+    assert job.srun_args == []
+
+
+def test_the_activation_hook_runs_before_srun(tmp_path):
+    venv_bin = submit_dir(tmp_path) / "venv" / "bin"
+    venv_bin.mkdir(parents=True)
+    (venv_bin / "fl-lightning").write_text("#!/bin/bash\n")
+    (venv_bin / "fl-lightning").chmod(0o755)
+    # Like real activation scripts, it reads variables that may be unset (the script runs with set -u).
+    (venv_bin / "activate").write_text(
+        'if [ -n "${NOT_SET_ANYWHERE}" ]; then :; fi\nexport PATH="$PWD/venv/bin:$PATH"\nhash -r\n')
+    environment = allocation_environment(FL_ACTIVATE="source venv/bin/activate && export ACTIVATED=yes")
+    job = run_script(FIT_SCRIPT, tmp_path, environment, with_fl_lightning=False)
+    assert job.status == 0, job.stderr
+    assert "activating the environment: source venv/bin/activate" in job.stdout
+    assert job.srun_args[1] == "fl-lightning"
+
+
+def test_a_failing_activation_hook_stops_the_job(tmp_path):
+    job = run_script(FIT_SCRIPT, tmp_path, allocation_environment(FL_ACTIVATE="conda activate nowhere"))
+    assert job.status == 1
+    assert "FL_ACTIVATE (conda activate nowhere) failed with exit status 127" in job.stderr
+    assert job.srun_args == []
+
+
+# --- finding slurm/lib.sh from sbatch's copy of the script -------------------------------------
+
+@pytest.mark.parametrize("script", BATCH_SCRIPTS, ids=lambda p: p.name)
+def test_spooled_copy_finds_the_library_in_the_submit_folder(script, tmp_path):
+    spool = tmp_path / "spool" / "job4242"
+    spool.mkdir(parents=True)
+    shutil.copy(script, spool / "slurm_script")
+    job = run_script(spool / "slurm_script", tmp_path, allocation_environment(SLURM_ARRAY_TASK_ID="0"))
+    assert job.status == 0, job.stderr
+    assert job.srun_args[1:3] == ["fl-lightning", "fit"]
+
+    job = run_script(spool / "slurm_script", tmp_path, allocation_environment(SLURM_SUBMIT_DIR=str(tmp_path)))
+    assert job.status == 1
+    assert f"{tmp_path}/slurm/lib.sh not found: submit from the repository root" in job.stderr
+
+
+def test_a_missing_config_is_named(tmp_path):
+    job = run_script(FIT_SCRIPT, tmp_path, allocation_environment(CONFIG="configs/nothing.yaml"))
+    assert job.status == 1
+    assert "config file 'configs/nothing.yaml' not found" in job.stderr and "repository root" in job.stderr
+
+
+# --- signals to the batch shell ----------------------------------------------------------------
+
+@pytest.mark.parametrize("script", BATCH_SCRIPTS, ids=lambda p: p.name)
+@pytest.mark.parametrize("signal_name, srun_status", [("USR1", 0), ("TERM", 0), ("TERM", 3)])
+def test_batch_shell_forwards_usr1_and_term_to_srun(script, signal_name, srun_status, tmp_path):
+    """`scancel -s USR1 --batch JOB` signals only the batch shell: it must pass the signal to the
+    srun step and then exit with srun's status, not die of it."""
+    env = job_environment(tmp_path, allocation_environment(SLURM_ARRAY_TASK_ID="0", STAND_IN_WAIT_FOR_SIGNAL="1",
+                                                           STAND_IN_STATUS=str(srun_status)))
+    batch_shell = subprocess.Popen(["bash", str(script)], env=env, cwd=submit_dir(tmp_path), start_new_session=True,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(tmp_path / "srun_ready", batch_shell)  # srun runs, with its traps in place
+        os.kill(batch_shell.pid, getattr(signal, f"SIG{signal_name}"))  # the batch shell only
+        wait_for(tmp_path / "signal.txt", batch_shell)
+        batch_shell.wait(timeout=15)
+    except (AssertionError, subprocess.TimeoutExpired) as failure:
+        raise AssertionError(f"{failure}\n{end_group(batch_shell)}") from None
+    stdout, stderr = end_group(batch_shell)
+    assert (tmp_path / "signal.txt").read_text().strip() == signal_name
+    assert f"batch shell got SIG{signal_name}: forwarding it to srun" in stderr
+    assert batch_shell.returncode == srun_status, stderr
+    assert f"srun exited with status {srun_status}" in stdout
+
+
+@pytest.mark.parametrize("srun_status", [0, 1, 42])
+def test_job_exits_with_the_status_of_srun(srun_status, tmp_path):
+    job = run_script(FIT_SCRIPT, tmp_path, allocation_environment(STAND_IN_STATUS=str(srun_status)))
+    assert job.status == srun_status, job.stderr
+    assert job.srun_args
+
+
+# --- out_dir -----------------------------------------------------------------------------------
+
+def fit_out_dir(tmp_path: Path, args=(), **extra: str) -> str:
+    job = run_script(FIT_SCRIPT, tmp_path, allocation_environment(**extra), args=args)
+    assert job.status == 0, job.stderr
+    out_dir = option_value(job.srun_args, "--out_dir")
+    assert f"out_dir {out_dir}" in job.stdout  # the log says where the run goes
+    return out_dir
+
+
+def test_default_out_dir_is_distinct_per_experiment(tmp_path):
+    plain = fit_out_dir(tmp_path)
+    assert re.fullmatch(r"runs/quickstart-[0-9a-f]{8}", plain)
+    lr = fit_out_dir(tmp_path, ["--client_optimizer.lr", "0.1"])
+    other_lr = fit_out_dir(tmp_path, ["--client_optimizer.lr", "0.2"])
+    assert len({plain, lr, other_lr}) == 3
+    assert fit_out_dir(tmp_path, ["--client_optimizer.lr", "0.1"]) == lr  # resubmitted: the same run
+    # Arguments are hashed one by one: a space moved between them is another experiment.
+    assert fit_out_dir(tmp_path, ["--a b", "c"]) != fit_out_dir(tmp_path, ["--a", "b c"])
+
+    config = submit_dir(tmp_path) / "experiment.yaml"
+    config.write_text((REPOSITORY / "configs" / "quickstart.yaml").read_text())
+    copied = fit_out_dir(tmp_path, CONFIG=str(config))
+    assert copied.startswith("runs/experiment-") and copied[-8:] == plain[-8:]  # the contents count
+    config.write_text(config.read_text().replace("lr: 0.05", "lr: 0.01"))
+    assert fit_out_dir(tmp_path, CONFIG=str(config))[-8:] != plain[-8:]
+
+
+def test_out_dir_can_be_given(tmp_path):
+    assert fit_out_dir(tmp_path, ["--seed", "3"], OUT_DIR="runs/mine") == "runs/mine"
 
 
 @pytest.mark.parametrize("script", BATCH_SCRIPTS, ids=lambda p: p.name)
@@ -121,64 +369,82 @@ def test_out_dir_and_wandb_mode_survive_a_restart(script, tmp_path):
     """A requeued job keeps its id, a resubmitted one does not: both must find the same out_dir."""
     out_dirs = set()
     for job_id, restart in (("4242", "0"), ("4242", "1"), ("5151", "0")):
-        environment = allocation_environment(1, 1, 1, SLURM_ARRAY_TASK_ID="3", SLURM_JOB_ID=job_id,
+        environment = allocation_environment(SLURM_ARRAY_TASK_ID="3", SLURM_JOB_ID=job_id,
                                              SLURM_RESTART_COUNT=restart, WANDB_MODE="offline")
-        status, stderr, srun_args = run_script(script, tmp_path, environment)
-        assert status == 0, stderr
-        out_dirs.add(option_value(srun_args, "--out_dir"))
-        assert option_value(srun_args, "--logger.wandb_mode") == "offline"
+        job = run_script(script, tmp_path, environment)
+        assert job.status == 0, job.stderr
+        out_dirs.add(option_value(job.srun_args, "--out_dir"))
+        assert option_value(job.srun_args, "--logger.wandb_mode") == "offline"
     assert len(out_dirs) == 1
 
 
-def test_extra_arguments_reach_fit(tmp_path):
-    environment = allocation_environment(1, 4, 4)
-    status, stderr, srun_args = run_script(SLURM_DIR / "single_node.sbatch", tmp_path, environment,
-                                           args=["--federation.rounds", "7"])
-    assert status == 0, stderr
-    assert srun_args[-2:] == ["--federation.rounds", "7"]
+@pytest.mark.parametrize("script", BATCH_SCRIPTS, ids=lambda p: p.name)
+def test_extra_arguments_reach_fit_last(script, tmp_path):
+    job = run_script(script, tmp_path, allocation_environment(SLURM_ARRAY_TASK_ID="0"),
+                     args=["--federation.rounds", "7"])
+    assert job.status == 0, job.stderr
+    assert job.srun_args[-2:] == ["--federation.rounds", "7"]
+    assert job.srun_args[3:5] == ["--config", "configs/quickstart.yaml"]  # first: everything overrides it
 
 
-def test_sweep_array_matches_the_grid():
+# --- the sweep ---------------------------------------------------------------------------------
+
+def test_sweep_array_matches_the_grid(tmp_path):
     grid = grid_arrays(SWEEP_SCRIPT)
     grid_size = len(grid["ALGORITHMS"]) * len(grid["ALPHAS"]) * len(grid["SEEDS"])
     assert sbatch_options(SWEEP_SCRIPT)["array"] == f"0-{grid_size - 1}"
-    printed = subprocess.run(["bash", str(SWEEP_SCRIPT), "--grid-size"], capture_output=True, text=True).stdout
+    printed = subprocess.run(["bash", str(SWEEP_SCRIPT), "--grid-size"], cwd=tmp_path,
+                             capture_output=True, text=True).stdout
     assert int(printed) == grid_size
 
 
-def sweep_launches(script: Path, tmp_path: Path, grid_size: int) -> list[list[str]]:
+def sweep_launches(script: Path, tmp_path: Path, grid_size: int, args=()) -> list[list[str]]:
     launches = []
     for task in range(grid_size):
-        environment = allocation_environment(1, 1, 1, SLURM_ARRAY_JOB_ID="4242", SLURM_ARRAY_TASK_ID=str(task),
+        environment = allocation_environment(SLURM_ARRAY_JOB_ID="4242", SLURM_ARRAY_TASK_ID=str(task),
                                              SLURM_JOB_ID=str(5000 + task))
-        status, stderr, srun_args = run_script(script, tmp_path, environment)
-        assert status == 0, stderr
-        launches.append(srun_args)
+        job = run_script(script, tmp_path, environment, args=args)
+        assert job.status == 0, job.stderr
+        launches.append(job.srun_args)
     return launches
 
 
-def check_tasks_cover_the_grid(script: Path, tmp_path: Path) -> None:
+def check_tasks_cover_the_grid(script: Path, tmp_path: Path, args=()) -> None:
     grid = grid_arrays(script)
     points = set(itertools.product(grid["ALGORITHMS"], grid["ALPHAS"], grid["SEEDS"]))
-    launches = sweep_launches(script, tmp_path, len(points))
+    launches = sweep_launches(script, tmp_path, len(points), args)
     chosen = [(option_value(a, "--algorithm"), option_value(a, "--data.alpha"), option_value(a, "--seed"))
               for a in launches]
     assert set(chosen) == points and len(chosen) == len(points)  # one task per point, none twice
     out_dirs = {option_value(a, "--out_dir") for a in launches}
     assert len(out_dirs) == len(points)
-    for (algorithm, alpha, seed), args in zip(chosen, launches):
+    assert len({Path(d).parent for d in out_dirs}) == 1  # one folder for the sweep
+    for (algorithm, alpha, seed), launch in zip(chosen, launches):
         run_name = f"{algorithm}-a{alpha}-s{seed}"
-        assert option_value(args, "--out_dir").endswith("/" + run_name)
-        assert option_value(args, "--logger.name") == run_name
+        assert re.fullmatch(rf"runs/quickstart-[0-9a-f]{{8}}/{run_name}", option_value(launch, "--out_dir"))
+        assert option_value(launch, "--logger.name") == run_name
         # Seeds of one (algorithm, alpha) share a W&B group, so the dashboard averages over them.
-        assert option_value(args, "--logger.group").endswith(f"{algorithm}-a{alpha}")
-    listed = subprocess.run(["bash", str(script), "--list"], capture_output=True, text=True).stdout.splitlines()
+        assert option_value(launch, "--logger.group").endswith(f"{algorithm}-a{alpha}")
+        assert launch[len(launch) - len(args):] == list(args)  # extra arguments last, for every point
+    listed = subprocess.run(["bash", str(script), "--list", *args], cwd=submit_dir(tmp_path),
+                            capture_output=True, text=True).stdout.splitlines()
     assert [line.split()[1:] for line in listed] == [
-        [*point, option_value(args, "--out_dir")] for point, args in zip(chosen, launches)]
+        [*point, option_value(launch, "--out_dir")] for point, launch in zip(chosen, launches)]
 
 
 def test_each_sweep_task_trains_its_own_grid_point(tmp_path):
     check_tasks_cover_the_grid(SWEEP_SCRIPT, tmp_path)
+
+
+def test_a_sweep_with_other_arguments_gets_its_own_folder(tmp_path):
+    environment = allocation_environment(SLURM_ARRAY_TASK_ID="0")
+    plain = run_script(SWEEP_SCRIPT, tmp_path, environment)
+    longer = run_script(SWEEP_SCRIPT, tmp_path, environment, args=["--federation.rounds", "300"])
+    named = run_script(SWEEP_SCRIPT, tmp_path, {**environment, "SWEEP": "mine"})
+    assert plain.status == longer.status == named.status == 0
+    plain_dir, longer_dir = (Path(option_value(job.srun_args, "--out_dir")) for job in (plain, longer))
+    assert plain_dir.name == longer_dir.name and plain_dir.parent != longer_dir.parent
+    assert option_value(named.srun_args, "--out_dir") == f"runs/mine/{plain_dir.name}"
 
 
 def edited_sweep(tmp_path: Path) -> Path:
@@ -187,23 +453,21 @@ def edited_sweep(tmp_path: Path) -> Path:
     text = re.sub(r"^ALGORITHMS=\(.*\)$", "ALGORITHMS=(ctpfl fedavg)", text, flags=re.M)
     text = re.sub(r"^ALPHAS=\(.*\)$", "ALPHAS=(0.05)", text, flags=re.M)
     text = re.sub(r"^SEEDS=\(.*\)$", "SEEDS=(3 4 5)", text, flags=re.M)
-    edited = tmp_path / "slurm" / "sweep.sbatch"
-    edited.parent.mkdir()
+    edited = submit_dir(tmp_path) / "slurm" / "sweep.sbatch"
     edited.write_text(text)
     return edited
 
 
 def test_an_edited_grid_is_covered_too(tmp_path):
-    check_tasks_cover_the_grid(edited_sweep(tmp_path), tmp_path)
+    check_tasks_cover_the_grid(edited_sweep(tmp_path), tmp_path, ["--federation.rounds", "9"])
 
 
 @pytest.mark.parametrize("task", ["-1", "18", "1000"])
 def test_sweep_task_outside_the_grid_fails_before_srun(task, tmp_path):
-    environment = allocation_environment(1, 1, 1, SLURM_ARRAY_TASK_ID=task)
-    status, stderr, srun_args = run_script(SWEEP_SCRIPT, tmp_path, environment)
-    assert status != 0
-    assert f"array task {task} is outside the grid of 18 points" in stderr
-    assert srun_args == []
+    job = run_script(SWEEP_SCRIPT, tmp_path, allocation_environment(SLURM_ARRAY_TASK_ID=task))
+    assert job.status != 0
+    assert f"array task {task} is outside the grid of 18 points" in job.stderr
+    assert job.srun_args == []
 
 
 @pytest.mark.parametrize("max_parallel, sbatch_args, fit_args, array", [
@@ -212,30 +476,38 @@ def test_sweep_task_outside_the_grid_fails_before_srun(task, tmp_path):
 ])
 def test_submit_sweep_sizes_the_array_to_the_grid(max_parallel, sbatch_args, fit_args, array, tmp_path):
     sweep = edited_sweep(tmp_path)  # 6 points
-    (sweep.parent / "submit_sweep.sh").write_text(SUBMIT_SWEEP.read_text())
+    submit = sweep.parent / "submit_sweep.sh"
+    submit.write_text(SUBMIT_SWEEP.read_text())
     record = tmp_path / "sbatch_args.txt"
-    stand_in(tmp_path / "bin", "sbatch", record)
-    env = {"PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}"}
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "sbatch").write_text(f'#!/bin/bash\nprintf "%s\\n" "$@" > {record}\n')
+    (tmp_path / "bin" / "sbatch").chmod(0o755)
+    env = {"PATH": f"{tmp_path / 'bin'}{os.pathsep}{SYSTEM_PATH}"}
     if max_parallel:
         env["MAX_PARALLEL"] = max_parallel
     separator = ["--"] if fit_args else []
-    completed = subprocess.run(["bash", str(sweep.parent / "submit_sweep.sh"), *sbatch_args, *separator, *fit_args],
-                               env=env, capture_output=True, text=True)
+    completed = subprocess.run(["bash", "slurm/submit_sweep.sh", *sbatch_args, *separator, *fit_args],
+                               env=env, cwd=submit_dir(tmp_path), capture_output=True, text=True)
     assert completed.returncode == 0, completed.stderr
-    assert record.read_text().splitlines() == [f"--array={array}", *sbatch_args, str(sweep), *fit_args]
+    assert record.read_text().splitlines() == [f"--array={array}", *sbatch_args, "slurm/sweep.sbatch", *fit_args]
+    assert (submit_dir(tmp_path) / "logs").is_dir()  # sbatch does not create the log folder
 
+
+# --- what reaches fit parses -------------------------------------------------------------------
 
 @pytest.mark.parametrize("script", BATCH_SCRIPTS, ids=lambda p: p.name)
-def test_the_launched_command_line_parses(script, tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("gpus_per_node, accelerator", [(None, "cpu"), (4, "gpu")])
+def test_the_launched_command_line_parses(script, gpus_per_node, accelerator, tmp_path, capsys, monkeypatch):
     """Every option the script passes exists in `fit` and takes the value given (no typo reaches the
     cluster); --print_config parses without training."""
-    environment = allocation_environment(2, 4, 4, SLURM_ARRAY_TASK_ID="5")
-    status, stderr, srun_args = run_script(script, tmp_path, environment)
-    assert status == 0, stderr
-    fit_args = srun_args[srun_args.index("fl-lightning") + 1:]
+    environment = allocation_environment(2, 4, gpus_per_node, SLURM_ARRAY_TASK_ID="5")
+    job = run_script(script, tmp_path, environment)
+    assert job.status == 0, job.stderr
+    fit_args = job.srun_args[job.srun_args.index("fl-lightning") + 1:]
     monkeypatch.chdir(REPOSITORY)  # the scripts run from the repository (--config is relative)
     with pytest.raises(SystemExit) as exited:
         fl_lightning_main([*fit_args, "--print_config"])
     assert exited.value.code in (None, 0), capsys.readouterr().err
     printed = capsys.readouterr().out
     assert "devices: 4" in printed and "num_nodes: 2" in printed and "resume: auto" in printed
+    assert f"accelerator: {accelerator}" in printed
