@@ -2,17 +2,35 @@
 
 Each dataclass is one group of the command line (`--federation.rounds 300`); its docstring and
 field comments become `--help`. Checks that involve one field live in its type (jsonargparse
-rejects a negative `PositiveInt` while parsing); checks across fields or against the data live in
-`validate` methods, which `fit` runs before anything is computed.
+rejects a negative `PositiveInt` while parsing); checks across fields, or against the machine or
+the data, live in `validate` methods, which `fit` runs before anything is computed.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional, Union
 
-from jsonargparse.typing import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
+from jsonargparse.typing import NonNegativeInt, PositiveInt, restricted_number_type
+
+# Rates and coefficients must be finite: jsonargparse's PositiveFloat accepts inf (and an
+# overflowing 1e999 parses as inf), which would turn the first step into nan.
+FinitePositiveFloat = restricted_number_type(
+    "FinitePositiveFloat", float, [(">", 0.0), ("<", math.inf)], docstring="A finite float > 0."
+)
+FiniteNonNegativeFloat = restricted_number_type(
+    "FiniteNonNegativeFloat", float, [(">=", 0.0), ("<", math.inf)], docstring="A finite float >= 0."
+)
+
+# How error messages and --help name what each restricted type accepts.
+TYPE_DESCRIPTIONS = {
+    PositiveInt: "an integer > 0",
+    NonNegativeInt: "an integer >= 0",
+    FinitePositiveFloat: "a finite number > 0",
+    FiniteNonNegativeFloat: "a finite number >= 0",
+}
 
 
 class ConfigError(ValueError):
@@ -28,15 +46,38 @@ class FabricArgs:
     """Where the clients run: Lightning Fabric's accelerator, ranks and precision."""
 
     accelerator: Literal["auto", "cpu", "cuda", "gpu", "mps"] = "auto"
+    """Hardware for the ranks; `auto` takes a GPU when torch sees one, else the CPU."""
     devices: Union[PositiveInt, Literal["auto"]] = 1
     """Ranks per node; under SLURM this must equal --ntasks-per-node."""
     num_nodes: PositiveInt = 1
     """Nodes; under SLURM this must equal --nodes."""
     precision: Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true", "64-true"] = "32-true"
+    """Numeric precision of local training (Fabric's autocast); 16-mixed needs a GPU."""
     strategy: Literal["auto", "ddp", "ddp_spawn"] = "auto"
     """`auto` picks DDP when there is more than one rank; `ddp_spawn` starts ranks by spawning."""
     process_group_timeout_s: PositiveInt = 1800
     """How long a collective may wait for the slowest rank before the run fails."""
+
+    def validate(self) -> None:
+        """Refuse settings this machine cannot honour, before any data is loaded."""
+        import torch
+
+        gpu = self.accelerator in ("cuda", "gpu")
+        if gpu and not torch.cuda.is_available():
+            raise ConfigError("fabric.accelerator", "cpu or auto on a machine where torch sees no CUDA GPU",
+                              self.accelerator)
+        if gpu and isinstance(self.devices, int) and self.devices > torch.cuda.device_count():
+            raise ConfigError("fabric.devices", f"at most the {torch.cuda.device_count()} CUDA GPU(s) torch sees",
+                              self.devices)
+        if self.accelerator == "mps" and not torch.backends.mps.is_available():
+            raise ConfigError("fabric.accelerator", "cpu or auto on a machine without Apple MPS", self.accelerator)
+        on_cpu = self.accelerator == "cpu" or (
+            self.accelerator == "auto" and not torch.cuda.is_available() and not torch.backends.mps.is_available()
+        )
+        if on_cpu and self.precision == "16-mixed":
+            # Fabric would silently autocast to bf16 while the run records 16-mixed.
+            raise ConfigError("fabric.precision", "32-true or bf16-mixed on the CPU (16-mixed needs a GPU)",
+                              self.precision)
 
 
 @dataclass
@@ -44,7 +85,9 @@ class FederationArgs:
     """The federation: how many clients, how many take part each round, and their local budget."""
 
     rounds: PositiveInt = 100
+    """Communication rounds to train for (a resumed run continues up to this many)."""
     num_clients: PositiveInt = 100
+    """Clients the training set is split over (data.partition decides how)."""
     clients_per_round: PositiveInt = 10
     """Clients sampled each round (uniformly, without replacement)."""
     local_steps: Optional[PositiveInt] = None
@@ -52,9 +95,11 @@ class FederationArgs:
     local_epochs: Optional[PositiveInt] = None
     """Passes over each client's data per round: K_i = local_epochs * ceil(n_i / batch_size)."""
     batch_size: PositiveInt = 50
+    """Local mini-batch size (B)."""
     eval_every: PositiveInt = 1
     """Evaluate the global model on the test split every this many rounds (and at the end)."""
     eval_batch_size: PositiveInt = 500
+    """Batch size when evaluating the global model (memory only; the result does not depend on it)."""
     weighting: Optional[Literal["num_samples", "uniform"]] = None
     """Aggregation weights p_i; None takes the algorithm's default (its paper's choice)."""
 
@@ -78,12 +123,14 @@ class DataArgs:
     """The dataset, where it lies on disk, how it is split over clients and augmented."""
 
     name: Literal["cifar10", "cifar100", "tiny_imagenet", "digits"] = "cifar10"
+    """The dataset; digits is scikit-learn's bundled 8x8 digits (no download, root unused)."""
     root: Path = Path("data")
     """Folder holding the dataset in its standard layout (e.g. root/cifar-10-batches-py)."""
     download: bool = False
     """Download the dataset into root when it is missing (needs a network)."""
     partition: Literal["dirichlet", "iid", "shards"] = "dirichlet"
-    alpha: PositiveFloat = 0.5
+    """How training samples are split over clients: Dirichlet label skew, IID, or label shards."""
+    alpha: FinitePositiveFloat = 0.5
     """Dirichlet concentration; smaller is more skewed."""
     min_samples: NonNegativeInt = 10
     """Every client gets at least this many training samples (dirichlet)."""
@@ -92,6 +139,7 @@ class DataArgs:
     augment: bool = True
     """Random crop with padding and horizontal flip, batched on the device."""
     crop_padding: NonNegativeInt = 4
+    """Zero padding (pixels per side) before the random crop (augment)."""
 
 
 @dataclass
@@ -99,6 +147,7 @@ class ModelArgs:
     """The network: a registered name (linear, mlp, lenet5, resnet18, vit_tiny) or any timm model."""
 
     name: str = "resnet18"
+    """Model name: linear, mlp, lenet5, resnet18, vit_tiny, or any timm model name (random init)."""
     norm: Literal["bn", "gn", "none"] = "bn"
     """Normalisation layers where the model has them (resnet18)."""
     bias: bool = True
@@ -111,11 +160,15 @@ class ModelArgs:
 class ClientOptimizerArgs:
     """The clients' local SGD; its state (momentum) is reset at the start of every round."""
 
-    lr: PositiveFloat = 0.01
-    momentum: NonNegativeFloat = 0.0
-    weight_decay: NonNegativeFloat = 0.0
+    lr: FinitePositiveFloat = 0.01
+    """Local learning rate (eta_l)."""
+    momentum: FiniteNonNegativeFloat = 0.0
+    """Heavy-ball momentum of the local SGD, in [0, 1)."""
+    weight_decay: FiniteNonNegativeFloat = 0.0
+    """L2 penalty added to each local gradient (weight_decay * parameters)."""
     nesterov: bool = False
-    grad_clip_norm: Optional[PositiveFloat] = None
+    """Nesterov momentum (needs momentum > 0)."""
+    grad_clip_norm: Optional[FinitePositiveFloat] = None
     """Clip each local gradient to this global L2 norm."""
 
     def validate(self) -> None:
@@ -130,7 +183,9 @@ class LoggerArgs:
     """Weights & Biases logging (rank 0), beside the local metrics.jsonl that is always written."""
 
     wandb_mode: Literal["online", "offline", "disabled"] = "disabled"
+    """W&B mode: online, offline (sync later with `wandb sync`) or disabled (no W&B at all)."""
     project: str = "fl-lightning"
+    """W&B project the run is logged to."""
     group: Optional[str] = None
     """Runs of one experiment share a group; None uses dataset-alpha-model."""
     name: Optional[str] = None
@@ -138,6 +193,7 @@ class LoggerArgs:
     tags: list[str] = field(default_factory=list)
     """Extra tags; the algorithm, dataset, alpha and model are always added."""
     progress_bar: bool = True
+    """Show a progress bar over rounds (rank 0)."""
 
 
 @dataclass

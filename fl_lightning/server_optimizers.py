@@ -7,6 +7,7 @@ FedYogi and FedAdagrad follow Reddi et al. 2021 (Algorithm 2, no bias correction
 
 from __future__ import annotations
 
+import math
 
 import torch
 
@@ -17,8 +18,7 @@ class ServerOptimizer:
     """Applies x <- x - step(g) in place; keeps its state in `self.state` for checkpoints."""
 
     def __init__(self, lr: float = 1.0):
-        if lr <= 0:
-            raise ConfigError("server_optimizer.lr", "a value > 0", lr)
+        _check_positive("lr", lr)
         self.lr = lr
         self.state: dict[str, torch.Tensor] = {}
 
@@ -32,8 +32,13 @@ class ServerOptimizer:
         self.state = {k: v.to(device) for k, v in state.items()}
 
 
+def _check_positive(name: str, value: float) -> None:
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"server_optimizer.{name}", "a finite value > 0", value)
+
+
 def _check_beta(name: str, value: float) -> None:
-    if not 0 <= value < 1:
+    if not 0 <= value < 1:  # also refuses nan
         raise ConfigError(f"server_optimizer.{name}", "a value in [0, 1)", value)
 
 
@@ -66,8 +71,7 @@ class _AdaptiveServerOptimizer(ServerOptimizer):
         super().__init__(lr)
         _check_beta("beta1", beta1)
         _check_beta("beta2", beta2)
-        if tau <= 0:
-            raise ConfigError("server_optimizer.tau", "a value > 0", tau)
+        _check_positive("tau", tau)
         self.beta1, self.beta2, self.tau = beta1, beta2, tau
 
     def second_moment(self, v: torch.Tensor, delta_sq: torch.Tensor) -> torch.Tensor:
