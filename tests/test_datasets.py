@@ -47,15 +47,77 @@ def test_cifar10_loads_generated_batches(tmp_path):
         assert test.images[7, channel, y, x] == pixel_from_row(raw_test[b"data"][7], channel, y, x)
 
 
-def test_cifar10_reads_the_batches_present_in_numeric_order(tmp_path):
-    folder = write_cifar(tmp_path, "cifar10", num_train=50, num_test=10)
-    for number in (2, 5):
-        (folder / f"data_batch_{number}").unlink()
-    train, _ = load_dataset("cifar10", tmp_path)
+@pytest.fixture
+def cifar_copy(cifar_root, tmp_path):
+    """A private copy of the session's CIFAR-10 folder, free to damage."""
+    shutil.copytree(cifar_root / "cifar-10-batches-py", tmp_path / "cifar-10-batches-py")
+    return tmp_path
 
-    expected = np.concatenate([batch[b"labels"] for batch in
-                               read_raw_batches([folder / f"data_batch_{n}" for n in (1, 3, 4)])])
-    assert train.labels.tolist() == expected.tolist()
+
+@pytest.mark.parametrize("absent", [("data_batch_3",), ("data_batch_5",), ("data_batch_2", "test_batch")])
+def test_cifar10_with_a_file_missing_names_root_and_the_file(cifar_copy, absent):
+    # A copy without data_batch_3 would otherwise train on four fifths of the data without a word.
+    for name in absent:
+        (cifar_copy / "cifar-10-batches-py" / name).unlink()
+    with pytest.raises(ConfigError) as caught:
+        load_dataset("cifar10", cifar_copy)
+    message = str(caught.value)
+    assert caught.value.field_name == "data.root"
+    assert str(cifar_copy) in message and all(name in message for name in absent)
+    assert "data_batch_1..5 and test_batch" in message
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "not a batch", "labels short"])
+def test_cifar10_corrupt_batch_names_the_file(cifar_copy, damage):
+    path = cifar_copy / "cifar-10-batches-py" / "data_batch_2"
+    if damage == "garbage":
+        path.write_bytes(bytes(range(256)) * 4)
+    elif damage == "truncated":
+        path.write_bytes(path.read_bytes()[:1000])
+    elif damage == "not a batch":
+        path.write_bytes(pickle.dumps([1, 2, 3]))
+    else:
+        (batch,) = read_raw_batches([path])
+        batch[b"labels"] = batch[b"labels"][:-1]
+        path.write_bytes(pickle.dumps(batch))
+    with pytest.raises(ConfigError) as caught:
+        load_dataset("cifar10", cifar_copy)
+    assert caught.value.field_name == "data.root"
+    assert str(path) in str(caught.value)
+
+
+def test_cifar100_with_a_file_missing_names_it(tmp_path):
+    folder = write_cifar(tmp_path, "cifar100", num_train=100, num_test=100)
+    (folder / "test").unlink()
+    with pytest.raises(ConfigError, match="lacks test") as caught:
+        load_dataset("cifar100", tmp_path)
+    assert caught.value.field_name == "data.root"
+
+
+@pytest.mark.parametrize(
+    "name, url",
+    [
+        ("cifar10", "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"),
+        ("cifar100", "https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz"),
+        ("tiny_imagenet", "http://cs231n.stanford.edu/tiny-imagenet-200.zip"),
+    ],
+)
+def test_download_without_network_names_data_download_and_the_url(tmp_path, monkeypatch, name, url):
+    import urllib.error
+    import urllib.request
+
+    tried = []
+
+    def offline(request, *args, **kwargs):
+        tried.append(getattr(request, "full_url", request))
+        raise urllib.error.URLError("no network")
+
+    monkeypatch.setattr(urllib.request, "urlopen", offline)
+    with pytest.raises(ConfigError) as caught:
+        load_dataset(name, tmp_path / "data", download=True)
+    assert caught.value.field_name == "data.download"
+    assert url in str(caught.value) and "no network" in str(caught.value)
+    assert tried and tried[0] == url
 
 
 def test_cifar_pickles_with_str_keys_load_like_bytes_keys(tmp_path):

@@ -40,6 +40,9 @@ CIFAR100_STD = (0.2673, 0.2564, 0.2762)
 TINY_IMAGENET_MEAN = (0.4802, 0.4481, 0.3975)
 TINY_IMAGENET_STD = (0.2770, 0.2691, 0.2821)
 
+CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
+CIFAR100_URL = "https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz"
+CIFAR10_TRAIN_FILES = tuple(f"data_batch_{number}" for number in range(1, 6))
 TINY_IMAGENET_URL = "http://cs231n.stanford.edu/tiny-imagenet-200.zip"
 TINY_IMAGENET_CACHE = "fl_lightning_cache.pt"
 TINY_IMAGENET_SIZE = 64
@@ -62,13 +65,52 @@ def _missing_dataset(root: Path, folder: Path, layout: str) -> ConfigError:
     return ConfigError("data.root", f"{folder}/ to hold {layout} (or set data.download: true)", str(root))
 
 
+def _download(url: str, root: Path, fetch) -> None:
+    """Run `fetch` (a torchvision download of `url` into root); any failure becomes a ConfigError
+    naming data.download and the URL, since offline that is the usual cause."""
+    try:
+        fetch()
+    except Exception as err:  # urllib, socket, checksum and file-system errors alike
+        raise ConfigError(
+            "data.download",
+            f"a network connection to download {url} into {root} (or the dataset already there)",
+            f"{type(err).__name__}: {err}",
+        ) from err
+
+
+def _require_files(root: Path, folder: Path, names: tuple[str, ...], layout: str, download: bool,
+                   url: str, fetch) -> None:
+    """Every file of the layout must be there: a partial copy would silently train on less data."""
+
+    def missing() -> list[str]:
+        return [name for name in names if not (folder / name).is_file()]
+
+    if missing() and download:
+        _download(url, root, fetch)
+    absent = missing()
+    if len(absent) == len(names):
+        raise _missing_dataset(root, folder, layout)
+    if absent:
+        raise ConfigError("data.root", f"{folder}/ to hold {layout}",
+                          f"{root}, whose {folder.name}/ lacks {', '.join(absent)}")
+
+
 def _read_cifar_batch(path: Path, label_key: str) -> tuple[np.ndarray, np.ndarray]:
-    with open(path, "rb") as f:
-        batch = pickle.load(f, encoding="bytes")
-    # The official files unpickle with bytes keys; copies re-pickled under Python 3 may use str.
-    batch = {key.decode() if isinstance(key, bytes) else key: value for key, value in batch.items()}
-    images = np.asarray(batch["data"], dtype=np.uint8).reshape(-1, 3, 32, 32)
-    labels = np.asarray(batch[label_key], dtype=np.int64)
+    try:
+        with open(path, "rb") as f:
+            batch = pickle.load(f, encoding="bytes")
+        # The official files unpickle with bytes keys; copies re-pickled under Python 3 may use str.
+        batch = {key.decode() if isinstance(key, bytes) else key: value for key, value in batch.items()}
+        images = np.asarray(batch["data"], dtype=np.uint8).reshape(-1, 3, 32, 32)
+        labels = np.asarray(batch[label_key], dtype=np.int64)
+    except Exception as err:  # garbage or truncated bytes raise anything from UnpicklingError to KeyError
+        raise ConfigError(
+            "data.root", f"{path.name} to be a CIFAR batch (a python pickle with data and {label_key})",
+            f"{path}, unreadable ({type(err).__name__}: {err})",
+        ) from err
+    if labels.shape != (len(images),):
+        raise ConfigError("data.root", f"{path.name} to hold one label per image",
+                          f"{path} with {len(images)} images and {labels.size} labels")
     return images, labels
 
 
@@ -82,29 +124,29 @@ def _cifar_split(paths: list[Path], label_key: str, num_classes: int, mean, std)
 def _load_cifar10(root: Path, download: bool) -> tuple[ImageDataset, ImageDataset]:
     folder = root / "cifar-10-batches-py"
 
-    def train_files() -> list[Path]:
-        return sorted(folder.glob("data_batch_*"), key=lambda path: int(path.name.rsplit("_", 1)[1]))
-
-    if not (train_files() and (folder / "test_batch").is_file()):
-        if not download:
-            raise _missing_dataset(root, folder, "data_batch_1..5 and test_batch (CIFAR-10, python version)")
+    def fetch() -> None:
         import torchvision
 
         torchvision.datasets.CIFAR10(str(root), train=True, download=True)
+
+    _require_files(root, folder, (*CIFAR10_TRAIN_FILES, "test_batch"),
+                   "data_batch_1..5 and test_batch (CIFAR-10, python version)", download, CIFAR10_URL, fetch)
     return (
-        _cifar_split(train_files(), "labels", 10, CIFAR10_MEAN, CIFAR10_STD),
+        _cifar_split([folder / name for name in CIFAR10_TRAIN_FILES], "labels", 10, CIFAR10_MEAN, CIFAR10_STD),
         _cifar_split([folder / "test_batch"], "labels", 10, CIFAR10_MEAN, CIFAR10_STD),
     )
 
 
 def _load_cifar100(root: Path, download: bool) -> tuple[ImageDataset, ImageDataset]:
     folder = root / "cifar-100-python"
-    if not ((folder / "train").is_file() and (folder / "test").is_file()):
-        if not download:
-            raise _missing_dataset(root, folder, "train and test (CIFAR-100, python version)")
+
+    def fetch() -> None:
         import torchvision
 
         torchvision.datasets.CIFAR100(str(root), train=True, download=True)
+
+    _require_files(root, folder, ("train", "test"), "train and test (CIFAR-100, python version)", download,
+                   CIFAR100_URL, fetch)
     return (
         _cifar_split([folder / "train"], "fine_labels", 100, CIFAR100_MEAN, CIFAR100_STD),
         _cifar_split([folder / "test"], "fine_labels", 100, CIFAR100_MEAN, CIFAR100_STD),
@@ -126,7 +168,7 @@ def _load_tiny_imagenet(root: Path, download: bool) -> tuple[ImageDataset, Image
                 )
             from torchvision.datasets.utils import download_and_extract_archive
 
-            download_and_extract_archive(TINY_IMAGENET_URL, str(root))
+            _download(TINY_IMAGENET_URL, root, lambda: download_and_extract_archive(TINY_IMAGENET_URL, str(root)))
         _write_atomically(_decode_tiny_imagenet(folder), cache)
     tensors = torch.load(cache, weights_only=True)
     num_classes = len(tensors["wnids"])
