@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -18,7 +18,8 @@ from torch.func import functional_call
 
 from fl_lightning.config import ClientOptimizerArgs
 from fl_lightning.flat import FlatLayout
-from fl_lightning.module import ClassificationModule, TrainingStepCall
+if TYPE_CHECKING:  # fl_lightning.module imports Lightning, which the command line need not wait for
+    from fl_lightning.module import ClassificationModule
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -197,6 +198,8 @@ class LocalTrainer:
 
     def __init__(self, fabric, module: ClassificationModule, train_images: torch.Tensor, train_labels: torch.Tensor,
                  transform, param_layout: FlatLayout, buffer_layout: FlatLayout, constraint=None):
+        from fl_lightning.module import TrainingStepCall
+
         self.fabric = fabric
         self.module = module
         self.call = TrainingStepCall(module)
@@ -219,6 +222,8 @@ class LocalTrainer:
         """`call(argument)` in train mode (eval mode if not `training`) with the module's tensors
         replaced by views of the flat `params` and `buffers` (which BatchNorm's running statistics
         update in place in train mode)."""
+        from fl_lightning.module import TrainingStepCall
+
         tensors = {**self.param_layout.views(params), **self.buffer_layout.views(buffers)}
         tensors.update({n: b.clone() for n, b in self.integer_buffers.items()})
         self.module.train(training)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import inspect
 from typing import Callable
 
-import timm
 import torch
 from torch import nn
 
@@ -81,6 +80,8 @@ def create_model(
     constructor = _model_constructors.get(name)
     if constructor is None:
         # Deferred because timm_models registers vit_tiny through this module.
+        import timm
+
         from fl_lightning.models.timm_models import create_timm_model
 
         if not timm.is_model(name):

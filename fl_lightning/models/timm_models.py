@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-import timm
 import torch
 from torch import nn
 
@@ -43,6 +42,8 @@ def create_timm_model(
     The data's image size is not passed on, since most timm CNNs take any size and reject an
     `img_size` argument; transformers get theirs through `options` (`img_size`).
     """
+    import timm  # slow to import; only timm models need it
+
     # timm networks fix their own normalisation and biases; resnet18's choices cannot be imposed.
     if norm != "bn":
         raise ConfigError(
