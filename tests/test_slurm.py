@@ -356,7 +356,7 @@ def test_default_out_dir_is_distinct_per_experiment(tmp_path):
     config.write_text((REPOSITORY / "configs" / "quickstart.yaml").read_text())
     copied = fit_out_dir(tmp_path, CONFIG=str(config))
     assert copied.startswith("runs/experiment-") and copied[-8:] == plain[-8:]  # the contents count
-    config.write_text(config.read_text().replace("lr: 0.05", "lr: 0.01"))
+    config.write_text(config.read_text() + "seed: 12345\n")
     assert fit_out_dir(tmp_path, CONFIG=str(config))[-8:] != plain[-8:]
 
 
