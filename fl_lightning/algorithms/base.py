@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from fl_lightning.client import Batch, ClientRun
+from fl_lightning.config import FederationArgs
 from fl_lightning.server_optimizers import ServerOptimizer
 
 PSEUDO_GRADIENT = "pseudo_gradient"
@@ -49,6 +50,10 @@ class Algorithm:
         """Adapt the freshly initialised network before training (e.g. MOON adds a projection
         head); the same on every rank."""
         return network
+
+    def check_federation(self, federation: FederationArgs, client_sizes: list[int]) -> None:
+        """Refuse a federation this algorithm cannot run as published (ConfigError); called once
+        the data is split, before training."""
 
     def server_optimizer_for(self, configured: ServerOptimizer) -> ServerOptimizer:
         """The server optimizer this algorithm runs with, given the configured one; checked before

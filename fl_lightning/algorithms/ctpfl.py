@@ -9,13 +9,14 @@ model is trained. h = 0 is synchronised mini-batch SGD.
 
 from __future__ import annotations
 
+import math
 from typing import Iterable, Iterator, Optional
 
 import torch
 
 from fl_lightning.algorithms.base import PSEUDO_GRADIENT, Algorithm
 from fl_lightning.client import ClientRun, clip_to_norm, group_loss_and_grads, vectorisable
-from fl_lightning.config import ConfigError
+from fl_lightning.config import ConfigError, FederationArgs
 
 
 class CTPFL(Algorithm):
@@ -45,6 +46,20 @@ class CTPFL(Algorithm):
         self.weight_decay = weight_decay
         self.clip_norm = clip_norm
         self.vectorise = vectorise
+
+    def check_federation(self, federation: FederationArgs, client_sizes: list[int]) -> None:
+        # local_epochs gives each client K_i = E * ceil(n_i / B) steps: unequal counts would give the
+        # clients different query points, and shared points are the method's premise.
+        if federation.local_epochs is None:
+            return
+        steps = {federation.local_epochs * math.ceil(n / federation.batch_size) for n in client_sizes}
+        if len(steps) > 1:
+            raise ConfigError(
+                "federation.local_epochs",
+                f"null for CTP-FL on these clients, whose sizes give from {min(steps)} to {max(steps)} local steps "
+                "while CTP-FL's clients share one set of K query points (set federation.local_steps: K)",
+                federation.local_epochs,
+            )
 
     @property
     def effective_span(self) -> float:
