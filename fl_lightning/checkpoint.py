@@ -1,31 +1,75 @@
-"""Checkpoints: written atomically, verified on load, the newest good one found for resume.
+"""Checkpoints: written atomically, checksummed, verified on load, the newest good one found for resume.
 
 Layout: out_dir/checkpoints/round_000010.ckpt ... and last.ckpt (a hard link to the newest).
 A checkpoint is a plain dict saved with `torch.save`, loadable with `torch.load`. Per-client state
 of stateful algorithms is saved by each owner rank beside it, as round_000010.clients_rank0.pt ...,
 before the main file (whose presence marks the checkpoint complete).
+
+Each file carries a SHA-256 digest of its content (tensors by their bytes), checked on load: a
+flipped byte in a tensor would otherwise load without complaint and silently change the run.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
-import sys
 import re
+import sys
 import warnings
 from pathlib import Path
-from typing import Optional, Union
+from typing import Optional
 
+import numpy as np
 import torch
 
 from fl_lightning.config import ConfigError
 
 LAST = "last.ckpt"
+DIGEST = "sha256"
 _NUMBERED = re.compile(r"round_(\d+)\.ckpt$")
-REQUIRED_KEYS = ("round", "model", "algorithm", "partition")
+REQUIRED_KEYS = ("round", "model", "algorithm", "partition", "metrics", "hyperparameters", DIGEST)
 
 
 def checkpoint_dir(out_dir: Path) -> Path:
     return Path(out_dir) / "checkpoints"
+
+
+def content_digest(value) -> str:
+    """SHA-256 over a nested structure of dicts, lists, tensors, arrays and scalars, independent of
+    how torch serialises it, so that it can be checked after loading."""
+    digest = hashlib.sha256()
+    _update_digest(digest, value)
+    return digest.hexdigest()
+
+
+def _update_digest(digest, value) -> None:
+    if isinstance(value, dict):
+        digest.update(b"{")
+        for key in sorted(value, key=repr):
+            digest.update(repr(key).encode())
+            _update_digest(digest, value[key])
+        digest.update(b"}")
+    elif isinstance(value, (list, tuple)):
+        digest.update(b"[")
+        for item in value:
+            _update_digest(digest, item)
+        digest.update(b"]")
+    elif isinstance(value, torch.Tensor):
+        tensor = value.detach().cpu().contiguous()
+        digest.update(f"tensor{tensor.dtype}{tuple(tensor.shape)}".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    elif isinstance(value, np.ndarray):
+        digest.update(f"array{value.dtype}{value.shape}".encode())
+        digest.update(np.ascontiguousarray(value).tobytes())
+    else:
+        digest.update(repr(value).encode())
+
+
+def remove_temporary_files(out_dir: Path) -> None:
+    """Temp files left by a process killed mid-write. Called while holding the out_dir lock, so no
+    live writer owns them."""
+    for tmp in checkpoint_dir(out_dir).glob(".*.tmp"):
+        tmp.unlink(missing_ok=True)
 
 
 def _atomic_replace(write, target: Path) -> None:
@@ -39,7 +83,9 @@ def _atomic_replace(write, target: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def _save_file(obj, target: Path) -> None:
+def _save_file(obj: dict, target: Path) -> None:
+    obj = {**obj, DIGEST: content_digest(obj)}
+
     def write(tmp: Path) -> None:
         with open(tmp, "wb") as f:
             torch.save(obj, f)
@@ -49,6 +95,30 @@ def _save_file(obj, target: Path) -> None:
     _atomic_replace(write, target)
 
 
+def _load_verified(path: Path, **load_options) -> dict:
+    """Load a file written by `_save_file`; ValueError naming it when unreadable or altered."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False, **load_options)
+    except Exception as err:  # a truncated or corrupt file fails in many ways inside torch.load
+        raise ValueError(f"checkpoint {path} is unreadable ({type(err).__name__}: {err})") from err
+    if not isinstance(state, dict) or DIGEST not in state:
+        raise ValueError(f"checkpoint {path} has no {DIGEST} digest: not written by this version")
+    expected = state.pop(DIGEST)
+    if content_digest(state) != expected:
+        raise ValueError(f"checkpoint {path} fails its {DIGEST} check: its content was altered after saving")
+    return state
+
+
+def write_text_atomically(path: Path, text: str) -> None:
+    def write(tmp: Path) -> None:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+
+    _atomic_replace(write, Path(path))
+
+
 def client_shard_path(folder: Path, round_completed: int, rank: int) -> Path:
     return folder / f"round_{round_completed:06d}.clients_rank{rank}.pt"
 
@@ -56,7 +126,7 @@ def client_shard_path(folder: Path, round_completed: int, rank: int) -> Path:
 def save_client_shard(states: dict, out_dir: Path, round_completed: int, rank: int) -> None:
     folder = checkpoint_dir(out_dir)
     folder.mkdir(parents=True, exist_ok=True)
-    _save_file(states, client_shard_path(folder, round_completed, rank))
+    _save_file({"clients": states}, client_shard_path(folder, round_completed, rank))
 
 
 def load_client_shards(checkpoint_path: Path, round_completed: int, num_shards: int) -> dict:
@@ -64,11 +134,10 @@ def load_client_shards(checkpoint_path: Path, round_completed: int, num_shards: 
     merged: dict = {}
     for rank in range(num_shards):
         path = client_shard_path(Path(checkpoint_path).parent, round_completed, rank)
-        try:
-            # mmap: a rank copies out only the clients it owns, not every client's state.
-            merged.update(torch.load(path, map_location="cpu", weights_only=False, mmap=True))
-        except Exception as err:
-            raise ValueError(f"client-state shard {path} is missing or unreadable ({err})") from err
+        if not path.is_file():
+            raise ValueError(f"client-state shard {path} of checkpoint {checkpoint_path} is missing")
+        # mmap: a rank copies out only the clients it owns, not every client's state.
+        merged.update(_load_verified(path, mmap=True)["clients"])
     return merged
 
 
@@ -91,36 +160,49 @@ def numbered_checkpoints(folder: Path) -> list[Path]:
 
 
 def load_checkpoint(path: Path) -> dict:
-    """Load and verify one checkpoint; raises ValueError naming the file when it is unusable."""
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as err:  # a truncated or corrupt file fails in many ways inside torch.load
-        raise ValueError(f"checkpoint {path} is unreadable ({type(err).__name__}: {err})") from err
-    missing = [k for k in REQUIRED_KEYS if not isinstance(state, dict) or k not in state]
+    """Load and verify one checkpoint and its client-state shards; raises ValueError naming the
+    file when it is unusable."""
+    state = _load_verified(path)
+    missing = [k for k in REQUIRED_KEYS if k != DIGEST and k not in state]
     if missing:
         raise ValueError(f"checkpoint {path} lacks {missing}")
     state["client_states"] = load_client_shards(path, state["round"], state.get("client_state_shards", 0))
     return state
 
 
-def resolve_resume(resume: Union[None, str, Path], out_dir: Path) -> Optional[dict]:
-    """The state to resume from: None starts fresh; "auto" takes the newest good checkpoint in
-    out_dir (skipping corrupt ones with a warning), or none; a path must exist and load."""
-    if resume is None:
-        return None
-    if str(resume) != "auto":
-        path = Path(resume)
-        if not path.is_file():
-            raise ConfigError("resume", "an existing checkpoint file, 'auto' or null", str(resume))
-        return load_checkpoint(path)
-    candidates = numbered_checkpoints(checkpoint_dir(out_dir))[::-1]
+def resume_candidates(out_dir: Path) -> list[Path]:
+    """Checkpoints in out_dir to try, best first: numbered ones newest first, then last.ckpt (the
+    only one left when the numbered files were deleted)."""
+    folder = checkpoint_dir(out_dir)
+    candidates = numbered_checkpoints(folder)[::-1]
+    if (folder / LAST).is_file():
+        candidates.append(folder / LAST)
+    return candidates
+
+
+def newest_good_checkpoint(out_dir: Path) -> Optional[dict]:
+    """The newest checkpoint in out_dir that loads and passes its checks (skipping bad ones with a
+    warning); None when there is none at all; ValueError when every one is bad."""
+    candidates = resume_candidates(out_dir)
     for path in candidates:
         try:
             state = load_checkpoint(path)
-            print(f"resuming from {path} (round {state['round']})", file=sys.stderr, flush=True)
-            return state
         except ValueError as err:
             warnings.warn(f"{err}; trying the previous checkpoint", stacklevel=2)
+            continue
+        print(f"resuming from {path} (round {state['round']})", file=sys.stderr, flush=True)
+        return state
     if candidates:
-        raise ValueError(f"no usable checkpoint in {checkpoint_dir(out_dir)}: every one failed to load")
+        raise ConfigError("resume", f"a usable checkpoint in {checkpoint_dir(out_dir)} (every one failed its "
+                          "checks; see the warnings above) or a new out_dir", "auto")
     return None
+
+
+def load_resume_file(path: Path) -> dict:
+    """An explicitly named checkpoint: it must exist and pass every check."""
+    if not Path(path).is_file():
+        raise ConfigError("resume", "an existing checkpoint file, 'auto' or null", str(path))
+    try:
+        return load_checkpoint(Path(path))
+    except ValueError as err:
+        raise ConfigError("resume", "a checkpoint written by fl-lightning that passes its checks", str(err)) from err
