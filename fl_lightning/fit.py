@@ -11,6 +11,7 @@ import importlib
 import inspect
 import json
 import os
+import sys
 from datetime import timedelta
 from pathlib import Path
 from typing import Literal, Optional, Union
@@ -18,9 +19,17 @@ from typing import Literal, Optional, Union
 import torch
 import yaml
 from jsonargparse import lazy_instance
+from jsonargparse.typing import NonNegativeInt
 
 from fl_lightning.algorithms import Algorithm
-from fl_lightning.checkpoint import LAST, checkpoint_dir, resolve_resume
+from fl_lightning.checkpoint import (
+    LAST,
+    checkpoint_dir,
+    load_resume_file,
+    newest_good_checkpoint,
+    remove_temporary_files,
+    write_text_atomically,
+)
 from fl_lightning.cluster import check_signal_name, check_slurm_allocation
 from fl_lightning.config import (
     CheckpointArgs,
@@ -34,11 +43,20 @@ from fl_lightning.config import (
 )
 from fl_lightning.constraints import Constraint
 from fl_lightning.data import class_histogram, load_dataset, partition_indices, plot_partition
-from fl_lightning.federation import FederatedRun, train
 from fl_lightning.flat import FlatLayout
 from fl_lightning.models import create_model
-from fl_lightning.module import ClassificationModule
-from fl_lightning.run_logging import new_run_id, wandb_logger
+from fl_lightning.run_dir import (
+    CONFIG_FILE,
+    RunDirLock,
+    check_same_experiment,
+    default_out_dir,
+    holds_results,
+    is_launching_process,
+    recorded_config,
+    remove_results,
+    report_safe_changes,
+)
+from fl_lightning.run_logging import MetricsLog, WandbIdentity, new_run_id, new_wandb_run
 from fl_lightning.server_optimizers import ServerOptimizer, ServerSGD
 
 
@@ -53,9 +71,10 @@ def fit(
     fabric: FabricArgs = FabricArgs(),
     logger: LoggerArgs = LoggerArgs(),
     checkpoint: CheckpointArgs = CheckpointArgs(),
-    seed: int = 0,
-    out_dir: Path = Path("runs/default"),
+    seed: NonNegativeInt = 0,
+    out_dir: Optional[Path] = None,
     resume: Optional[Union[Literal["auto"], Path]] = "auto",
+    overwrite: bool = False,
 ) -> torch.Tensor:
     """Train a federation and write its logs and checkpoints to out_dir.
 
@@ -74,28 +93,108 @@ def fit(
         logger: Weights & Biases settings.
         checkpoint: checkpoint schedule.
         seed: seeds the model init, the partition, client sampling and every client's batches.
-        out_dir: folder for config.yaml, metrics.jsonl, partition.json, checkpoints/ and wandb/.
-        resume: "auto" continues from the newest good checkpoint in out_dir (if any); a path resumes
-            from that checkpoint; null starts fresh.
+        out_dir: folder for config.yaml, metrics.jsonl, partition.json, checkpoints/ and wandb/; null
+            uses runs/<algorithm>-<dataset>-<model>-seed<seed>-<digest of the experiment's settings>,
+            a folder of its own for every experiment.
+        resume: "auto" continues the run in out_dir from its newest good checkpoint (if any); a path
+            resumes from that checkpoint; null starts fresh. A resume refuses settings that differ
+            from the run's (more rounds, logging, checkpointing and devices may change).
+        overwrite: with resume null, replace the results of a run already in out_dir (without it,
+            such a folder is refused).
 
     Returns the final global parameters as one flat tensor, in the module's parameter order.
     """
     configured_server_optimizer = _materialise(server_optimizer)
     server_optimizer = algorithm.server_optimizer_for(configured_server_optimizer)
+    _validate_settings(algorithm, federation, client_optimizer, fabric, checkpoint, resume, overwrite)
+    method = _short_name(algorithm) + ("+const" if constraint is not None else "")
+    config = _as_config({
+        "algorithm": algorithm, "model": model, "data": data, "federation": federation,
+        "client_optimizer": client_optimizer, "server_optimizer": configured_server_optimizer,
+        "constraint": constraint, "fabric": fabric, "logger": logger, "checkpoint": checkpoint, "seed": seed,
+        "out_dir": None, "resume": None if resume is None else str(resume), "overwrite": overwrite,
+    })
+    out_dir = Path(out_dir) if out_dir is not None else default_out_dir(
+        config, f"{method}-{data.name}-{model.name}-seed{seed}")
+    config["out_dir"] = str(out_dir)
+    _check_writable(out_dir)
+    launching = is_launching_process()
+    lock = RunDirLock(out_dir)
+    if launching:
+        lock.acquire()
+    try:
+        if launching:
+            remove_temporary_files(out_dir)
+        resume_state = _resume_state(resume, overwrite, out_dir, config, federation.rounds, launching)
+        return _build_and_train(
+            algorithm=algorithm, server_optimizer=server_optimizer, model=model, data=data, federation=federation,
+            client_optimizer=client_optimizer, constraint=constraint, fabric=fabric, logger=logger,
+            checkpoint=checkpoint, seed=seed, out_dir=out_dir, config=config, method=method,
+            resume_state=resume_state, launching=launching,
+        )
+    finally:
+        lock.release()
+
+
+def _validate_settings(algorithm: Algorithm, federation: FederationArgs, client_optimizer: ClientOptimizerArgs,
+                       fabric: FabricArgs, checkpoint: CheckpointArgs, resume, overwrite: bool) -> None:
+    """Every check that needs no data, before anything is loaded or written."""
     federation.validate()
+    fabric.validate()
     client_optimizer.validate()
     check_slurm_allocation(fabric)
     check_signal_name(checkpoint.requeue_signal)
-    _check_writable(out_dir)
-    resume_state = resolve_resume(resume, out_dir)
+    if overwrite and resume is not None:
+        raise ConfigError("overwrite", "false unless resume is null (overwrite replaces a run; resume continues it)",
+                          overwrite)
+
+
+def _resume_state(resume, overwrite: bool, out_dir: Path, config: dict, rounds: int, launching: bool
+                  ) -> Optional[dict]:
+    """The checkpoint to continue from, once it is certain to belong to the same experiment."""
+    if resume is None:
+        # Only the launching process judges the folder: other ranks may start after it wrote there.
+        if launching and holds_results(out_dir):
+            if not overwrite:
+                raise ConfigError("resume", f"'auto' to continue the run already in {out_dir}, overwrite: true to "
+                                  "replace it, or another out_dir", None)
+            remove_results(out_dir)
+        return None
+    state = newest_good_checkpoint(out_dir) if str(resume) == "auto" else load_resume_file(Path(resume))
+    records = [(recorded_config(out_dir), f"{out_dir / CONFIG_FILE}")]
+    if state is not None:
+        records.insert(0, (state["hyperparameters"], f"the checkpoint of round {state['round']}"))
+    if state is not None and state["round"] > rounds:
+        raise ConfigError("federation.rounds", f"at least {state['round']}, the round the checkpoint in {out_dir} "
+                          "reached (more rounds continue the run)", rounds)
+    for recorded, source in records:
+        if recorded is not None:
+            changes = check_same_experiment(recorded, config, source, out_dir)
+            if launching:
+                report_safe_changes(changes)
+            break
+    return state
+
+
+def _build_and_train(*, algorithm, server_optimizer, model, data, federation, client_optimizer, constraint, fabric,
+                     logger, checkpoint, seed, out_dir, config, method, resume_state, launching) -> torch.Tensor:
+    from fl_lightning.federation import FederatedRun  # imports Lightning, which the command line need not wait for
+    from fl_lightning.module import ClassificationModule
 
     train_set, test_set = load_dataset(data.name, data.root, data.download)
     partition = partition_indices(
         train_set.labels.numpy(), federation.num_clients, data.partition, alpha=data.alpha,
         min_samples=data.min_samples, shards_per_client=data.shards_per_client, seed=seed,
     )
+    algorithm.check_federation(federation, [len(p) for p in partition])
+    largest_client = max(len(p) for p in partition)
+    # Under local_epochs a batch larger than a client is its whole data (full-batch steps); under
+    # local_steps every batch of every client would repeat samples.
+    if federation.local_steps is not None and federation.batch_size > largest_client:
+        raise ConfigError("federation.batch_size", f"at most the largest client's number of samples ({largest_client}) "
+                          "with local_steps", federation.batch_size)
     if resume_state is not None and [list(p) for p in partition] != resume_state["partition"]:
-        raise ConfigError("resume", "a checkpoint made with the same data, partition and seed", str(resume))
+        raise ConfigError("resume", "a checkpoint made with the same data, partition and seed", str(out_dir))
     torch.manual_seed(seed)  # the same initial global model on every rank
     network = create_model(model.name, num_classes=train_set.num_classes, in_channels=train_set.images.shape[1],
                            image_size=train_set.images.shape[-1], norm=model.norm, bias=model.bias, **model.options)
@@ -107,26 +206,24 @@ def fit(
         constraint.prepare_model(network)
     module = ClassificationModule(network, train_set.num_classes)
 
-    algorithm_name = _short_name(algorithm)
-    config = _as_config({
-        "algorithm": algorithm, "model": model, "data": data, "federation": federation,
-        "client_optimizer": client_optimizer, "server_optimizer": configured_server_optimizer,
-        "constraint": constraint, "fabric": fabric, "logger": logger, "checkpoint": checkpoint, "seed": seed,
-        "out_dir": out_dir, "resume": None if resume is None else str(resume),
-    })
-    run_id = resume_state["run_id"] if resume_state is not None else new_run_id()
-    wandb = wandb_logger(
-        logger, out_dir, run_id, default_name=f"{algorithm_name}-seed{seed}",
-        default_group=f"{data.name}-alpha{data.alpha}-{model.name}",
-        tags=[algorithm_name, data.name, f"alpha={data.alpha}", model.name],
+    identity = WandbIdentity(
+        run_id=resume_state["run_id"] if resume_state is not None else new_run_id(),
+        name=logger.name or f"{method}-seed{seed}", group=logger.group or f"{data.name}-alpha{data.alpha}-{model.name}",
+        tags=sorted({method, data.name, f"alpha={data.alpha}", model.name, *logger.tags}),
     )
+    if resume_state is not None and resume_state["round"] == federation.rounds:
+        if launching:
+            _complete_logs_of_finished_run(logger, out_dir, identity, config, resume_state)
+        module.load_state_dict(resume_state["model"])
+        return FlatLayout.of(module.named_parameters()).flatten(dict(module.named_parameters()))
+
     run = FederatedRun(
         algorithm=algorithm, server_optimizer=server_optimizer, module=module, train=train_set, test=test_set,
         partition=partition, federation=federation, data=data, client_optimizer=client_optimizer, logger=logger,
-        checkpoint=checkpoint, seed=seed, out_dir=Path(out_dir), run_id=run_id, hyperparameters=config,
-        constraint=constraint, resume_state=resume_state,
+        checkpoint=checkpoint, seed=seed, out_dir=out_dir, wandb_identity=identity, hyperparameters=config,
+        constraint=constraint, resume_state=resume_state, wandb=new_wandb_run(logger, out_dir, identity),
     )
-    engine = _build_fabric(fabric, [] if wandb is None else [wandb])
+    engine = _build_fabric(fabric)
     # Ranks return nothing: a spawned rank's return value travels through a pipe that a model
     # would block. The final model is the last checkpoint, always written at the end.
     engine.launch(_train_and_record, run)
@@ -135,7 +232,22 @@ def fit(
     return FlatLayout.of(module.named_parameters()).flatten(dict(module.named_parameters()))
 
 
+def _complete_logs_of_finished_run(logger: LoggerArgs, out_dir: Path, identity: WandbIdentity, config: dict,
+                                   state: dict) -> None:
+    """A finished run asked to run again (a requeued job that had ended) trains nothing, but makes
+    sure its logs hold every round: it may have been killed between its last checkpoint and logs."""
+    print(f"{out_dir} holds a finished run (round {state['round']}); nothing to train", file=sys.stderr, flush=True)
+    MetricsLog(out_dir, state["metrics"])
+    wandb = new_wandb_run(logger, out_dir, identity)
+    if wandb is not None:
+        wandb.start(config)
+        wandb.replay(state["metrics"])
+        wandb.finish()
+
+
 def _train_and_record(fabric, run: FederatedRun) -> None:
+    from fl_lightning.federation import train
+
     if fabric.global_rank == 0:
         _write_run_files(run)
     return train(fabric, run)
@@ -143,13 +255,14 @@ def _train_and_record(fabric, run: FederatedRun) -> None:
 
 def _write_run_files(run: FederatedRun) -> None:
     out = run.out_dir
-    (out / "config.yaml").write_text(yaml.safe_dump(run.hyperparameters, sort_keys=False))
-    (out / "partition.json").write_text(json.dumps({str(i): p.tolist() for i, p in enumerate(run.partition)}))
+    write_text_atomically(out / CONFIG_FILE, yaml.safe_dump(run.hyperparameters, sort_keys=False))
+    write_text_atomically(out / "partition.json",
+                          json.dumps({str(i): p.tolist() for i, p in enumerate(run.partition)}))
     histogram = class_histogram(run.train.labels.numpy(), run.partition, run.train.num_classes)
     plot_partition(histogram, out / "partition.png")
 
 
-def _build_fabric(args: FabricArgs, loggers: list):
+def _build_fabric(args: FabricArgs):
     from lightning.fabric import Fabric
     from lightning.fabric.strategies import DDPStrategy
 
@@ -164,7 +277,7 @@ def _build_fabric(args: FabricArgs, loggers: list):
             timeout=timedelta(seconds=args.process_group_timeout_s),
         )
     return Fabric(accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes,
-                  precision=args.precision, strategy=strategy, loggers=loggers)
+                  precision=args.precision, strategy=strategy)
 
 
 def _materialise(default: ServerOptimizer) -> ServerOptimizer:

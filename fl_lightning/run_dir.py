@@ -1,0 +1,161 @@
+"""The run folder: one experiment per out_dir, held by one run at a time.
+
+A folder belongs to the experiment that first wrote it. Resuming compares the settings that
+define the experiment (algorithm and its arguments, model, data and split, federation, optimizers,
+constraint, seed, precision) with those the folder's checkpoint (or config.yaml) recorded, before
+anything is written, and refuses any change: a run that silently continued under other settings
+would report numbers that belong to no experiment. Settings that only change how the run is
+carried out (more rounds, evaluation and checkpoint cadence, logging, devices) may change.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import socket
+import sys
+from pathlib import Path
+from typing import Optional
+
+import yaml
+
+from fl_lightning.config import ConfigError
+
+CONFIG_FILE = "config.yaml"
+LOCK_FILE = ".lock"
+# What a run writes into its folder; `overwrite` removes exactly these.
+RUN_FILES = (CONFIG_FILE, "metrics.jsonl", "partition.json", "partition.png", "checkpoints", "wandb")
+# Dotted settings (or prefixes ending in ".") that change how a run is carried out, not its result.
+SAFE_TO_CHANGE = (
+    "federation.rounds", "federation.eval_every", "federation.eval_batch_size",
+    "fabric.accelerator", "fabric.devices", "fabric.num_nodes", "fabric.strategy", "fabric.process_group_timeout_s",
+    "data.root", "data.download", "logger.", "checkpoint.", "out_dir", "resume", "overwrite",
+)
+
+
+def flatten(config: dict, prefix: str = "") -> dict[str, object]:
+    """{"a": {"b": 1}} -> {"a.b": 1}; lists stay values."""
+    flat: dict[str, object] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            flat.update(flatten(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def is_safe_to_change(name: str) -> bool:
+    return any(name == safe or (safe.endswith(".") and name.startswith(safe)) for safe in SAFE_TO_CHANGE)
+
+
+def defining_settings(config: dict) -> dict[str, object]:
+    return {name: value for name, value in flatten(config).items() if not is_safe_to_change(name)}
+
+
+def experiment_digest(config: dict) -> str:
+    """8 hex digits that differ between experiments (the settings that define one)."""
+    canonical = json.dumps(defining_settings(config), sort_keys=True, default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:8]
+
+
+def default_out_dir(config: dict, name: str) -> Path:
+    return Path("runs") / f"{name}-{experiment_digest(config)}"
+
+
+def changed_settings(recorded: dict, requested: dict) -> dict[str, tuple[object, object]]:
+    """name -> (recorded, requested) for every dotted setting that differs."""
+    old, new = flatten(recorded), flatten(requested)
+    missing = object()
+    return {name: (old.get(name), new.get(name)) for name in sorted(old.keys() | new.keys())
+            if old.get(name, missing) != new.get(name, missing)}
+
+
+def check_same_experiment(recorded: dict, requested: dict, source: str, out_dir: Path) -> dict:
+    """Refuse a resume whose experiment differs from the recorded one; returns the safe changes."""
+    changes = changed_settings(recorded, requested)
+    refused = {name: change for name, change in changes.items() if not is_safe_to_change(name)}
+    if refused:
+        lines = "\n".join(f"  {name}: {old!r} -> {new!r}" for name, (old, new) in refused.items())
+        raise ConfigError(
+            "out_dir",
+            f"a folder of its own for a different experiment: the run in it ({source}) was made with other "
+            f"settings, which a resume cannot change:\n{lines}\nKeep those settings to continue that run, or give "
+            "this experiment another out_dir (leave out_dir unset for one named after its settings)",
+            str(out_dir),
+        )
+    return {name: change for name, change in changes.items() if name not in ("resume", "out_dir")}
+
+
+def recorded_config(out_dir: Path) -> Optional[dict]:
+    path = Path(out_dir) / CONFIG_FILE
+    if not path.is_file():
+        return None
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError("out_dir", f"a readable {CONFIG_FILE} in the run folder", f"{path} ({err})") from err
+
+
+def holds_results(out_dir: Path) -> bool:
+    return any((Path(out_dir) / name).exists() for name in RUN_FILES)
+
+
+def remove_results(out_dir: Path) -> None:
+    for name in RUN_FILES:
+        path = Path(out_dir) / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+
+
+def is_launching_process() -> bool:
+    """Whether this process is global rank 0 before Fabric starts (the one that owns out_dir): not
+    a rank that Lightning, torchrun or srun started besides it."""
+    if "SLURM_PROCID" in os.environ and "SLURM_NTASKS" in os.environ:
+        return os.environ["SLURM_PROCID"] == "0"
+    return all(os.environ.get(name, "0") == "0" for name in ("RANK", "LOCAL_RANK", "NODE_RANK"))
+
+
+class RunDirLock:
+    """An exclusive lock on out_dir for the whole run, so that two runs cannot interleave their
+    checkpoints and logs. The kernel drops it when the process dies, so a killed run leaves no
+    stale lock behind."""
+
+    def __init__(self, out_dir: Path):
+        self.path = Path(out_dir) / LOCK_FILE
+        self._file = None
+
+    def acquire(self) -> None:
+        handle = open(self.path, "a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            handle.close()
+            if err.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+            raise ConfigError("out_dir", f"a folder no other run is using (it is held by {holder})",
+                              str(self.path.parent)) from err
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        handle.flush()
+        self._file = handle
+
+    def release(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def report_safe_changes(changes: dict) -> None:
+    if changes:
+        listed = ", ".join(f"{name} {old!r} -> {new!r}" for name, (old, new) in changes.items())
+        print(f"resuming with changed settings: {listed}", file=sys.stderr, flush=True)

@@ -1,0 +1,210 @@
+"""The run folder: a resume continues only the same experiment, a folder holds one run at a time,
+and damaged or leftover files are caught before training."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fl_lightning.checkpoint import checkpoint_dir, load_checkpoint, numbered_checkpoints
+from fl_lightning.cli import main
+from fl_lightning.run_dir import default_out_dir
+from fl_lightning.run_logging import read_metrics
+
+QUICKSTART = str(Path(__file__).parent.parent / "configs" / "quickstart.yaml")
+ROUNDS = 4
+BASE = ["fit", "--config", QUICKSTART, "--model.options", "{hidden: 16, depth: 1}", "--federation.local_steps", "2",
+        "--federation.eval_every", "2", "--checkpoint.every", "2", "--logger.progress_bar", "false"]
+
+
+def fit(out_dir: Path, *extra: str) -> None:
+    main([*BASE, "--federation.rounds", str(ROUNDS), "--resume", "auto", "--out_dir", str(out_dir), *extra])
+
+
+def refused(capsys, out_dir: Path, *extra: str) -> str:
+    """Runs fit expecting a refusal; returns stderr."""
+    with pytest.raises(SystemExit) as exited:
+        fit(out_dir, *extra)
+    assert exited.value.code == 2
+    return capsys.readouterr().err
+
+
+def folder_snapshot(out_dir: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(out_dir)): p.read_bytes() for p in sorted(out_dir.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    out_dir = tmp_path_factory.mktemp("finished") / "run"
+    fit(out_dir)
+    return out_dir
+
+
+@pytest.fixture
+def run_copy(finished_run, tmp_path) -> Path:
+    out_dir = tmp_path / "run"
+    shutil.copytree(finished_run, out_dir)
+    return out_dir
+
+
+CHANGES = {
+    "algorithm": (["--algorithm", "fedprox"], "algorithm.class_path"),
+    "algorithm argument": (["--algorithm", "fedprox", "--algorithm.mu", "0.1"], "algorithm.class_path"),
+    "model": (["--model.options", "{hidden: 32, depth: 1}"], "model.options.hidden"),
+    "dirichlet alpha": (["--data.alpha", "0.3"], "data.alpha"),
+    "partition": (["--data.partition", "iid"], "data.partition"),
+    "clients": (["--federation.num_clients", "12"], "federation.num_clients"),
+    "local steps": (["--federation.local_steps", "3"], "federation.local_steps"),
+    "client lr": (["--client_optimizer.lr", "0.1"], "client_optimizer.lr"),
+    "server optimizer": (["--server_optimizer", "FedAdam"], "server_optimizer.class_path"),
+    "server lr": (["--server_optimizer.lr", "0.5"], "server_optimizer.init_args.lr"),
+    "seed": (["--seed", "1"], "seed"),
+    "precision": (["--fabric.precision", "64-true"], "fabric.precision"),
+}
+
+
+@pytest.mark.parametrize("extra, field_name", CHANGES.values(), ids=CHANGES.keys())
+def test_resume_with_a_changed_experiment_refuses_naming_the_field(extra, field_name, run_copy, capsys):
+    before = folder_snapshot(run_copy)
+    stderr = refused(capsys, run_copy, *extra)
+    assert f"  {field_name}: " in stderr and " -> " in stderr, stderr
+    assert "another out_dir" in stderr
+    assert folder_snapshot(run_copy) == before  # nothing was written
+
+
+def test_changed_lr_after_a_kill_before_any_checkpoint_is_refused_from_config_yaml(run_copy, capsys):
+    shutil.rmtree(checkpoint_dir(run_copy))
+    stderr = refused(capsys, run_copy, "--client_optimizer.lr", "0.2")
+    assert "client_optimizer.lr: 0.05 -> 0.2" in stderr and "config.yaml" in stderr
+
+
+def test_more_rounds_continue_the_run_and_fewer_are_refused(run_copy, capsys):
+    stderr = refused(capsys, run_copy, "--federation.rounds", "2")
+    assert "federation.rounds: expected at least 4" in stderr
+    main([*BASE, "--federation.rounds", "6", "--resume", "auto", "--out_dir", str(run_copy),
+          "--logger.progress_bar", "true", "--checkpoint.keep", "3"])
+    assert "resuming with changed settings: checkpoint.keep 2 -> 3, federation.rounds 4 -> 6" in capsys.readouterr().err
+    assert [row["round"] for row in read_metrics(run_copy)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_finished_run_trains_nothing_when_run_again(run_copy, capsys):
+    before = folder_snapshot(run_copy)
+    fit(run_copy)
+    assert "holds a finished run (round 4); nothing to train" in capsys.readouterr().err
+    assert folder_snapshot(run_copy) == before
+
+
+def test_last_ckpt_alone_is_found_when_the_numbered_checkpoints_are_gone(run_copy, capsys):
+    for path in numbered_checkpoints(checkpoint_dir(run_copy)):
+        path.unlink()
+    fit(run_copy)
+    assert "nothing to train" in capsys.readouterr().err
+    assert [row["round"] for row in read_metrics(run_copy)] == [1, 2, 3, 4]
+
+
+def test_fresh_start_in_a_folder_with_results_refuses_unless_overwrite(run_copy, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main([*BASE, "--federation.rounds", "2", "--resume", "null", "--out_dir", str(run_copy)])
+    assert exited.value.code == 2
+    assert "overwrite: true to replace it" in capsys.readouterr().err
+    main([*BASE, "--federation.rounds", "2", "--resume", "null", "--overwrite", "true", "--out_dir", str(run_copy)])
+    assert [row["round"] for row in read_metrics(run_copy)] == [1, 2]
+    assert [p.name for p in numbered_checkpoints(checkpoint_dir(run_copy))] == ["round_000002.ckpt"]
+
+
+def test_explicit_checkpoint_of_another_algorithm_is_refused(run_copy, tmp_path, capsys):
+    stderr = refused(capsys, tmp_path / "elsewhere", "--algorithm", "scaffold",
+                     "--resume", str(checkpoint_dir(run_copy) / "last.ckpt"))
+    assert "algorithm.class_path: 'fl_lightning.algorithms.fedavg.FedAvg' -> " in stderr
+
+
+def test_garbage_resume_file_is_one_error_line(tmp_path, capsys):
+    garbage = tmp_path / "garbage.ckpt"
+    garbage.write_bytes(os.urandom(256))
+    stderr = refused(capsys, tmp_path / "run", "--resume", str(garbage))
+    assert stderr.startswith("error: resume:") and "Traceback" not in stderr
+
+
+def flip_bytes_inside(path: Path, marker: bytes) -> None:
+    """Overwrite 8 bytes just after `marker` (inside a stored tensor's data)."""
+    data = bytearray(path.read_bytes())
+    at = data.index(marker) + 64
+    data[at:at + 8] = bytes(255 - b for b in data[at:at + 8])
+    path.write_bytes(bytes(data))
+
+
+def test_a_corrupted_tensor_byte_is_caught_and_the_previous_checkpoint_used(run_copy, capsys):
+    *_, previous, newest = numbered_checkpoints(checkpoint_dir(run_copy))
+    (checkpoint_dir(run_copy) / "last.ckpt").unlink()
+    flip_bytes_inside(newest, b"data/0")
+    with pytest.raises(ValueError, match="fails its sha256 check"):
+        load_checkpoint(newest)
+    with pytest.warns(UserWarning, match="trying the previous checkpoint"):
+        fit(run_copy)
+    assert f"resuming from {previous}" in capsys.readouterr().err
+    assert [row["round"] for row in read_metrics(run_copy)] == [1, 2, 3, 4]
+
+
+def test_a_corrupted_client_state_shard_is_caught(tmp_path):
+    out_dir = tmp_path / "run"
+    fit(out_dir, "--algorithm", "scaffold")
+    shard = next(checkpoint_dir(out_dir).glob("round_000004.clients_rank0.pt"))
+    flip_bytes_inside(shard, b"data/0")
+    with pytest.raises(ValueError, match=f"checkpoint {shard} fails its sha256 check"):
+        load_checkpoint(checkpoint_dir(out_dir) / "round_000004.ckpt")
+
+
+def test_leftover_temporary_files_are_removed(run_copy):
+    leftover = checkpoint_dir(run_copy) / ".round_000006.ckpt.12345.tmp"
+    leftover.write_bytes(b"half a checkpoint")
+    fit(run_copy)
+    assert not leftover.exists()
+
+
+def test_a_second_run_on_the_same_folder_refuses_naming_the_first(tmp_path, capsys):
+    out_dir = tmp_path / "run"
+    out_dir.mkdir()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from fl_lightning.run_dir import RunDirLock; "
+         f"lock = RunDirLock({str(out_dir)!r}); lock.acquire(); print('held', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"  # waits until the lock is taken
+        stderr = refused(capsys, out_dir)
+        assert f"held by pid {holder.pid} on" in stderr
+        assert not (out_dir / "metrics.jsonl").exists()
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    fit(out_dir)  # the lock died with its process
+    assert [row["round"] for row in read_metrics(out_dir)] == [1, 2, 3, 4]
+
+
+def test_default_out_dirs_differ_between_experiments_only():
+    base = {"algorithm": {"class_path": "X"}, "client_optimizer": {"lr": 0.05},
+            "federation": {"rounds": 10, "num_clients": 10}, "logger": {"wandb_mode": "offline"}}
+    same_experiment = {**base, "federation": {"rounds": 300, "num_clients": 10}, "logger": {"wandb_mode": "online"}}
+    other_lr = {**base, "client_optimizer": {"lr": 0.1}}
+    assert default_out_dir(base, "fedavg") == default_out_dir(same_experiment, "fedavg")
+    assert default_out_dir(base, "fedavg") != default_out_dir(other_lr, "fedavg")
+    assert default_out_dir(base, "fedavg").parent == Path("runs")
+
+
+def test_final_model_is_returned_for_a_finished_run(run_copy):
+    from fl_lightning.cli import build_parser, expand_short_names
+    from fl_lightning.fit import fit as fit_function
+
+    parser = build_parser()
+    argv = [*BASE, "--federation.rounds", str(ROUNDS), "--resume", "auto", "--out_dir", str(run_copy)]
+    arguments = parser.instantiate_classes(parser.parse_args(expand_short_names(argv))).fit
+    arguments.pop("config", None)
+    final = fit_function(**arguments)
+    saved = load_checkpoint(checkpoint_dir(run_copy) / "last.ckpt")["model"]
+    expected = torch.cat([saved[name].reshape(-1) for name in saved if "running" not in name
+                          and "num_batches" not in name])
+    torch.testing.assert_close(final, expected, rtol=0, atol=0)
