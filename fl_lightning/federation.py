@@ -16,15 +16,15 @@ import numpy as np
 import torch
 
 from fl_lightning.algorithms import Algorithm
-from fl_lightning.checkpoint import save_checkpoint, save_client_shard
-from fl_lightning.cluster import PreemptionHandler
+from fl_lightning.checkpoint import checkpoint_dir, numbered_checkpoints, save_checkpoint, save_client_shard
+from fl_lightning.cluster import STOP_SIGNALS, requeue_after_stop
 from fl_lightning.client import SAMPLING_STREAM, LocalTrainer, seeded_generator
 from fl_lightning.constraints import Constraint
 from fl_lightning.config import CheckpointArgs, ClientOptimizerArgs, DataArgs, FederationArgs, LoggerArgs
 from fl_lightning.data import DeviceTransform, ImageDataset
 from fl_lightning.flat import FlatLayout
 from fl_lightning.module import ClassificationModule
-from fl_lightning.run_logging import MetricsLog, finish_wandb, start_wandb
+from fl_lightning.run_logging import MetricsLog, WandbIdentity, WandbRun, round_line
 from fl_lightning.server_optimizers import ServerOptimizer
 
 
@@ -45,10 +45,12 @@ class FederatedRun:
     checkpoint: CheckpointArgs
     seed: int
     out_dir: Path
-    run_id: str
+    wandb_identity: WandbIdentity
     hyperparameters: dict
     constraint: Optional[Constraint] = None
     resume_state: Optional[dict] = None
+    wandb: Optional[WandbRun] = None
+    """Rank 0's W&B run, or None when W&B is disabled."""
 
 
 def sample_clients(seed: int, round_index: int, num_clients: int, clients_per_round: int) -> list[int]:
@@ -158,6 +160,7 @@ def train(fabric, run: FederatedRun) -> None:
     algorithm = run.algorithm
     algorithm.setup(run.server_optimizer, param_layout.numel, federation.num_clients, device)
     start_round = 0
+    history = [] if run.resume_state is None else list(run.resume_state["metrics"])
     if run.resume_state is not None:
         module.load_state_dict(run.resume_state["model"])
         algorithm.load_state_dict(run.resume_state["algorithm"], device)
@@ -187,77 +190,108 @@ def train(fabric, run: FederatedRun) -> None:
         return module.compute_test_metrics()
 
     is_logger = fabric.global_rank == 0
-    logger = start_wandb(fabric.loggers[0] if fabric.loggers else None, run.hyperparameters) if is_logger else None
-    metrics_log = MetricsLog(run.out_dir, start_round) if is_logger else None
+    wandb = run.wandb if is_logger else None
+    if wandb is not None:
+        wandb.start(run.hyperparameters)
+        wandb.replay(history)
+    metrics_log = MetricsLog(run.out_dir, history) if is_logger else None
     progress = _progress_bar(run, start_round) if is_logger else None
     latest_accuracy = None
-    preemption = PreemptionHandler(run.checkpoint.requeue_signal)
-
-    for round_index in range(start_round, federation.rounds):
-        started = time.perf_counter()
-        clients = sample_clients(run.seed, round_index, federation.num_clients, federation.clients_per_round)
-        weights = aggregation_weights(clients, sizes, weighting)
-        buffer = UploadBuffer(algorithm, param_layout.numel, buffer_layout.numel, device)
-        runs = (
-            trainer.client_run(
-                client_id=client_id, round_index=round_index, seed=run.seed,
-                sample_indices=client_indices[client_id], global_params=params, global_buffers=global_buffers,
-                state=client_states.get(client_id, device), batch_size=federation.batch_size,
-                local_steps=federation.local_steps, local_epochs=federation.local_epochs,
-                optimizer_args=run.client_optimizer,
+    installed_here = STOP_SIGNALS.install(run.checkpoint.requeue_signal)
+    stopped_early = False
+    try:
+        for round_index in range(start_round, federation.rounds):
+            started = time.perf_counter()
+            clients = sample_clients(run.seed, round_index, federation.num_clients, federation.clients_per_round)
+            weights = aggregation_weights(clients, sizes, weighting)
+            buffer = UploadBuffer(algorithm, param_layout.numel, buffer_layout.numel, device)
+            runs = (
+                trainer.client_run(
+                    client_id=client_id, round_index=round_index, seed=run.seed,
+                    sample_indices=client_indices[client_id], global_params=params, global_buffers=global_buffers,
+                    state=client_states.get(client_id, device), batch_size=federation.batch_size,
+                    local_steps=federation.local_steps, local_epochs=federation.local_epochs,
+                    optimizer_args=run.client_optimizer,
+                )
+                for client_id in clients_of_rank(clients, fabric.global_rank, fabric.world_size, stateful)
             )
-            for client_id in clients_of_rank(clients, fabric.global_rank, fabric.world_size, stateful)
-        )
-        for client, uploads in algorithm.client_updates(runs):
-            client_id = client.client_id
-            if stateful:
-                client_states.put(client_id, client.state)
-            uploads["buffers"] = client.buffers
-            uploads["train_loss"] = torch.tensor([client.mean_loss], device=device)
-            buffer.add(uploads, weights[client_id])
-        buffer.add({STOP_REQUESTED: torch.ones(1, device=device)} if preemption.requested else {}, 1.0)
-        aggregate = buffer.reduced(fabric)
-        if not all(torch.isfinite(aggregate[name]).all() for name in algorithm.weighted_uploads + algorithm.summed_uploads):
-            raise FloatingPointError(
-                f"round {round_index + 1}: the aggregated update of clients {clients} is not finite "
-                f"(NaN or inf); the last good checkpoint is in {run.out_dir / 'checkpoints'}"
-            )
-        algorithm.server_update(params, aggregate)
-        global_buffers.copy_(aggregate["buffers"])
+            for client, uploads in algorithm.client_updates(runs):
+                client_id = client.client_id
+                if stateful:
+                    client_states.put(client_id, client.state)
+                uploads["buffers"] = client.buffers
+                uploads["train_loss"] = torch.tensor([client.mean_loss], device=device)
+                buffer.add(uploads, weights[client_id])
+            buffer.add({STOP_REQUESTED: torch.ones(1, device=device)} if STOP_SIGNALS.requested else {}, 1.0)
+            aggregate = buffer.reduced(fabric)
+            _check_finite(run, round_index, clients, "the aggregated update of clients",
+                          [aggregate[name] for name in algorithm.weighted_uploads + algorithm.summed_uploads])
+            algorithm.server_update(params, aggregate)
+            global_buffers.copy_(aggregate["buffers"])
+            # Checked before anything is saved: a non-finite model must never become "the last good checkpoint".
+            _check_finite(run, round_index, clients, "the global model after the server step of clients",
+                          [params, global_buffers])
 
-        completed = round_index + 1
-        metrics = {"round": completed, "train_loss": aggregate["train_loss"].item(),
-                   "round_seconds": time.perf_counter() - started}
-        metrics.update(algorithm.round_metrics())
-        if completed % federation.eval_every == 0 or completed == federation.rounds:
-            metrics.update(evaluate())
-            latest_accuracy = metrics["test_accuracy"]
-        stopping = aggregate[STOP_REQUESTED].item() > 0
-        if stopping or completed % run.checkpoint.every == 0 or completed == federation.rounds:
-            _save(fabric, run, module, algorithm, client_states if stateful else None, completed)
-        if is_logger:
-            metrics_log.append(metrics)
-            if logger is not None:
-                logger.log_metrics(metrics, step=completed)
-            if progress is not None:
-                progress.update(1)
-                progress.set_postfix(s_per_round=f"{metrics['round_seconds']:.2f}",
-                                     acc="-" if latest_accuracy is None else f"{latest_accuracy:.4f}")
-        if stopping:
+            completed = round_index + 1
+            metrics = {"round": completed, "train_loss": aggregate["train_loss"].item()}
+            metrics.update(algorithm.round_metrics())
+            if completed % federation.eval_every == 0 or completed == federation.rounds:
+                metrics.update(evaluate())
+                latest_accuracy = metrics["test_accuracy"]
+            metrics["round_seconds"] = time.perf_counter() - started
+            history.append(metrics)
+            stopped_early = aggregate[STOP_REQUESTED].item() > 0 and completed < federation.rounds
+            if stopped_early or completed % run.checkpoint.every == 0 or completed == federation.rounds:
+                _save(fabric, run, module, algorithm, client_states if stateful else None, completed, history)
             if is_logger:
-                print(f"stop requested: checkpoint saved after round {completed}", flush=True)
-                if completed < federation.rounds:  # a finished run has nothing to come back for
-                    preemption.requeue()
-            break
-    preemption.restore()
-    if progress is not None:
-        progress.close()
-    if logger is not None:
-        finish_wandb(logger)
+                metrics_log.append(metrics)
+                if wandb is not None:
+                    wandb.log(metrics)
+                if progress is not None:
+                    progress.update(1)
+                    progress.set_postfix(s_per_round=f"{metrics['round_seconds']:.2f}",
+                                         acc="-" if latest_accuracy is None else f"{latest_accuracy:.4f}")
+                else:
+                    print(round_line(metrics, federation.rounds), flush=True)
+            if stopped_early:
+                break
+        if progress is not None:
+            progress.close()
+        if wandb is not None:
+            wandb.finish()  # before a requeue: Slurm kills the job's steps as soon as it is requeued
+        if is_logger:
+            _print_summary(run, history, stopped_early)
+            if stopped_early:
+                requeue_after_stop(run.checkpoint.requeue_signal, STOP_SIGNALS.received)
+    finally:
+        if wandb is not None:
+            wandb.finish()  # also when a round failed: what was logged must reach the W&B files
+        STOP_SIGNALS.uninstall(installed_here)
+
+
+def _check_finite(run: FederatedRun, round_index: int, clients: list[int], what: str,
+                  tensors: list[torch.Tensor]) -> None:
+    if all(torch.isfinite(t).all() for t in tensors):
+        return
+    saved = numbered_checkpoints(checkpoint_dir(run.out_dir))
+    last_good = f"the last good checkpoint is {saved[-1]}" if saved else "no checkpoint was saved yet"
+    raise FloatingPointError(
+        f"round {round_index + 1}: {what} {clients} is not finite (NaN or inf; is a learning rate too "
+        f"large?); {last_good}"
+    )
+
+
+def _print_summary(run: FederatedRun, history: list[dict], stopped_early: bool) -> None:
+    final = history[-1] if history else {"round": run.federation.rounds}
+    accuracies = [row["test_accuracy"] for row in history if row.get("test_accuracy") is not None]
+    state = "stopped (checkpoint saved)" if stopped_early else "finished"
+    accuracy = f"; final test_accuracy {accuracies[-1]:.4f}, best {max(accuracies):.4f}" if accuracies else ""
+    print(f"{state} at round {final['round']}/{run.federation.rounds}{accuracy}; outputs in {run.out_dir}",
+          flush=True)
 
 
 def _save(fabric, run: FederatedRun, module, algorithm: Algorithm, client_states: Optional[ClientStates],
-          completed: int) -> None:
+          completed: int, history: list[dict]) -> None:
     if client_states is not None:
         save_client_shard(client_states.by_client, run.out_dir, completed, fabric.global_rank)
         fabric.barrier()  # every shard is on disk before the main file marks the checkpoint complete
@@ -267,10 +301,11 @@ def _save(fabric, run: FederatedRun, module, algorithm: Algorithm, client_states
             "model": {k: v.detach().cpu().clone() for k, v in module.state_dict().items()},
             "algorithm": algorithm.state_dict(),
             "partition": [p.tolist() for p in run.partition],
-            "run_id": run.run_id,
+            "run_id": run.wandb_identity.run_id,
             "client_state_shards": fabric.world_size if client_states is not None else 0,
             "rng": torch.get_rng_state(),
             "hyperparameters": run.hyperparameters,
+            "metrics": history,
         }, run.out_dir, run.checkpoint.keep)
     fabric.barrier()
 

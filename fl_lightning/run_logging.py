@@ -1,33 +1,43 @@
-"""Run logs: metrics.jsonl (always), Weights & Biases through Fabric's logger (rank 0), a progress bar."""
+"""Run logs: metrics.jsonl (always), Weights & Biases (rank 0), and one console line per round.
+
+Every round that ran is in the logs exactly once, whatever stopped the process: each checkpoint
+carries the metrics of every round up to it, and a resumed run rewrites metrics.jsonl from them
+and replays into W&B the rounds its run lacks. Logging is never allowed to stop training: a W&B
+failure is reported once and W&B is left out for the rest of that process.
+"""
 
 from __future__ import annotations
 
 import json
 import math
+import sys
 import uuid
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from fl_lightning.checkpoint import write_text_atomically
 from fl_lightning.config import LoggerArgs
 
 METRICS_FILE = "metrics.jsonl"
 
 
-class MetricsLog:
-    """One JSON object per round in out_dir/metrics.jsonl; on resume, rows past the checkpoint are
-    dropped so the file reads as one uninterrupted run."""
+def _json_row(metrics: dict) -> str:
+    return json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()})
 
-    def __init__(self, out_dir: Path, resumed_round: int):
+
+class MetricsLog:
+    """One JSON object per round in out_dir/metrics.jsonl, starting as the rows `history` holds (the
+    rounds of the checkpoint the run resumes from), so the file reads as one uninterrupted run."""
+
+    def __init__(self, out_dir: Path, history: list[dict]):
         self.path = Path(out_dir) / METRICS_FILE
-        if self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines() if json.loads(line)["round"] <= resumed_round]
-            self.path.write_text("".join(line + "\n" for line in kept))
+        write_text_atomically(self.path, "".join(_json_row(row) + "\n" for row in history))
 
     def append(self, metrics: dict) -> None:
         with open(self.path, "a") as f:
-            f.write(json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-                                for k, v in metrics.items()}) + "\n")
+            f.write(_json_row(metrics) + "\n")
 
 
 def read_metrics(out_dir: Path) -> list[dict]:
@@ -39,54 +49,97 @@ def new_run_id() -> str:
     return uuid.uuid4().hex[:12]
 
 
-def wandb_logger(args: LoggerArgs, out_dir: Path, run_id: str, default_name: str, default_group: str,
-                 tags: list[str]):
-    """A `WandbLogger` resuming run `run_id`, or None when W&B is disabled. An unreachable server in
-    online mode falls back to offline with a warning rather than failing the run."""
-    if args.wandb_mode == "disabled":
-        return None
-    from lightning.pytorch.loggers import WandbLogger
+@dataclass
+class WandbIdentity:
+    """How the run appears on the W&B dashboard."""
 
-    return WandbLogger(
-        project=args.project,
-        name=args.name or default_name,
-        group=args.group or default_group,
-        tags=sorted(set(tags) | set(args.tags)),
-        save_dir=str(out_dir),
-        id=run_id,
-        resume="allow",
-        mode=args.wandb_mode,
-        log_model=False,
-        settings=_wandb_settings(args.wandb_mode),
-    )
+    run_id: str
+    name: str
+    group: str
+    tags: list[str]
 
 
-def _wandb_settings(mode: str):
-    import wandb
+class WandbRun:
+    """The rank-0 W&B run. Rows are logged with `step=round`, so a round logged twice (a replay
+    after a resume) lands on the same step instead of adding a duplicate.
 
-    # A short init timeout lets the online -> offline fallback below happen quickly.
-    return wandb.Settings(init_timeout=30, silent=True) if mode == "online" else wandb.Settings(silent=True)
+    It calls `wandb.init` itself rather than through Lightning's WandbLogger: the run needs
+    explicit steps and an offline fallback, and the logger's fixed arguments make W&B warn about
+    a setting that does not apply."""
 
+    def __init__(self, args: LoggerArgs, out_dir: Path, identity: WandbIdentity):
+        self.args, self.out_dir, self.identity = args, Path(out_dir), identity
+        self._run = None
 
-def start_wandb(logger, hyperparameters: dict) -> Optional[object]:
-    """Create the W&B run (rank 0) and log the resolved config; fall back to offline on failure."""
-    if logger is None:
-        return None
-    try:
-        logger.experiment
-    except Exception as err:  # wandb raises several error types when the server is unreachable
-        warnings.warn(f"W&B online init failed ({err}); logging offline instead", stacklevel=2)
+    def start(self, hyperparameters: dict) -> None:
+        """Create (or resume) the run; an unreachable server in online mode falls back to offline."""
+        try:
+            self._run = self._init(self.args.wandb_mode, hyperparameters)
+        except Exception as err:  # wandb raises several error types when the server is unreachable
+            if self.args.wandb_mode != "online":
+                return self._disable("start", err)
+            warnings.warn(f"W&B online init failed ({err}); logging offline instead", stacklevel=2)
+            import wandb
+
+            wandb.teardown()  # the failed run still holds its id in the W&B service
+            try:
+                self._run = self._init("offline", hyperparameters)
+            except Exception as offline_err:
+                self._disable("start", offline_err)
+
+    def _init(self, mode: str, hyperparameters: dict):
         import wandb
 
-        wandb.teardown()  # the failed run still holds its id in the W&B service
-        logger._wandb_init["mode"] = "offline"
-        logger.experiment
-    logger.log_hyperparams(hyperparameters)
-    return logger
+        # A short init timeout lets the online -> offline fallback happen quickly.
+        settings = wandb.Settings(silent=True, **({"init_timeout": 30} if mode == "online" else {}))
+        return wandb.init(
+            project=self.args.project, name=self.identity.name, group=self.identity.group, tags=self.identity.tags,
+            dir=str(self.out_dir), id=self.identity.run_id, resume="allow", mode=mode, settings=settings,
+            config=hyperparameters,
+        )
+
+    def replay(self, history: list[dict]) -> None:
+        """Log the rows of `history` this W&B run lacks: all of them in a new offline file, those
+        past the server's last step for an online run."""
+        if self._run is None:
+            return
+        first_missing = self._run.step
+        for row in history:
+            if row["round"] >= first_missing:
+                self.log(row)
+
+    def log(self, metrics: dict) -> None:
+        if self._run is not None:
+            self._call("log", lambda: self._run.log(metrics, step=metrics["round"]))
+
+    def finish(self) -> None:
+        """Close the run, waiting until W&B has written (offline) or sent (online) everything: a
+        requeue or exit right after would otherwise lose the last rounds."""
+        if self._run is not None:
+            self._call("finish", self._run.finish)
+            self._run = None
+
+    def _call(self, what: str, action) -> None:
+        try:
+            action()
+        except Exception as err:  # a dead W&B service raises ConnectionResetError, BrokenPipeError, ...
+            self._disable(what, err)
+
+    def _disable(self, what: str, err: Exception) -> None:
+        print(f"warning: W&B {what} failed ({type(err).__name__}: {err}); W&B logging is off for the rest of "
+              f"this process; metrics.jsonl is complete, and a resumed run replays the rounds W&B lacks",
+              file=sys.stderr, flush=True)
+        self._run = None
 
 
-def finish_wandb(logger) -> None:
-    """Fabric never finalizes its loggers, and the logger's finalize leaves the W&B run open:
-    close it so the run is marked finished (and an offline run is complete on disk)."""
-    logger.finalize("success")
-    logger.experiment.finish()
+def round_line(metrics: dict, rounds: int) -> str:
+    """The console line of one round (the progress bar's replacement in batch jobs)."""
+    parts = [f"round {metrics['round']}/{rounds}", f"train_loss {metrics['train_loss']:.4f}"]
+    if "test_accuracy" in metrics:
+        parts.append(f"test_accuracy {metrics['test_accuracy']:.4f}")
+    parts.append(f"{metrics['round_seconds']:.2f} s")
+    return "  ".join(parts)
+
+
+def new_wandb_run(args: LoggerArgs, out_dir: Path, identity: WandbIdentity) -> Optional[WandbRun]:
+    return None if args.wandb_mode == "disabled" else WandbRun(args, out_dir, identity)

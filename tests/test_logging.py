@@ -1,36 +1,52 @@
 """Run logs: metrics.jsonl and a Weights & Biases offline run (no network needed)."""
 
-import json
 from pathlib import Path
 
 import pytest
 
 from fl_lightning.cli import main
 from fl_lightning.run_logging import MetricsLog, read_metrics
+from wandb_records import history_rows, records
 
 QUICKSTART = str(Path(__file__).parent.parent / "configs" / "quickstart.yaml")
+
+
+def offline_run_files(out_dir: Path) -> list[Path]:
+    return sorted((out_dir / "wandb").glob("offline-run-*/run-*.wandb"))
 
 
 def test_wandb_offline_run_holds_the_logged_metrics(tmp_path):
     main(["fit", "--config", QUICKSTART, "--federation.rounds", "2", "--federation.eval_every", "2",
           "--logger.wandb_mode", "offline", "--logger.progress_bar", "false", "--out_dir", str(tmp_path)])
-    runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
-    assert len(runs) == 1
-    # The run file is protobuf; history keys and their JSON values are stored as plain text.
-    records = runs[0].read_bytes()
-    final = read_metrics(tmp_path)[-1]
-    for key in ("train_loss", "round_seconds", "test_accuracy", "test_loss"):
-        assert key.encode() in records
-    assert json.dumps(final["test_accuracy"]).encode() in records
-    assert b"fedavg" in records and b"digits" in records  # tags and config
+    (run_file,) = offline_run_files(tmp_path)
+    rows = history_rows(run_file)
+    assert [row["_step"] for row in rows] == [1, 2]
+    for logged, written in zip(rows, read_metrics(tmp_path)):
+        assert {key: logged[key] for key in written} == written
+    run_info = [r for r in records(run_file) if r.WhichOneof("record_type") == "run"][0].run
+    assert "fedavg" in run_info.tags and "digits" in run_info.tags
+    assert run_info.display_name == "fedavg-seed0"
 
 
-def test_metrics_log_drops_rows_past_the_resumed_checkpoint(tmp_path):
-    log = MetricsLog(tmp_path, resumed_round=0)
-    for r in range(1, 6):
-        log.append({"round": r, "train_loss": float(r)})
-    MetricsLog(tmp_path, resumed_round=3)
-    assert [row["round"] for row in read_metrics(tmp_path)] == [1, 2, 3]
+def test_resumed_offline_run_replays_the_rounds_before_the_checkpoint(tmp_path):
+    """A resumed run writes a new offline file; it must hold every round, so that syncing it
+    alone gives the whole history."""
+    common = ["fit", "--config", QUICKSTART, "--federation.eval_every", "2", "--logger.wandb_mode", "offline",
+              "--logger.progress_bar", "false", "--checkpoint.every", "2", "--resume", "auto",
+              "--out_dir", str(tmp_path)]
+    main([*common, "--federation.rounds", "3"])
+    main([*common, "--federation.rounds", "5"])
+    first, resumed = offline_run_files(tmp_path)
+    assert [row["_step"] for row in history_rows(first)] == [1, 2, 3]
+    assert [row["_step"] for row in history_rows(resumed)] == [1, 2, 3, 4, 5]
+    assert [row["round"] for row in history_rows(resumed)] == [row["round"] for row in read_metrics(tmp_path)]
+
+
+def test_metrics_log_starts_from_the_checkpoint_history(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("".join(f'{{"round": {r}}}\n' for r in range(1, 6)) + '{"round": 6, "tr')
+    log = MetricsLog(tmp_path, history=[{"round": 1}, {"round": 2}, {"round": 3}])
+    log.append({"round": 4, "train_loss": 0.5})
+    assert read_metrics(tmp_path) == [{"round": 1}, {"round": 2}, {"round": 3}, {"round": 4, "train_loss": 0.5}]
 
 
 def test_unreachable_wandb_server_falls_back_to_offline(tmp_path, monkeypatch):
@@ -48,7 +64,7 @@ def test_compare_tabulates_and_plots_local_runs(tmp_path, capsys):
     for name, accuracies in {"fedavg": [0.2, 0.5, 0.4], "ctpfl": [0.1, 0.3, 0.35]}.items():
         run = tmp_path / name
         run.mkdir()
-        log = MetricsLog(run, resumed_round=0)
+        log = MetricsLog(run, history=[])
         for round_index, accuracy in enumerate(accuracies, start=1):
             log.append({"round": round_index, "train_loss": 1.0, "test_accuracy": accuracy})
         (run / "config.yaml").write_text(f"algorithm:\n  class_path: fl_lightning.algorithms.{name}.X{name}\n")
