@@ -102,7 +102,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from err
-    except FloatingPointError as err:
+    except (FloatingPointError, RequeueFailed) as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(1) from err
 

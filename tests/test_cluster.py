@@ -4,53 +4,78 @@ import threading
 
 import pytest
 
-from fl_lightning.cluster import PreemptionHandler, check_signal_name, check_slurm_allocation
+from fl_lightning.cluster import (
+    RequeueFailed,
+    StopSignals,
+    check_signal_name,
+    check_slurm_allocation,
+    requeue_after_stop,
+)
 from fl_lightning.config import ConfigError, FabricArgs
 
 
 @pytest.fixture(autouse=True)
 def outside_slurm(monkeypatch):
-    """Each test starts outside SLURM, whatever the shell running pytest has set."""
+    """Each test starts outside SLURM and any launcher, whatever the shell running pytest has set."""
     for name in list(os.environ):
-        if name.startswith("SLURM_"):
+        if name.startswith("SLURM_") or name in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK"):
             monkeypatch.delenv(name)
 
 
 @pytest.fixture
-def scontrol_calls(tmp_path, monkeypatch):
-    """A stand-in `scontrol` first on PATH; returns the file each call appends its arguments to."""
-    calls = tmp_path / "scontrol_calls.txt"
+def scontrol(tmp_path, monkeypatch):
+    """A stand-in `scontrol` first on PATH: `show job` reports the state in the file `job_state`
+    (RUNNING unless a test writes another); `requeue` appends its arguments to `calls`."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    stand_in = bin_dir / "scontrol"
-    stand_in.write_text(f'#!/bin/bash\necho "$@" >> {calls}\n')
-    stand_in.chmod(0o755)
+    calls, job_state = tmp_path / "scontrol_calls.txt", tmp_path / "job_state"
+    job_state.write_text("RUNNING")
+    (bin_dir / "scontrol").write_text(
+        '#!/bin/bash\n'
+        f'if [[ "$1" == show ]]; then echo "JobId=$4 JobName=fl JobState=$(cat {job_state}) Reason=None"; exit 0; fi\n'
+        f'echo "$@" >> {calls}\n'
+    )
+    (bin_dir / "scontrol").chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    return calls
+    return {"calls": calls, "job_state": job_state}
+
+
+@pytest.fixture
+def stop_signals():
+    recorder = StopSignals()
+    installed = []
+    yield recorder, installed
+    recorder.uninstall(installed)
 
 
 @pytest.mark.parametrize("signal_name, sent", [("SIGUSR1", signal.SIGUSR1), ("SIGUSR1", signal.SIGTERM),
-                                               (None, signal.SIGTERM)])
-def test_signal_sets_only_the_flag(signal_name, sent):
-    handler = PreemptionHandler(signal_name)
-    try:
-        assert not handler.requested
-        os.kill(os.getpid(), sent)  # the Python handler runs before the next line
-        assert handler.requested
-    finally:
-        handler.restore()
+                                               (None, signal.SIGTERM), ("SIGUSR2", signal.SIGUSR2)])
+def test_signal_sets_only_the_flag(signal_name, sent, stop_signals):
+    recorder, installed = stop_signals
+    installed += recorder.install(signal_name)
+    assert not recorder.requested
+    os.kill(os.getpid(), sent)  # the Python handler runs before the next line
+    assert recorder.received == {sent}
 
 
-def test_restore_puts_back_the_previous_handlers():
+def test_a_second_install_adds_only_new_signals_and_uninstall_restores_each(stop_signals):
     def previous_usr1(signum, frame):
         pass
 
+    recorder, installed = stop_signals
     before_usr1 = signal.signal(signal.SIGUSR1, previous_usr1)
     before_term = signal.getsignal(signal.SIGTERM)
     try:
-        handler = PreemptionHandler("SIGUSR1")
-        assert signal.getsignal(signal.SIGUSR1) not in (previous_usr1, before_usr1)
-        handler.restore()
+        first = recorder.install("SIGUSR1")
+        assert sorted(first) == [signal.SIGUSR1, signal.SIGTERM]
+        assert recorder.install("SIGUSR1") == []  # the command line installed them already
+        second = recorder.install("SIGUSR2")
+        assert second == [signal.SIGUSR2]
+        os.kill(os.getpid(), signal.SIGUSR1)
+        recorder.uninstall(second)
+        assert recorder.requested  # still recording SIGUSR1 and SIGTERM
+        recorder.uninstall(first)
+        assert not recorder.requested
         assert signal.getsignal(signal.SIGUSR1) is previous_usr1
         assert signal.getsignal(signal.SIGTERM) == before_term
     finally:
@@ -59,13 +84,12 @@ def test_restore_puts_back_the_previous_handlers():
 
 def test_outside_the_main_thread_no_handler_is_installed():
     before = signal.getsignal(signal.SIGUSR1)
-    handlers = []
-    worker = threading.Thread(target=lambda: handlers.append(PreemptionHandler("SIGUSR1")))
+    recorder = StopSignals()
+    installed = []
+    worker = threading.Thread(target=lambda: installed.extend(recorder.install("SIGUSR1")))
     worker.start()
     worker.join()
-    assert not handlers[0].requested
-    assert signal.getsignal(signal.SIGUSR1) == before
-    handlers[0].restore()
+    assert installed == []
     assert signal.getsignal(signal.SIGUSR1) == before
 
 
@@ -73,64 +97,62 @@ def test_outside_the_main_thread_no_handler_is_installed():
     ({"SLURM_JOB_ID": "4242"}, "4242"),
     ({"SLURM_JOB_ID": "4250", "SLURM_ARRAY_JOB_ID": "4242", "SLURM_ARRAY_TASK_ID": "7"}, "4242_7"),
 ])
-def test_requeue_calls_scontrol_with_the_job_id(environment, requeued_id, scontrol_calls, monkeypatch, capsys):
+def test_requeue_calls_scontrol_with_the_job_id(environment, requeued_id, scontrol, monkeypatch, capsys):
     for name, value in environment.items():
         monkeypatch.setenv(name, value)
-    handler = PreemptionHandler("SIGUSR1")
-    try:
-        os.kill(os.getpid(), signal.SIGUSR1)
-        handler.requeue()
-    finally:
-        handler.restore()
-    assert scontrol_calls.read_text().splitlines() == [f"requeue {requeued_id}"]
+    requeue_after_stop("SIGUSR1", {signal.SIGUSR1})
+    assert scontrol["calls"].read_text().splitlines() == [f"requeue {requeued_id}"]
     assert f"requeued SLURM job {requeued_id}" in capsys.readouterr().out
 
 
-def test_requeue_when_another_rank_was_signalled(scontrol_calls, monkeypatch):
-    # Rank 0 requeues when the all-reduce says some rank got the requeue signal, even if it got none.
+def test_requeue_when_another_rank_was_signalled(scontrol, monkeypatch):
+    # Rank 0 requeues when the all-reduce says some rank asked to stop, even if it got no signal.
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
-    PreemptionHandler("SIGUSR1").requeue()
-    assert scontrol_calls.read_text().splitlines() == ["requeue 4242"]
+    requeue_after_stop("SIGUSR1", set())
+    assert scontrol["calls"].read_text().splitlines() == ["requeue 4242"]
 
 
-def test_without_slurm_requeue_does_nothing(scontrol_calls, capsys):
-    PreemptionHandler("SIGUSR1").requeue()
-    assert not scontrol_calls.exists()
+def test_without_slurm_requeue_does_nothing(scontrol, capsys):
+    requeue_after_stop("SIGUSR1", {signal.SIGUSR1})
+    assert not scontrol["calls"].exists()
     assert capsys.readouterr().out == ""
 
 
-def test_sigterm_alone_does_not_requeue(scontrol_calls, monkeypatch, capsys):
-    """SIGTERM is scancel or a preemption: a cancelled job must stay cancelled."""
+def test_sigterm_of_a_cancelled_job_does_not_requeue(scontrol, monkeypatch, capsys):
+    """scancel sends SIGTERM after marking the job CANCELLED: a cancelled job must stay cancelled."""
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
-    handler = PreemptionHandler("SIGUSR1")
-    try:
-        os.kill(os.getpid(), signal.SIGTERM)
-        handler.requeue()
-    finally:
-        handler.restore()
-    assert handler.requested
-    assert not scontrol_calls.exists()
-    assert "not requeueing SLURM job 4242" in capsys.readouterr().out
+    scontrol["job_state"].write_text("CANCELLED")
+    requeue_after_stop("SIGUSR1", {signal.SIGTERM})
+    assert not scontrol["calls"].exists()
+    assert "was cancelled: checkpoint saved, not requeueing" in capsys.readouterr().out
 
 
-def test_failing_scontrol_is_reported_not_raised(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("state", ["RUNNING", "PREEMPTED", "TIMEOUT", "COMPLETING"])
+def test_sigterm_of_a_preempted_or_timed_out_job_requeues(state, scontrol, monkeypatch):
+    """Preemption with a grace time sends SIGTERM; exiting 0 without a requeue would leave the
+    job COMPLETED mid-run."""
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    scontrol["job_state"].write_text(state)
+    requeue_after_stop("SIGUSR1", {signal.SIGTERM})
+    assert scontrol["calls"].read_text().splitlines() == ["requeue 4242"]
+
+
+def test_failing_scontrol_raises_naming_the_command(tmp_path, monkeypatch):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "scontrol").write_text('#!/bin/bash\necho "Invalid job id specified" >&2\nexit 1\n')
     (bin_dir / "scontrol").chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
-    PreemptionHandler("SIGUSR1").requeue()
-    stderr = capsys.readouterr().err
-    assert "requeue failed: scontrol requeue 4242 exited 1" in stderr
-    assert "Invalid job id specified" in stderr
+    with pytest.raises(RequeueFailed, match="scontrol requeue 4242 exited 1: Invalid job id specified"):
+        requeue_after_stop("SIGUSR1", {signal.SIGUSR1})
 
 
-def test_missing_scontrol_is_reported_not_raised(tmp_path, monkeypatch, capsys):
+def test_missing_scontrol_raises(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))  # an empty folder: no scontrol anywhere
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
-    PreemptionHandler("SIGUSR1").requeue()
-    assert "requeue failed: scontrol requeue 4242" in capsys.readouterr().err
+    with pytest.raises(RequeueFailed, match="scontrol requeue 4242 failed"):
+        requeue_after_stop("SIGUSR1", {signal.SIGUSR1})
 
 
 SLURM_TWO_NODES_OF_FOUR = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "fl", "SLURM_NTASKS": "8",
@@ -141,6 +163,9 @@ SLURM_TWO_NODES_OF_FOUR = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "fl", "SLUR
     (SLURM_TWO_NODES_OF_FOUR, FabricArgs(devices=2, num_nodes=2), "fabric.devices"),
     (SLURM_TWO_NODES_OF_FOUR, FabricArgs(devices="auto", num_nodes=2), "fabric.devices"),
     (SLURM_TWO_NODES_OF_FOUR, FabricArgs(devices=4, num_nodes=1), "fabric.num_nodes"),
+    # Outside SLURM no other node would ever join: the process group would wait out its timeout.
+    ({}, FabricArgs(devices=1, num_nodes=2), "fabric.num_nodes"),
+    ({"MASTER_ADDR": "127.0.0.1"}, FabricArgs(devices=1, num_nodes=2), "fabric.num_nodes"),
     # Without --ntasks-per-node SLURM sets no SLURM_NTASKS_PER_NODE: tasks / nodes per node.
     ({"SLURM_JOB_NAME": "fl", "SLURM_NTASKS": "6", "SLURM_NNODES": "3"}, FabricArgs(devices=1, num_nodes=3),
      "fabric.devices"),
@@ -155,7 +180,8 @@ def test_allocation_mismatch_names_the_field(environment, fabric_args, field_nam
 
 
 @pytest.mark.parametrize("environment, fabric_args", [
-    ({}, FabricArgs(devices=3, num_nodes=5)),  # not under SLURM
+    ({}, FabricArgs(devices=3, num_nodes=1)),  # not under SLURM
+    ({"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "NODE_RANK": "1"}, FabricArgs(devices=3, num_nodes=5)),
     (SLURM_TWO_NODES_OF_FOUR, FabricArgs(devices=4, num_nodes=2)),
     ({"SLURM_JOB_NAME": "fl", "SLURM_NTASKS": "6", "SLURM_NNODES": "3"}, FabricArgs(devices=2, num_nodes=3)),
     # An interactive allocation, where ranks are started by hand: Fabric does not treat it as SLURM.

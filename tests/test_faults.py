@@ -23,7 +23,7 @@ from fl_lightning.cli import main as fl_lightning_main
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 QUICKSTART = REPOSITORY / "configs" / "quickstart.yaml"
-FIT = [sys.executable, "-m", "fl_lightning.cli", "fit"]
+FIT = [sys.executable, "-m", "fl_lightning", "fit"]
 # Rounds of a few milliseconds each: enough of them that a signal sent after round 2 lands well
 # before the end, while the whole run stays within seconds.
 ROUNDS = 300
@@ -162,18 +162,20 @@ def test_corrupt_newest_checkpoint_resumes_from_the_previous_one(reference, tmp_
     assert_same_model(final_model(out_dir), final_model(reference))
 
 
-def test_non_finite_update_fails_naming_round_and_clients(reference, tmp_path):
-    """A diverging client update (lr 1e30) in the rounds after a resume stops the run; the last
-    good checkpoint stays the newest and loads."""
+@pytest.mark.parametrize("settings, what", [
+    (["--client_optimizer.lr", "1e30"], "the aggregated update of clients"),
+    # A finite update that the server step overflows: the model itself must be checked.
+    (["--federation.local_steps", "1", "--client_optimizer.lr", "1e20", "--server_optimizer.lr", "1e30"],
+     "the global model after the server step of clients"),
+])
+def test_non_finite_round_fails_naming_round_and_clients_and_saves_nothing(settings, what, tmp_path):
     out_dir = tmp_path / "run"
-    shutil.copytree(reference, out_dir)
-
-    completed = run_fit(out_dir, "--federation.rounds", str(ROUNDS + 2), "--client_optimizer.lr", "1e30")
-    assert completed.returncode != 0
-    assert re.search(rf"round {ROUNDS + 1}\b.*clients \[\d+(, \d+)*\].*not finite", completed.stderr), completed.stderr
-    newest = numbered_checkpoints(checkpoint_dir(out_dir))[-1]
-    assert checkpoint_round(newest) == ROUNDS
-    assert_same_model(load_checkpoint(newest)["model"], final_model(reference))
+    completed = run_fit(out_dir, *settings, "--checkpoint.every", "1")
+    assert completed.returncode == 1
+    assert re.search(rf"round 1\b: {what} \[\d+(, \d+)*\] is not finite", completed.stderr), completed.stderr
+    assert "no checkpoint was saved yet" in completed.stderr
+    assert list(checkpoint_dir(out_dir).glob("*.ckpt")) == []
+    assert "Traceback" not in completed.stderr
 
 
 def free_port() -> int:
@@ -201,44 +203,69 @@ def launch_ranks_as_srun(out_dir: Path, bin_dir: Path, logs: Path) -> list[subpr
     return processes
 
 
+def requeue_calls(calls: Path) -> list[str]:
+    return [line for line in calls.read_text().splitlines() if line.startswith("requeue")]
+
+
 def rank_logs(logs: Path) -> str:
     return "\n".join(f"--- {p.name}\n{p.read_text()}" for p in sorted(logs.iterdir()))
 
 
-@pytest.mark.multiprocess
-def test_requeue_signal_under_slurm_checkpoints_requeues_and_resumes(tmp_path):
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    scontrol_calls = tmp_path / "scontrol_calls.txt"
-    (bin_dir / "scontrol").write_text(f'#!/bin/bash\necho "$@" >> {scontrol_calls}\n')
+def stand_in_scontrol(bin_dir: Path, calls: Path, job_state: str) -> None:
+    """`scontrol show job` reports `job_state`; every other call is appended to `calls`."""
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "scontrol").write_text(
+        '#!/bin/bash\n'
+        f'if [[ "$1" == show ]]; then echo "JobId=$4 JobState={job_state}"; exit 0; fi\n'
+        f'echo "$@" >> {calls}\n'
+    )
     (bin_dir / "scontrol").chmod(0o755)
 
-    reference = tmp_path / "reference"
-    assert wait_all(launch_ranks_as_srun(reference, bin_dir, tmp_path / "logs-reference")) == [0, 0], \
-        rank_logs(tmp_path / "logs-reference")
 
+@pytest.fixture(scope="module")
+def two_rank_reference(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("two-rank-reference")
+    stand_in_scontrol(folder / "bin", folder / "calls.txt", "RUNNING")
+    ranks = launch_ranks_as_srun(folder / "run", folder / "bin", folder / "logs")
+    assert wait_all(ranks) == [0, 0], rank_logs(folder / "logs")
+    return folder / "run"
+
+
+STOPS = {
+    # sbatch --signal=USR1@T ahead of the time limit, seen by one rank first: the ranks still agree.
+    "requeue signal to one rank": (signal.SIGUSR1, [1]),
+    # Preemption with a grace time: SIGTERM to every rank while the job is still RUNNING.
+    "preemption SIGTERM to every rank": (signal.SIGTERM, [0, 1]),
+}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("signum, signalled_ranks", STOPS.values(), ids=STOPS.keys())
+def test_stop_under_slurm_checkpoints_requeues_and_resumes(signum, signalled_ranks, two_rank_reference, tmp_path):
+    bin_dir, scontrol_calls = tmp_path / "bin", tmp_path / "scontrol_calls.txt"
+    stand_in_scontrol(bin_dir, scontrol_calls, "RUNNING")
     out_dir = tmp_path / "run"
     ranks = launch_ranks_as_srun(out_dir, bin_dir, tmp_path / "logs-signalled")
     wait_until(lambda: last_round(out_dir) >= 2, ranks, "round 2")
-    # Only rank 1 is signalled: the ranks must still agree to stop, and rank 0 must requeue.
-    ranks[1].send_signal(signal.SIGUSR1)
+    for rank in signalled_ranks:
+        ranks[rank].send_signal(signum)
     assert wait_all(ranks) == [0, 0], rank_logs(tmp_path / "logs-signalled")
     stop_round = last_round(out_dir)
     assert stop_round < ROUNDS
     assert [checkpoint_round(p) for p in numbered_checkpoints(checkpoint_dir(out_dir))] == [stop_round]
-    assert scontrol_calls.read_text().splitlines() == [f"requeue {SLURM_JOB_ID}"]
+    assert requeue_calls(scontrol_calls) == [f"requeue {SLURM_JOB_ID}"]
     rank0_output = (tmp_path / "logs-signalled" / "rank0.out").read_text()
-    assert f"stop requested: checkpoint saved after round {stop_round}" in rank0_output
+    assert f"stopped (checkpoint saved) at round {stop_round}/{ROUNDS}" in rank0_output
     assert f"requeued SLURM job {SLURM_JOB_ID}" in rank0_output
     rows_before = completed_rows(out_dir)
 
     assert wait_all(launch_ranks_as_srun(out_dir, bin_dir, tmp_path / "logs-requeued")) == [0, 0], \
         rank_logs(tmp_path / "logs-requeued")
-    assert scontrol_calls.read_text().splitlines() == [f"requeue {SLURM_JOB_ID}"]  # no second requeue
+    assert requeue_calls(scontrol_calls) == [f"requeue {SLURM_JOB_ID}"]  # no second requeue
     rows = completed_rows(out_dir)
     assert [row["round"] for row in rows] == list(range(1, ROUNDS + 1))
     assert rows[:stop_round] == rows_before[:stop_round]
-    assert_same_model(final_model(out_dir), final_model(reference))
+    assert_same_model(final_model(out_dir), final_model(two_rank_reference))
 
 
 SIMULATED_SLURM_TWO_TASKS = {"SLURM_JOB_ID": SLURM_JOB_ID, "SLURM_JOB_NAME": "fault-test", "SLURM_NTASKS": "2",
@@ -297,3 +324,127 @@ def test_bad_input_in_a_real_process(tmp_path):
                                timeout=RUN_TIMEOUT_S)
     assert completed.returncode == 2
     assert_refused_before_training(completed.returncode, completed.stderr, field_name, tmp_path)
+
+
+# Kills at each step of a round's end, as Slurm kills a job: the whole process group at once,
+# W&B's service included. The driver wraps one function of the round loop so that, in the round
+# `KILL_ROUND`, the group dies just before or just after it runs.
+KILL_ROUND = 4
+KILL_DRIVER = """
+import os, signal, sys
+from fl_lightning import federation, run_logging
+target, when, kill_round = sys.argv[1], sys.argv[2], int(sys.argv[3])
+owner = {"save": (federation, "_save"), "metrics": (run_logging.MetricsLog, "append"),
+         "wandb": (run_logging.WandbRun, "log")}[target]
+original = getattr(*owner)
+
+def wrapped(*args, **kwargs):
+    completed = args[-2] if target == "save" else args[-1]["round"]
+    if completed == kill_round and when == "before":
+        os.killpg(0, signal.SIGKILL)
+    result = original(*args, **kwargs)
+    if completed == kill_round and when == "after":
+        os.killpg(0, signal.SIGKILL)
+    return result
+
+setattr(*owner, wrapped)
+sys.argv = ["fl-lightning", *sys.argv[4:]]
+from fl_lightning.__main__ import main
+main()
+"""
+KILL_POINTS = [("save", "before"), ("save", "after"), ("metrics", "after"), ("wandb", "after")]
+KILL_TRAINING = [
+    "--config", str(QUICKSTART), "--model.options", "{hidden: 16, depth: 1}", "--logger.progress_bar", "false",
+    "--federation.rounds", "6", "--federation.local_steps", "2", "--federation.eval_every", "2",
+    "--checkpoint.every", "2", "--logger.wandb_mode", "offline", "--resume", "auto",
+]
+
+
+def newest_offline_history(out_dir: Path) -> list[dict]:
+    from wandb_records import history_rows
+
+    run_files = sorted((out_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    return history_rows(run_files[-1])
+
+
+@pytest.fixture(scope="module")
+def kill_reference(tmp_path_factory) -> Path:
+    out_dir = tmp_path_factory.mktemp("kill-reference") / "run"
+    completed = subprocess.run([*FIT, *KILL_TRAINING, "--out_dir", str(out_dir)], env=process_environment(),
+                               capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert completed.returncode == 0, completed.stderr
+    return out_dir
+
+
+@pytest.mark.parametrize("target, when", KILL_POINTS, ids=[f"{when}-{target}" for target, when in KILL_POINTS])
+def test_kill_at_each_step_of_the_round_end_leaves_every_round_logged_once(target, when, kill_reference, tmp_path):
+    out_dir = tmp_path / "run"
+    killed = subprocess.run(
+        [sys.executable, "-c", KILL_DRIVER, target, when, str(KILL_ROUND), "fit", *KILL_TRAINING, "--out_dir",
+         str(out_dir)], env=process_environment(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+        start_new_session=True,  # its own process group, which the driver kills whole
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    rows_at_kill = [row["round"] for row in completed_rows(out_dir)]
+    # The round's row is appended after its checkpoint is saved.
+    assert rows_at_kill == list(range(1, KILL_ROUND if target == "save" else KILL_ROUND + 1))
+    with open(out_dir / "metrics.jsonl", "a") as metrics:
+        metrics.write('{"round": 99, "train_lo')  # a line torn by the kill must not block the resume
+
+    resumed = subprocess.run([*FIT, *KILL_TRAINING, "--out_dir", str(out_dir)], env=process_environment(),
+                             capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert resumed.returncode == 0, resumed.stderr
+    rows = completed_rows(out_dir)
+    assert [row["round"] for row in rows] == list(range(1, 7))
+    assert [row["_step"] for row in newest_offline_history(out_dir)] == list(range(1, 7))
+    assert [row["round"] for row in newest_offline_history(out_dir)] == list(range(1, 7))
+    assert_same_model(final_model(out_dir), final_model(kill_reference))
+
+
+def wait_for_handler(process: subprocess.Popen, signum: signal.Signals) -> None:
+    """Waits until `process` catches `signum` (its SigCgt mask in /proc), so a signal sent next is
+    recorded rather than fatal."""
+    def caught() -> bool:
+        status = Path(f"/proc/{process.pid}/status").read_text()
+        mask = int(re.search(r"^SigCgt:\s*([0-9a-f]+)$", status, re.M).group(1), 16)
+        return bool(mask & (1 << (signum - 1)))
+
+    wait_until(caught, [process], f"a handler for {signum.name}")
+
+
+def test_signal_during_start_up_stops_after_round_one_and_the_rerun_matches(reference, tmp_path):
+    out_dir = tmp_path / "run"
+    process = subprocess.Popen(fit_command(out_dir), env=process_environment(), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    wait_for_handler(process, signal.SIGUSR1)
+    assert not (out_dir / "metrics.jsonl").exists()  # still starting: no round has run
+    process.send_signal(signal.SIGUSR1)
+    stdout, stderr = process.communicate(timeout=RUN_TIMEOUT_S)
+    assert process.returncode == 0, stderr
+    assert "stopped (checkpoint saved) at round 1/" in stdout
+    assert [checkpoint_round(p) for p in numbered_checkpoints(checkpoint_dir(out_dir))] == [1]
+    completed = run_fit(out_dir)
+    assert completed.returncode == 0, completed.stderr
+    assert [row["round"] for row in completed_rows(out_dir)] == list(range(1, ROUNDS + 1))
+    assert_same_model(final_model(out_dir), final_model(reference))
+
+
+SIGNALS_AFTER_THE_RUN = """
+import os, signal, sys
+sys.argv = ["fl-lightning", *sys.argv[1:]]
+from fl_lightning.__main__ import main
+main()
+os.kill(os.getpid(), signal.SIGUSR1)
+os.kill(os.getpid(), signal.SIGTERM)
+print("exited cleanly after the signals", flush=True)
+"""
+
+
+def test_signals_after_the_last_round_do_not_kill_a_finished_run(tmp_path):
+    completed = subprocess.run(
+        [sys.executable, "-c", SIGNALS_AFTER_THE_RUN, "fit", *TRAINING, "--federation.rounds", "3",
+         "--out_dir", str(tmp_path / "run")], env=process_environment(), capture_output=True, text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
+    assert completed.returncode == 0, completed.stderr
+    assert "exited cleanly after the signals" in completed.stdout
