@@ -25,6 +25,7 @@ from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
 
 from fl_lightning.algorithms import SHORT_NAMES, Algorithm
 from fl_lightning.compare import compare
+from fl_lightning.cluster import RequeueFailed
 from fl_lightning.config import TYPE_DESCRIPTIONS, ConfigError
 from fl_lightning.fit import fit
 from fl_lightning.models import registered_models
