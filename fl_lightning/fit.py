@@ -12,6 +12,7 @@ import inspect
 import json
 import os
 import sys
+import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import Literal, Optional, Union
@@ -124,6 +125,7 @@ def fit(
         lock.acquire()
     try:
         if launching:
+            print(f"run folder: {out_dir}", file=sys.stderr, flush=True)
             remove_temporary_files(out_dir)
         resume_state = _resume_state(resume, overwrite, out_dir, config, federation.rounds, launching)
         return _build_and_train(
@@ -276,6 +278,9 @@ def _build_fabric(args: FabricArgs):
             start_method="spawn" if args.strategy == "ddp_spawn" else "popen",
             timeout=timedelta(seconds=args.process_group_timeout_s),
         )
+    # Lightning hints at srun whenever an srun binary exists, also on a login node where the run is
+    # meant to be local; under SLURM the allocation check has already matched the ranks to srun's.
+    warnings.filterwarnings("ignore", message="The `srun` command is available on your system but is not used")
     return Fabric(accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes,
                   precision=args.precision, strategy=strategy)
 

@@ -82,3 +82,27 @@ def test_compare_rejects_a_folder_without_metrics(tmp_path, capsys):
         main(["compare", "--runs", f"[{tmp_path}]"])
     assert exit_info.value.code == 2
     assert "runs" in capsys.readouterr().err
+
+
+class BrokenWandbRun:
+    """A W&B run whose service died (as when Slurm kills it with the ranks)."""
+
+    step = 0
+
+    def log(self, *args, **kwargs):
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+    def finish(self):
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+
+def test_a_wandb_failure_does_not_stop_training(tmp_path, monkeypatch, capsys):
+    from fl_lightning.run_logging import WandbRun
+
+    monkeypatch.setattr(WandbRun, "_init", lambda self, mode, hyperparameters: BrokenWandbRun())
+    main(["fit", "--config", QUICKSTART, "--federation.rounds", "3", "--logger.wandb_mode", "offline",
+          "--logger.progress_bar", "false", "--out_dir", str(tmp_path)])
+    assert [row["round"] for row in read_metrics(tmp_path)] == [1, 2, 3]
+    assert (tmp_path / "checkpoints" / "round_000003.ckpt").is_file()
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "W&B log failed" in line]
+    assert len(warnings) == 1 and "ConnectionResetError" in warnings[0]  # reported once, then W&B is off
