@@ -1,12 +1,13 @@
 # Shared by slurm/fit.sbatch and slurm/sweep.sbatch, which source it (it is not run on its own):
-# the environment hook, the allocation checks, the default out_dir and the srun launch that
-# forwards signals. Its names start with fl_ / FL_.
+# the environment hook, the allocation checks, the sweep's default name and the srun launch that
+# forwards signals and makes a requeued attempt continue its run. Its names start with fl_ / FL_.
 #
 # Environment read here:
 #   FL_ACTIVATE  a command run before srun that puts fl-lightning on PATH, e.g.
 #                'source .venv/bin/activate' or 'eval "$(conda shell.bash hook)" && conda activate fl'
 #   ACCELERATOR  gpu or cpu; default gpu when the job was given GPUs, else cpu
 #   WANDB_MODE   online | offline | disabled; default online
+#   SLURM_RESTART_COUNT  set by Slurm on a requeued attempt (see fl_launch)
 
 fl_die() {
     echo "error: $*" >&2
@@ -89,7 +90,7 @@ fl_check_config() {
 }
 
 # fl_experiment_id CONFIG [FIT_ARGS...]: 8 hex digits of the sha256 over the config file's contents
-# and the extra fit arguments, so that variants of one config get their own out_dir.
+# and the extra fit arguments, so that a sweep with other arguments gets a folder of its own.
 fl_experiment_id() {
     local config=$1
     shift
@@ -121,10 +122,18 @@ fl_forward() {
 # fl_launch CONFIG [FIT_ARGS...]: `srun fl-lightning fit` with the allocation's ranks, requeue on
 # SIGUSR1 and resume, then FIT_ARGS (which override everything before them). SIGUSR1 and SIGTERM
 # sent to the batch shell (scancel --batch or --full) are forwarded to srun, which relays them to
-# the ranks. Returns srun's exit status.
+# the ranks. On a requeued attempt (SLURM_RESTART_COUNT > 0), `--resume auto --overwrite false`
+# come after FIT_ARGS: the attempt continues from the run's newest checkpoint, and a start-over
+# asked for at submission (--resume null --overwrite true) is not repeated over the progress the
+# earlier attempts made. Returns srun's exit status.
 fl_launch() {
     local config=$1
     shift
+    local restart_args=()
+    if [[ ${SLURM_RESTART_COUNT:-0} != 0 ]]; then
+        restart_args=(--resume auto --overwrite false)
+        echo "restart $SLURM_RESTART_COUNT: continuing the run in its folder (--resume auto --overwrite false)"
+    fi
     FL_SRUN_PID=
     trap 'fl_forward USR1' USR1
     trap 'fl_forward TERM' TERM
@@ -134,7 +143,7 @@ fl_launch() {
         --fabric.accelerator "$FL_ACCELERATOR" --fabric.devices "$FL_DEVICES" --fabric.num_nodes "$FL_NODES" \
         --checkpoint.requeue_signal SIGUSR1 --resume auto \
         --logger.wandb_mode "${WANDB_MODE:-online}" --logger.progress_bar false \
-        "$@" &
+        "$@" ${restart_args[@]+"${restart_args[@]}"} &
     FL_SRUN_PID=$!
     local status
     while :; do

@@ -1,6 +1,7 @@
 #!/bin/bash
 # Submit slurm/sweep.sbatch as an array of exactly one task per point of its grid. Run it from the
-# repository root: it creates logs/ there (sbatch does not) for the tasks' logs.
+# repository root, whose logs/ receives the tasks' logs (it is created again if it was deleted:
+# sbatch does not create it, and a task without its log folder fails before it starts).
 #
 #   bash slurm/submit_sweep.sh [sbatch options] [-- fit arguments]
 #

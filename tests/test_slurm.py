@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from fl_lightning.cli import main as fl_lightning_main
+from fl_lightning.run_dir import is_safe_to_change
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 SLURM_DIR = REPOSITORY / "slurm"
@@ -175,6 +176,15 @@ def test_header_submits_anywhere_requeues_and_logs_to_logs(script):
     assert options["nodes"] == "1" and options["ntasks-per-node"] == "1"
 
 
+def test_the_log_folder_is_in_every_checkout():
+    """sbatch does not create the folder of --output, and a job without it fails with no log at all:
+    logs/ is kept in the repository, its contents ignored."""
+    assert (REPOSITORY / "logs" / ".gitignore").read_text().split() == ["*", "!.gitignore"]
+    for script in BATCH_SCRIPTS:
+        assert Path(sbatch_options(script)["output"]).parent == Path("logs")
+        assert "mkdir -p logs" not in script.read_text()
+
+
 # --- the allocation ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("script", BATCH_SCRIPTS, ids=lambda p: p.name)
@@ -332,50 +342,66 @@ def test_job_exits_with_the_status_of_srun(srun_status, tmp_path):
     assert job.srun_args
 
 
-# --- out_dir -----------------------------------------------------------------------------------
+# --- out_dir ----------------------------------------------------------------------------------
 
-def fit_out_dir(tmp_path: Path, args=(), **extra: str) -> str:
-    job = run_script(FIT_SCRIPT, tmp_path, allocation_environment(**extra), args=args)
+# What fit.sbatch adds in front of the user's arguments, each option with its value.
+SCRIPT_OPTIONS = ("--fabric.accelerator", "--fabric.devices", "--fabric.num_nodes", "--checkpoint.requeue_signal",
+                  "--resume", "--logger.wandb_mode", "--logger.progress_bar")
+RESTART_GUARD = ["--resume", "auto", "--overwrite", "false"]
+
+
+def test_without_out_dir_fit_chooses_the_folder(tmp_path):
+    job = run_script(FIT_SCRIPT, tmp_path, allocation_environment(), args=["--client_optimizer.lr", "0.1"])
     assert job.status == 0, job.stderr
-    out_dir = option_value(job.srun_args, "--out_dir")
-    assert f"out_dir {out_dir}" in job.stdout  # the log says where the run goes
-    return out_dir
-
-
-def test_default_out_dir_is_distinct_per_experiment(tmp_path):
-    plain = fit_out_dir(tmp_path)
-    assert re.fullmatch(r"runs/quickstart-[0-9a-f]{8}", plain)
-    lr = fit_out_dir(tmp_path, ["--client_optimizer.lr", "0.1"])
-    other_lr = fit_out_dir(tmp_path, ["--client_optimizer.lr", "0.2"])
-    assert len({plain, lr, other_lr}) == 3
-    assert fit_out_dir(tmp_path, ["--client_optimizer.lr", "0.1"]) == lr  # resubmitted: the same run
-    # Arguments are hashed one by one: a space moved between them is another experiment.
-    assert fit_out_dir(tmp_path, ["--a b", "c"]) != fit_out_dir(tmp_path, ["--a", "b c"])
-
-    config = submit_dir(tmp_path) / "experiment.yaml"
-    config.write_text((REPOSITORY / "configs" / "quickstart.yaml").read_text())
-    copied = fit_out_dir(tmp_path, CONFIG=str(config))
-    assert copied.startswith("runs/experiment-") and copied[-8:] == plain[-8:]  # the contents count
-    config.write_text(config.read_text() + "seed: 12345\n")
-    assert fit_out_dir(tmp_path, CONFIG=str(config))[-8:] != plain[-8:]
+    assert "--out_dir" not in job.srun_args and not any(a.startswith("--out_dir=") for a in job.srun_args)
+    assert "out_dir chosen by fit (see its 'run folder:' line)" in job.stdout
+    # fit names the folder after the settings that define the experiment: the script must add none
+    # of them, so that a job lands where the same command run by hand would, on any allocation.
+    added = job.srun_args[5:-2]  # after `--kill-on-bad-exit=1 fl-lightning fit --config FILE`, before the user's
+    assert added[::2] == list(SCRIPT_OPTIONS)
+    assert all(is_safe_to_change(option.removeprefix("--")) for option in added[::2])
+    assert job.srun_args[-2:] == ["--client_optimizer.lr", "0.1"]
 
 
 def test_out_dir_can_be_given(tmp_path):
-    assert fit_out_dir(tmp_path, ["--seed", "3"], OUT_DIR="runs/mine") == "runs/mine"
+    job = run_script(FIT_SCRIPT, tmp_path, allocation_environment(OUT_DIR="runs/my run"), args=["--seed", "3"])
+    assert job.status == 0, job.stderr
+    assert option_value(job.srun_args, "--out_dir") == "runs/my run"
+    assert job.srun_args[-2:] == ["--seed", "3"]  # the user's arguments still come last
+    assert "out_dir runs/my run" in job.stdout  # the log says where the run goes
 
 
 @pytest.mark.parametrize("script", BATCH_SCRIPTS, ids=lambda p: p.name)
-def test_out_dir_and_wandb_mode_survive_a_restart(script, tmp_path):
-    """A requeued job keeps its id, a resubmitted one does not: both must find the same out_dir."""
-    out_dirs = set()
-    for job_id, restart in (("4242", "0"), ("4242", "1"), ("5151", "0")):
+def test_a_requeued_or_resubmitted_job_launches_the_same_run(script, tmp_path):
+    """A requeued job keeps its id, a resubmitted one does not: both must launch the same command,
+    so that fit finds the same folder; a requeued attempt also continues it whatever was asked at
+    submission."""
+    launches = {}
+    for job_id, restart in (("4242", "0"), ("4242", "1"), ("5151", "0"), ("5151", "3")):
         environment = allocation_environment(SLURM_ARRAY_TASK_ID="3", SLURM_JOB_ID=job_id,
                                              SLURM_RESTART_COUNT=restart, WANDB_MODE="offline")
-        job = run_script(script, tmp_path, environment)
+        job = run_script(script, tmp_path, environment, args=["--seed", "2"])
         assert job.status == 0, job.stderr
-        out_dirs.add(option_value(job.srun_args, "--out_dir"))
-        assert option_value(job.srun_args, "--logger.wandb_mode") == "offline"
-    assert len(out_dirs) == 1
+        assert option_value(job.srun_args[:-len(RESTART_GUARD)], "--logger.wandb_mode") == "offline"
+        launches[job_id, restart] = job.srun_args
+        assert ("continuing the run in its folder" in job.stdout) == (restart != "0")
+    first = launches["4242", "0"]
+    assert launches["5151", "0"] == first
+    assert launches["4242", "1"] == launches["5151", "3"] == [*first, *RESTART_GUARD]
+
+
+@pytest.mark.parametrize("script", BATCH_SCRIPTS, ids=lambda p: p.name)
+def test_a_requeued_attempt_never_starts_over_again(script, tmp_path):
+    """`--resume null --overwrite true` at submission starts over once; the attempts after a requeue
+    continue from the checkpoints the first one wrote instead of wiping them."""
+    start_over = ["--resume", "null", "--overwrite", "true"]
+    environment = allocation_environment(SLURM_ARRAY_TASK_ID="0")
+    first = run_script(script, tmp_path, environment, args=start_over)
+    assert first.status == 0, first.stderr
+    assert first.srun_args[-4:] == start_over
+    requeued = run_script(script, tmp_path, {**environment, "SLURM_RESTART_COUNT": "1"}, args=start_over)
+    assert requeued.status == 0, requeued.stderr
+    assert requeued.srun_args == [*first.srun_args, *RESTART_GUARD]  # later options win
 
 
 @pytest.mark.parametrize("script", BATCH_SCRIPTS, ids=lambda p: p.name)
@@ -496,12 +522,13 @@ def test_submit_sweep_sizes_the_array_to_the_grid(max_parallel, sbatch_args, fit
 # --- what reaches fit parses -------------------------------------------------------------------
 
 @pytest.mark.parametrize("script", BATCH_SCRIPTS, ids=lambda p: p.name)
-@pytest.mark.parametrize("gpus_per_node, accelerator", [(None, "cpu"), (4, "gpu")])
-def test_the_launched_command_line_parses(script, gpus_per_node, accelerator, tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("gpus_per_node, accelerator, restart", [(None, "cpu", "0"), (4, "gpu", "0"), (4, "gpu", "2")])
+def test_the_launched_command_line_parses(script, gpus_per_node, accelerator, restart, tmp_path, capsys, monkeypatch):
     """Every option the script passes exists in `fit` and takes the value given (no typo reaches the
-    cluster); --print_config parses without training."""
-    environment = allocation_environment(2, 4, gpus_per_node, SLURM_ARRAY_TASK_ID="5")
-    job = run_script(script, tmp_path, environment)
+    cluster); --print_config parses without training. A requeued attempt resumes even when the
+    job was submitted to start over."""
+    environment = allocation_environment(2, 4, gpus_per_node, SLURM_ARRAY_TASK_ID="5", SLURM_RESTART_COUNT=restart)
+    job = run_script(script, tmp_path, environment, args=["--resume", "null", "--overwrite", "true"])
     assert job.status == 0, job.stderr
     fit_args = job.srun_args[job.srun_args.index("fl-lightning") + 1:]
     monkeypatch.chdir(REPOSITORY)  # the scripts run from the repository (--config is relative)
@@ -509,5 +536,9 @@ def test_the_launched_command_line_parses(script, gpus_per_node, accelerator, tm
         fl_lightning_main([*fit_args, "--print_config"])
     assert exited.value.code in (None, 0), capsys.readouterr().err
     printed = capsys.readouterr().out
-    assert "devices: 4" in printed and "num_nodes: 2" in printed and "resume: auto" in printed
+    assert "devices: 4" in printed and "num_nodes: 2" in printed
     assert f"accelerator: {accelerator}" in printed
+    if restart == "0":
+        assert re.search(r"^resume: null$", printed, re.M) and re.search(r"^overwrite: true$", printed, re.M)
+    else:
+        assert re.search(r"^resume: auto$", printed, re.M) and re.search(r"^overwrite: false$", printed, re.M)
