@@ -8,12 +8,13 @@ import torch
 from torch import nn
 
 from fl_lightning.config import ConfigError
+from fl_lightning.configurable import Configurable
 from fl_lightning.flat import FlatLayout
 
 GRANULARITIES = ("channel", "layer", "model")
 
 
-class Constraint:
+class Constraint(Configurable):
     """A linear constraint set on the local model, fixed by the global model of the round."""
 
     def prepare_model(self, network: nn.Module) -> None:

@@ -12,9 +12,10 @@ import math
 import torch
 
 from fl_lightning.config import ConfigError
+from fl_lightning.configurable import Configurable
 
 
-class ServerOptimizer:
+class ServerOptimizer(Configurable):
     """Applies x <- x - step(g) in place; keeps its state in `self.state` for checkpoints."""
 
     def __init__(self, lr: float = 1.0):

@@ -13,13 +13,14 @@ from torch import nn
 
 from fl_lightning.client import Batch, ClientRun
 from fl_lightning.config import FederationArgs
+from fl_lightning.configurable import Configurable
 from fl_lightning.server_optimizers import ServerOptimizer
 
 PSEUDO_GRADIENT = "pseudo_gradient"
 SHORT_NAMES: dict[str, type["Algorithm"]] = {}
 
 
-class Algorithm:
+class Algorithm(Configurable):
     """Base class. A subclass sets its uploads and overrides `client_update` (and, if its server
     does more than step the server optimizer on the pseudo-gradient, `server_update`).
 
