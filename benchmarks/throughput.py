@@ -18,6 +18,7 @@ import argparse
 import copy
 import statistics
 import time
+from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
@@ -27,11 +28,11 @@ from torch import nn
 
 from fl_lightning.algorithms.ctpfl import CTPFL
 from fl_lightning.algorithms.fedavg import FedAvg
-from fl_lightning.client import CLIENT_STREAM, Batch, LocalTrainer, batch_positions, seeded_generator
-from fl_lightning.config import ClientOptimizerArgs
-from fl_lightning.data import DeviceTransform
+from fl_lightning.client import CLIENT_STREAM, Batch, batch_positions, seeded_generator
+from fl_lightning.config import ClientOptimizerArgs, DataArgs, FederationArgs
+from fl_lightning.data import DeviceTransform, ImageDataset
 from fl_lightning.data.datasets import CIFAR10_MEAN, CIFAR10_STD
-from fl_lightning.federation import FlatGlobalModel, UploadBuffer, aggregation_weights
+from fl_lightning.federation import FederatedLoop, FederatedRun
 from fl_lightning.models import create_model, registered_models
 from fl_lightning.module import ClassificationModule
 from fl_lightning.server_optimizers import ServerSGD
@@ -169,49 +170,28 @@ class NaiveFederated:
 
 
 class FlLightning:
-    """The product's client path: the global model bound to flat vectors and a `LocalTrainer`, set up
-    as `federation.train()` sets them up, and a round of `client_update`s summed into an
-    `UploadBuffer` and applied by the algorithm's server rule, as its round loop does."""
+    """The product's round: a `FederatedLoop` set up as `federation.train()` sets it up on one rank,
+    timed through its `run_round` (every client's update, the aggregation and the server step)."""
 
     def __init__(self, name: str, fabric: Fabric, network: nn.Module, workload: Workload, algorithm,
                  server_lr: float):
         self.name = name
-        self.fabric = fabric
-        self.workload = workload
-        self.algorithm = algorithm
-        device = fabric.device
-        module = fabric.to_device(ClassificationModule(copy.deepcopy(network), NUM_CLASSES))
-        global_model = FlatGlobalModel.bind(module, device)
-        self.param_layout, self.buffer_layout = global_model.param_layout, global_model.buffer_layout
-        self.params, self.global_buffers = global_model.params, global_model.buffers
-        self.module = module
-        algorithm.setup(ServerSGD(lr=server_lr), self.param_layout.numel, workload.num_clients, device)
-        self.trainer = LocalTrainer(fabric, module, workload.images, workload.labels, workload.transform,
-                                    self.param_layout, self.buffer_layout)
-        clients = list(range(workload.num_clients))
-        sizes = [len(indices) for indices in workload.client_indices]
-        self.weights = aggregation_weights(clients, sizes, algorithm.default_weighting)
-        self.optimizer_args = ClientOptimizerArgs(lr=LEARNING_RATE)
+        dataset = ImageDataset(workload.images, workload.labels, NUM_CLASSES, CIFAR10_MEAN, CIFAR10_STD)
+        run = FederatedRun(
+            algorithm=algorithm, server_optimizer=ServerSGD(lr=server_lr),
+            module=ClassificationModule(copy.deepcopy(network), NUM_CLASSES), train=dataset, test=dataset,
+            partition=[indices.numpy() for indices in workload.client_indices],
+            federation=FederationArgs(rounds=10**6, num_clients=workload.num_clients,
+                                      clients_per_round=workload.num_clients, local_steps=workload.local_steps,
+                                      batch_size=workload.batch_size),
+            data=DataArgs(augment=False), client_optimizer=ClientOptimizerArgs(lr=LEARNING_RATE),
+            checkpoint_keep=1, seed=SEED, out_dir=Path("benchmark-run"), run_id="benchmark", hyperparameters={},
+        )
+        self.loop = FederatedLoop(fabric, run)
+        self.module = self.loop.module
 
     def run_round(self, round_index: int) -> None:
-        workload, device = self.workload, self.fabric.device
-        buffer = UploadBuffer(self.algorithm, self.param_layout.numel, self.buffer_layout.numel, device)
-        runs = (
-            self.trainer.client_run(
-                client_id=client_id, round_index=round_index, seed=SEED, sample_indices=indices,
-                global_params=self.params, global_buffers=self.global_buffers, state={},
-                batch_size=workload.batch_size, local_steps=workload.local_steps, local_epochs=None,
-                optimizer_args=self.optimizer_args,
-            )
-            for client_id, indices in enumerate(workload.client_indices)
-        )
-        for client, uploads in self.algorithm.client_updates(runs):
-            uploads["buffers"] = client.buffers
-            uploads["train_loss"] = torch.tensor([client.mean_loss], device=device)
-            buffer.add(uploads, self.weights[client.client_id])
-        aggregate = buffer.reduced(self.fabric)
-        self.algorithm.server_update(self.params, aggregate)
-        self.global_buffers.copy_(aggregate["buffers"])
+        self.loop.run_round(round_index)
 
 
 def build_methods(fabric: Fabric, model_name: str,

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from fl_lightning.config import ClientOptimizerArgs
+from fl_lightning.config import ClientOptimizerArgs, FederationArgs
 from fl_lightning.flat import FlatLayout
 if TYPE_CHECKING:  # fl_lightning.module imports Lightning, which the command line need not wait for
     from fl_lightning.module import ClassificationModule
@@ -110,7 +110,8 @@ class ClientRun:
     optimizer_args: ClientOptimizerArgs
     projection: Optional[Callable[[torch.Tensor], torch.Tensor]]
     """The round's constraint projection of local directions (FedCONST), or None."""
-    _trainer: "LocalTrainer"
+    trainer: "LocalTrainer"
+    """The rank's trainer that built this run (shared by the round's clients on this rank)."""
     _positions: list[torch.Tensor]
     _sample_indices: torch.Tensor
     _generator: torch.Generator
@@ -119,7 +120,7 @@ class ClientRun:
     def batches(self) -> Iterator[Batch]:
         """The client's `num_steps` mini-batches, augmented and normalised on the device."""
         for positions in self._positions:
-            yield self._trainer.make_batch(self._sample_indices[positions], self._generator)
+            yield self.trainer.make_batch(self._sample_indices[positions], self._generator)
 
     def loss_and_grad(self, params: torch.Tensor, batch: Batch, training_pass: bool = True
                       ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,7 +128,8 @@ class ClientRun:
 
         A training pass updates this client's BatchNorm running statistics and counts towards its
         train loss; an extra evaluation on the same batch (FedSAM's ascent point) does neither."""
-        loss, gradient = self._trainer.loss_and_grad(params, self.buffers if training_pass else self.buffers.clone(), batch)
+        buffers = self.buffers if training_pass else self.buffers.clone()
+        loss, gradient = self.trainer.loss_and_grad(params, buffers, batch)
         if training_pass:
             self.losses.append(loss)
         return loss, gradient
@@ -135,14 +137,14 @@ class ClientRun:
     def features(self, params: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
         """The network's `forward_features` at flat `params` on `inputs`, differentiable in `params`;
         computed as in training, without touching this client's running statistics."""
-        return self._trainer.features(params, self.buffers, inputs)
+        return self.trainer.features(params, self.buffers, inputs)
 
     def frozen_features(self, params: torch.Tensor, buffers: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
         """`forward_features` of a fixed model (flat `params` and float `buffers`) on `inputs` in eval
         mode, without gradients: BatchNorm normalises with the running statistics in `buffers` (left
         unchanged), dropout is off."""
         with torch.no_grad():
-            return self._trainer.features(params, buffers, inputs, training=False)
+            return self.trainer.features(params, buffers, inputs, training=False)
 
     @property
     def num_steps(self) -> int:
@@ -179,7 +181,7 @@ def vectorisable(clients: list[ClientRun]) -> bool:
     """Whether these clients' gradients can be computed together by `group_loss_and_grads`: more
     than one, a model without buffers (BatchNorm statistics must stay per client) and the same
     sequence of batch sizes for all."""
-    trainer = clients[0]._trainer if clients else None
+    trainer = clients[0].trainer if clients else None
     return (len(clients) > 1 and trainer.buffer_layout.numel == 0 and not trainer.integer_buffers
             and len({tuple(client.batch_sizes) for client in clients}) == 1)
 
@@ -187,7 +189,7 @@ def vectorisable(clients: list[ClientRun]) -> bool:
 def group_loss_and_grads(clients: list[ClientRun], params: torch.Tensor, batches: list[Batch]) -> torch.Tensor:
     """Every client's gradient at the same `params`, each on its own batch, in one vectorised pass
     (rows in the clients' order); each client records its loss as `loss_and_grad` would."""
-    losses, gradients = clients[0]._trainer.loss_and_grads_per_client(params, batches)
+    losses, gradients = clients[0].trainer.loss_and_grads_per_client(params, batches)
     for client, loss in zip(clients, losses):
         client.losses.append(loss)
     return gradients
@@ -196,19 +198,30 @@ def group_loss_and_grads(clients: list[ClientRun], params: torch.Tensor, batches
 class LocalTrainer:
     """Builds `ClientRun`s on one rank and evaluates the module's loss at arbitrary flat parameters."""
 
-    def __init__(self, fabric, module: ClassificationModule, train_images: torch.Tensor, train_labels: torch.Tensor,
-                 transform, param_layout: FlatLayout, buffer_layout: FlatLayout, constraint=None):
+    def __init__(self, fabric, module: ClassificationModule, *, images: torch.Tensor, labels: torch.Tensor, transform,
+                 param_layout: FlatLayout, buffer_layout: FlatLayout, global_params: torch.Tensor,
+                 global_buffers: torch.Tensor, client_indices: list[torch.Tensor], seed: int,
+                 federation: FederationArgs, optimizer_args: ClientOptimizerArgs, constraint=None):
+        """Everything that stays the same for the whole run: the rank's copy of the training data,
+        the global model (flat tensors the server updates in place), each client's sample indices
+        and the local budget and optimizer."""
         from fl_lightning.module import TrainingStepCall
 
         self.fabric = fabric
         self.module = module
         self.call = TrainingStepCall(module)
         self.features_call = ForwardFeaturesCall(module)
-        self.train_images = train_images
-        self.train_labels = train_labels
+        self.train_images = images
+        self.train_labels = labels
         self.transform = transform
         self.param_layout = param_layout
         self.buffer_layout = buffer_layout
+        self.global_params = global_params
+        self.global_buffers = global_buffers
+        self.client_indices = client_indices
+        self.seed = seed
+        self.federation = federation
+        self.optimizer_args = optimizer_args
         self.constraint = constraint
         # Integer buffers (BatchNorm's num_batches_tracked) are not averaged; each client gets a copy.
         self.integer_buffers = {n: b for n, b in module.named_buffers() if not b.is_floating_point()}
@@ -230,7 +243,8 @@ class LocalTrainer:
         with self.fabric.autocast():
             return functional_call(call, {TrainingStepCall.prefix + n: t for n, t in tensors.items()}, (argument,))
 
-    def loss_and_grad(self, params: torch.Tensor, buffers: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss_and_grad(self, params: torch.Tensor, buffers: torch.Tensor, batch: Batch
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
         params = params.detach().requires_grad_(True)
         loss = self._train_mode_call(self.call, params, buffers, batch)
         (gradient,) = torch.autograd.grad(loss, params)
@@ -258,23 +272,24 @@ class LocalTrainer:
         # in `loss_and_grad`, but its running statistics must not be updated a second time.
         return self._train_mode_call(self.features_call, params, buffers.clone(), inputs, training).float()
 
-    def client_run(self, *, client_id: int, round_index: int, seed: int, sample_indices: torch.Tensor,
-                   global_params: torch.Tensor, global_buffers: torch.Tensor, state: dict[str, torch.Tensor],
-                   batch_size: int, local_steps: Optional[int], local_epochs: Optional[int],
-                   optimizer_args: ClientOptimizerArgs) -> ClientRun:
-        generator = seeded_generator(seed, CLIENT_STREAM, round_index, client_id)
-        num_samples = len(sample_indices)
-        positions = batch_positions(num_samples, batch_size, local_steps, local_epochs, generator)
+    def client_run(self, client_id: int, round_index: int, state: dict[str, torch.Tensor]) -> ClientRun:
+        generator = seeded_generator(self.seed, CLIENT_STREAM, round_index, client_id)
+        sample_indices = self.client_indices[client_id]
+        federation = self.federation
+        positions = batch_positions(len(sample_indices), federation.batch_size, federation.local_steps,
+                                    federation.local_epochs, generator)
+        projection = None if self.constraint is None else self.constraint.projection(self.global_params,
+                                                                                     self.param_layout)
         return ClientRun(
             client_id=client_id,
             round=round_index,
-            num_samples=num_samples,
-            global_params=global_params,
-            buffers=global_buffers.clone(),
+            num_samples=len(sample_indices),
+            global_params=self.global_params,
+            buffers=self.global_buffers.clone(),
             state=state,
-            optimizer_args=optimizer_args,
-            projection=None if self.constraint is None else self.constraint.projection(global_params, self.param_layout),
-            _trainer=self,
+            optimizer_args=self.optimizer_args,
+            projection=projection,
+            trainer=self,
             _positions=positions,
             _sample_indices=sample_indices,
             _generator=generator,

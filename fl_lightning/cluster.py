@@ -12,9 +12,8 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
-from typing import Optional
+from typing import Callable, Optional
 
 from fl_lightning.config import ConfigError, FabricArgs
 
@@ -36,6 +35,8 @@ class StopSignals:
 
     def __init__(self):
         self.received: set[signal.Signals] = set()
+        self.listener: Optional[Callable[[signal.Signals], None]] = None
+        """Told of each signal as it arrives (the running loop's stop request)."""
         self._previous_handlers: dict[signal.Signals, object] = {}
 
     @property
@@ -56,6 +57,8 @@ class StopSignals:
     def _record(self, signum: int, frame) -> None:
         # Only flags: the loop may be inside a collective, and saving from here would race the ranks.
         self.received.add(signal.Signals(signum))
+        if self.listener is not None:
+            self.listener(signal.Signals(signum))
 
     def uninstall(self, signums: list[signal.Signals]) -> None:
         """Put back the handlers that were there before `install` returned `signums` (for `fit`

@@ -2,7 +2,8 @@
 
 Every rank holds the global model and server state. Each round, the sampled clients are split
 over the ranks; each rank runs its clients' updates and adds their weighted uploads into one flat
-buffer; one all-reduce(sum) aggregates; every rank then applies the same server rule.
+buffer; one all-reduce(sum) aggregates; every rank then applies the same server rule. Everything
+around the rounds (evaluation, checkpoints, logs, stops) is a callback (`fl_lightning.callbacks`).
 """
 
 from __future__ import annotations
@@ -17,14 +18,12 @@ import torch
 
 from fl_lightning.algorithms import Algorithm
 from fl_lightning.checkpoint import checkpoint_dir, numbered_checkpoints, save_checkpoint, save_client_shard
-from fl_lightning.cluster import STOP_SIGNALS, requeue_after_stop
 from fl_lightning.client import SAMPLING_STREAM, LocalTrainer, seeded_generator
+from fl_lightning.config import ClientOptimizerArgs, DataArgs, FederationArgs
 from fl_lightning.constraints import Constraint
-from fl_lightning.config import CheckpointArgs, ClientOptimizerArgs, DataArgs, FederationArgs, LoggerArgs
 from fl_lightning.data import DeviceTransform, ImageDataset
 from fl_lightning.flat import FlatLayout
 from fl_lightning.module import ClassificationModule
-from fl_lightning.run_logging import MetricsLog, WandbIdentity, WandbRun, round_line
 from fl_lightning.server_optimizers import ServerOptimizer
 
 
@@ -41,16 +40,13 @@ class FederatedRun:
     federation: FederationArgs
     data: DataArgs
     client_optimizer: ClientOptimizerArgs
-    logger: LoggerArgs
-    checkpoint: CheckpointArgs
+    checkpoint_keep: int
     seed: int
     out_dir: Path
-    wandb_identity: WandbIdentity
+    run_id: str
     hyperparameters: dict
     constraint: Optional[Constraint] = None
     resume_state: Optional[dict] = None
-    wandb: Optional[WandbRun] = None
-    """Rank 0's W&B run, or None when W&B is disabled."""
 
 
 def sample_clients(seed: int, round_index: int, num_clients: int, clients_per_round: int) -> list[int]:
@@ -75,19 +71,20 @@ def clients_of_rank(clients: list[int], rank: int, world_size: int, stateful: bo
 
 
 STOP_REQUESTED = "stop_requested"
+REQUEUE_REQUESTED = "requeue_requested"
 
 
 class UploadBuffer:
     """The flat buffer one all-reduce sums: weighted uploads, float buffers, summed uploads, the
-    weighted training loss, and the number of ranks asked to stop (a preemption signal), in that
-    order. Riding on the aggregation, the stop request needs no collective of its own."""
+    weighted training loss, and the number of ranks asked to stop and to requeue (a preemption
+    signal), in that order. Riding on the aggregation, a stop request needs no collective of its own."""
 
     def __init__(self, algorithm: Algorithm, num_params: int, num_buffers: int, device: torch.device):
         self.sections: list[tuple[str, int, bool]] = (
             [(name, num_params, True) for name in algorithm.weighted_uploads]
             + [("buffers", num_buffers, True)]
             + [(name, num_params, False) for name in algorithm.summed_uploads]
-            + [("train_loss", 1, True), (STOP_REQUESTED, 1, False)]
+            + [("train_loss", 1, True), (STOP_REQUESTED, 1, False), (REQUEUE_REQUESTED, 1, False)]
         )
         self.flat = torch.zeros(sum(size for _, size, _ in self.sections), device=device)
         self._views = dict(zip([n for n, _, _ in self.sections], self.flat.split([s for _, s, _ in self.sections])))
@@ -148,171 +145,155 @@ class FlatGlobalModel:
         return cls(param_layout, buffer_layout, params, buffers)
 
 
-def train(fabric, run: FederatedRun) -> None:
-    """Run the federation; the final global model is the last checkpoint."""
-    federation = run.federation
-    device = fabric.device
-    module = fabric.to_device(run.module)
-    global_model = FlatGlobalModel.bind(module, device)
-    param_layout, buffer_layout = global_model.param_layout, global_model.buffer_layout
-    params, global_buffers = global_model.params, global_model.buffers
+class FederatedLoop:
+    """One rank's federation: the global model, the algorithm's state, the clients this rank owns,
+    and the rounds run so far (`history`, one metrics row per round). Callbacks get it as `loop`."""
 
-    algorithm = run.algorithm
-    algorithm.setup(run.server_optimizer, param_layout.numel, federation.num_clients, device)
-    start_round = 0
-    history = [] if run.resume_state is None else list(run.resume_state["metrics"])
-    if run.resume_state is not None:
-        module.load_state_dict(run.resume_state["model"])
-        algorithm.load_state_dict(run.resume_state["algorithm"], device)
-        start_round = run.resume_state["round"]
+    def __init__(self, fabric, run: FederatedRun):
+        self.fabric, self.run = fabric, run
+        self.rounds, self.out_dir, self.hyperparameters = run.federation.rounds, run.out_dir, run.hyperparameters
+        device = fabric.device
+        self.module = fabric.to_device(run.module)
+        self.global_model = FlatGlobalModel.bind(self.module, device)
+        self.algorithm = run.algorithm
+        self.algorithm.setup(run.server_optimizer, self.global_model.param_layout.numel, run.federation.num_clients,
+                             device)
+        state = run.resume_state
+        self.start_round = 0 if state is None else state["round"]
+        self.history: list[dict] = [] if state is None else list(state["metrics"])
+        if state is not None:
+            self.module.load_state_dict(state["model"])
+            self.algorithm.load_state_dict(state["algorithm"], device)
+        self.stateful = bool(self.algorithm.client_state)
+        saved_states = {} if state is None else state["client_states"]
+        self.client_states = ClientStates({c: s for c, s in saved_states.items()
+                                           if c % fabric.world_size == fabric.global_rank})
+        self.trainer = self._local_trainer(device)
+        self.test_images, self.test_labels = run.test.images.to(device), run.test.labels.to(device)
+        self.test_transform = DeviceTransform(run.test.mean, run.test.std, augment=False)
+        self.sizes = [len(p) for p in run.partition]
+        self.weighting = run.federation.weighting or self.algorithm.default_weighting
+        self.stop_reasons: set[str] = set()
+        self._requeue_requested = False
+        self.stopping = self.requeue_agreed = self.failed = False
 
-    train_images, train_labels = run.train.images.to(device), run.train.labels.to(device)
-    test_images, test_labels = run.test.images.to(device), run.test.labels.to(device)
-    train_transform = DeviceTransform(run.train.mean, run.train.std, augment=run.data.augment,
-                                      crop_padding=run.data.crop_padding)
-    test_transform = DeviceTransform(run.test.mean, run.test.std, augment=False)
-    trainer = LocalTrainer(fabric, module, train_images, train_labels, train_transform, param_layout, buffer_layout,
-                           run.constraint)
-    saved_states = {} if run.resume_state is None else run.resume_state["client_states"]
-    client_states = ClientStates({c: state for c, state in saved_states.items()
-                                  if c % fabric.world_size == fabric.global_rank})
-    client_indices = [torch.as_tensor(p, dtype=torch.long) for p in run.partition]
-    sizes = [len(p) for p in run.partition]
-    weighting = federation.weighting or algorithm.default_weighting
-    stateful = bool(algorithm.client_state)
+    def _local_trainer(self, device: torch.device) -> LocalTrainer:
+        run, global_model = self.run, self.global_model
+        return LocalTrainer(
+            self.fabric, self.module, images=run.train.images.to(device), labels=run.train.labels.to(device),
+            transform=DeviceTransform(run.train.mean, run.train.std, augment=run.data.augment,
+                                      crop_padding=run.data.crop_padding),
+            param_layout=global_model.param_layout, buffer_layout=global_model.buffer_layout,
+            global_params=global_model.params, global_buffers=global_model.buffers,
+            client_indices=[torch.as_tensor(p, dtype=torch.long) for p in run.partition], seed=run.seed,
+            federation=run.federation, optimizer_args=run.client_optimizer, constraint=run.constraint,
+        )
 
-    def evaluate() -> dict[str, float]:
+    @property
+    def completed_rounds(self) -> int:
+        return self.history[-1]["round"] if self.history else 0
+
+    @property
+    def stopped_early(self) -> bool:
+        return self.stopping and self.completed_rounds < self.rounds
+
+    def request_stop(self, reason: str, requeue: bool = False) -> None:
+        """Ask the run to stop after the round whose aggregation comes next (see fl_lightning.callbacks)."""
+        self.stop_reasons.add(reason)
+        self._requeue_requested = self._requeue_requested or requeue
+
+    def run_round(self, round_index: int) -> dict:
+        """One round: sample, train this rank's clients, aggregate in one all-reduce, step the
+        server. Returns the round's metrics row (also appended to `history`)."""
+        started = time.perf_counter()
+        fabric, federation, algorithm = self.fabric, self.run.federation, self.algorithm
+        clients = sample_clients(self.run.seed, round_index, federation.num_clients, federation.clients_per_round)
+        weights = aggregation_weights(clients, self.sizes, self.weighting)
+        buffer = UploadBuffer(algorithm, self.global_model.param_layout.numel, self.global_model.buffer_layout.numel,
+                              fabric.device)
+        for client, uploads in algorithm.client_updates(self._client_runs(clients, round_index)):
+            if self.stateful:
+                self.client_states.put(client.client_id, client.state)
+            uploads["buffers"] = client.buffers
+            uploads["train_loss"] = torch.tensor([client.mean_loss], device=fabric.device)
+            buffer.add(uploads, weights[client.client_id])
+        one = torch.ones(1, device=fabric.device)
+        buffer.add({**({STOP_REQUESTED: one} if self.stop_reasons else {}),
+                    **({REQUEUE_REQUESTED: one} if self._requeue_requested else {})}, 1.0)
+        aggregate = buffer.reduced(fabric)
+        self._check_finite(round_index, clients, "the aggregated update of clients",
+                           [aggregate[name] for name in algorithm.weighted_uploads + algorithm.summed_uploads])
+        algorithm.server_update(self.global_model.params, aggregate)
+        self.global_model.buffers.copy_(aggregate["buffers"])
+        # Checked before anything is saved: a non-finite model must never become "the last good checkpoint".
+        self._check_finite(round_index, clients, "the global model after the server step of clients",
+                           [self.global_model.params, self.global_model.buffers])
+        self.stopping = aggregate[STOP_REQUESTED].item() > 0
+        self.requeue_agreed = aggregate[REQUEUE_REQUESTED].item() > 0
+        metrics = {"round": round_index + 1, "train_loss": aggregate["train_loss"].item(),
+                   **algorithm.round_metrics(), "round_seconds": time.perf_counter() - started}
+        self.history.append(metrics)
+        return metrics
+
+    def _client_runs(self, clients: list[int], round_index: int):
+        """This rank's clients of the round, each set up only when the algorithm asks for it."""
+        fabric = self.fabric
+        for client_id in clients_of_rank(clients, fabric.global_rank, fabric.world_size, self.stateful):
+            yield self.trainer.client_run(client_id, round_index, self.client_states.get(client_id, fabric.device))
+
+    def _check_finite(self, round_index: int, clients: list[int], what: str, tensors: list[torch.Tensor]) -> None:
+        if all(torch.isfinite(t).all() for t in tensors):
+            return
+        saved = numbered_checkpoints(checkpoint_dir(self.out_dir))
+        last_good = f"the last good checkpoint is {saved[-1]}" if saved else "no checkpoint was saved yet"
+        raise FloatingPointError(f"round {round_index + 1}: {what} {clients} is not finite (NaN or inf; is a "
+                                 f"learning rate too large?); {last_good}")
+
+    def evaluate(self) -> dict[str, float]:
+        """The global model's test metrics, each rank evaluating a shard of the test split."""
+        fabric, module = self.fabric, self.module
         module.eval()
-        shard = torch.arange(fabric.global_rank, len(test_labels), fabric.world_size, device=device)
+        shard = torch.arange(fabric.global_rank, len(self.test_labels), fabric.world_size, device=fabric.device)
         with torch.no_grad(), fabric.autocast():
-            for chunk in shard.split(federation.eval_batch_size):
-                module.validation_step((test_transform(test_images[chunk]), test_labels[chunk]))
+            for chunk in shard.split(self.run.federation.eval_batch_size):
+                module.validation_step((self.test_transform(self.test_images[chunk]), self.test_labels[chunk]))
         return module.compute_test_metrics()
 
-    is_logger = fabric.global_rank == 0
-    wandb = run.wandb if is_logger else None
-    if wandb is not None:
-        wandb.start(run.hyperparameters)
-        wandb.replay(history)
-    metrics_log = MetricsLog(run.out_dir, history) if is_logger else None
-    progress = _progress_bar(run, start_round) if is_logger else None
-    latest_accuracy = None
-    installed_here = STOP_SIGNALS.install(run.checkpoint.requeue_signal)
-    stopped_early = False
+    def save_checkpoint(self) -> None:
+        """The state after the last completed round (collective: every rank calls it)."""
+        fabric, completed = self.fabric, self.completed_rounds
+        if self.stateful:
+            save_client_shard(self.client_states.by_client, self.out_dir, completed, fabric.global_rank)
+            fabric.barrier()  # every shard is on disk before the main file marks the checkpoint complete
+        if fabric.global_rank == 0:
+            save_checkpoint({
+                "round": completed,
+                "model": {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()},
+                "algorithm": self.algorithm.state_dict(),
+                "partition": [p.tolist() for p in self.run.partition],
+                "run_id": self.run.run_id,
+                "client_state_shards": fabric.world_size if self.stateful else 0,
+                "rng": torch.get_rng_state(),
+                "hyperparameters": self.hyperparameters,
+                "metrics": self.history,
+            }, self.out_dir, self.run.checkpoint_keep)
+        fabric.barrier()
+
+
+def train(fabric, run: FederatedRun) -> None:
+    """Run the federation, calling the callbacks given to Fabric around every round; the final
+    global model is the last checkpoint."""
+    loop = FederatedLoop(fabric, run)
+    fabric.call("on_fit_start", fabric, loop)
     try:
-        for round_index in range(start_round, federation.rounds):
-            started = time.perf_counter()
-            clients = sample_clients(run.seed, round_index, federation.num_clients, federation.clients_per_round)
-            weights = aggregation_weights(clients, sizes, weighting)
-            buffer = UploadBuffer(algorithm, param_layout.numel, buffer_layout.numel, device)
-            runs = (
-                trainer.client_run(
-                    client_id=client_id, round_index=round_index, seed=run.seed,
-                    sample_indices=client_indices[client_id], global_params=params, global_buffers=global_buffers,
-                    state=client_states.get(client_id, device), batch_size=federation.batch_size,
-                    local_steps=federation.local_steps, local_epochs=federation.local_epochs,
-                    optimizer_args=run.client_optimizer,
-                )
-                for client_id in clients_of_rank(clients, fabric.global_rank, fabric.world_size, stateful)
-            )
-            for client, uploads in algorithm.client_updates(runs):
-                client_id = client.client_id
-                if stateful:
-                    client_states.put(client_id, client.state)
-                uploads["buffers"] = client.buffers
-                uploads["train_loss"] = torch.tensor([client.mean_loss], device=device)
-                buffer.add(uploads, weights[client_id])
-            buffer.add({STOP_REQUESTED: torch.ones(1, device=device)} if STOP_SIGNALS.requested else {}, 1.0)
-            aggregate = buffer.reduced(fabric)
-            _check_finite(run, round_index, clients, "the aggregated update of clients",
-                          [aggregate[name] for name in algorithm.weighted_uploads + algorithm.summed_uploads])
-            algorithm.server_update(params, aggregate)
-            global_buffers.copy_(aggregate["buffers"])
-            # Checked before anything is saved: a non-finite model must never become "the last good checkpoint".
-            _check_finite(run, round_index, clients, "the global model after the server step of clients",
-                          [params, global_buffers])
-
-            completed = round_index + 1
-            metrics = {"round": completed, "train_loss": aggregate["train_loss"].item()}
-            metrics.update(algorithm.round_metrics())
-            if completed % federation.eval_every == 0 or completed == federation.rounds:
-                metrics.update(evaluate())
-                latest_accuracy = metrics["test_accuracy"]
-            metrics["round_seconds"] = time.perf_counter() - started
-            history.append(metrics)
-            stopped_early = aggregate[STOP_REQUESTED].item() > 0 and completed < federation.rounds
-            if stopped_early or completed % run.checkpoint.every == 0 or completed == federation.rounds:
-                _save(fabric, run, module, algorithm, client_states if stateful else None, completed, history)
-            if is_logger:
-                metrics_log.append(metrics)
-                if wandb is not None:
-                    wandb.log(metrics)
-                if progress is not None:
-                    progress.update(1)
-                    progress.set_postfix(s_per_round=f"{metrics['round_seconds']:.2f}",
-                                         acc="-" if latest_accuracy is None else f"{latest_accuracy:.4f}")
-                else:
-                    print(round_line(metrics, federation.rounds), flush=True)
-            if stopped_early:
+        for round_index in range(loop.start_round, loop.rounds):
+            fabric.call("on_round_start", fabric, loop, round_index)
+            metrics = loop.run_round(round_index)
+            fabric.call("on_round_end", fabric, loop, metrics)
+            if loop.stopping:
                 break
-        if progress is not None:
-            progress.close()
-        if wandb is not None:
-            wandb.finish()  # before a requeue: Slurm kills the job's steps as soon as it is requeued
-        if is_logger:
-            _print_summary(run, history, stopped_early)
-            if stopped_early:
-                requeue_after_stop(run.checkpoint.requeue_signal, STOP_SIGNALS.received)
+    except BaseException:
+        loop.failed = True
+        raise
     finally:
-        if wandb is not None:
-            wandb.finish()  # also when a round failed: what was logged must reach the W&B files
-        STOP_SIGNALS.uninstall(installed_here)
-
-
-def _check_finite(run: FederatedRun, round_index: int, clients: list[int], what: str,
-                  tensors: list[torch.Tensor]) -> None:
-    if all(torch.isfinite(t).all() for t in tensors):
-        return
-    saved = numbered_checkpoints(checkpoint_dir(run.out_dir))
-    last_good = f"the last good checkpoint is {saved[-1]}" if saved else "no checkpoint was saved yet"
-    raise FloatingPointError(
-        f"round {round_index + 1}: {what} {clients} is not finite (NaN or inf; is a learning rate too "
-        f"large?); {last_good}"
-    )
-
-
-def _print_summary(run: FederatedRun, history: list[dict], stopped_early: bool) -> None:
-    final = history[-1] if history else {"round": run.federation.rounds}
-    accuracies = [row["test_accuracy"] for row in history if row.get("test_accuracy") is not None]
-    state = "stopped (checkpoint saved)" if stopped_early else "finished"
-    accuracy = f"; final test_accuracy {accuracies[-1]:.4f}, best {max(accuracies):.4f}" if accuracies else ""
-    print(f"{state} at round {final['round']}/{run.federation.rounds}{accuracy}; outputs in {run.out_dir}",
-          flush=True)
-
-
-def _save(fabric, run: FederatedRun, module, algorithm: Algorithm, client_states: Optional[ClientStates],
-          completed: int, history: list[dict]) -> None:
-    if client_states is not None:
-        save_client_shard(client_states.by_client, run.out_dir, completed, fabric.global_rank)
-        fabric.barrier()  # every shard is on disk before the main file marks the checkpoint complete
-    if fabric.global_rank == 0:
-        save_checkpoint({
-            "round": completed,
-            "model": {k: v.detach().cpu().clone() for k, v in module.state_dict().items()},
-            "algorithm": algorithm.state_dict(),
-            "partition": [p.tolist() for p in run.partition],
-            "run_id": run.wandb_identity.run_id,
-            "client_state_shards": fabric.world_size if client_states is not None else 0,
-            "rng": torch.get_rng_state(),
-            "hyperparameters": run.hyperparameters,
-            "metrics": history,
-        }, run.out_dir, run.checkpoint.keep)
-    fabric.barrier()
-
-
-def _progress_bar(run: FederatedRun, start_round: int):
-    if not run.logger.progress_bar:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=run.federation.rounds, initial=start_round, desc="rounds", unit="round", dynamic_ncols=True)
+        fabric.call("on_fit_end", fabric, loop)

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import inspect
 import json
 import os
 import sys
 import warnings
 from datetime import timedelta
 from pathlib import Path
-from typing import Literal, Optional, Union
+from typing import TYPE_CHECKING, Literal, Optional, Union
 
 import torch
 import yaml
@@ -23,6 +22,15 @@ from jsonargparse import lazy_instance
 from jsonargparse.typing import NonNegativeInt
 
 from fl_lightning.algorithms import Algorithm
+from fl_lightning.callbacks import (
+    Callback,
+    Evaluate,
+    LogToWandb,
+    SaveCheckpoint,
+    ShowProgress,
+    StopOnSignal,
+    WriteMetrics,
+)
 from fl_lightning.checkpoint import (
     LAST,
     checkpoint_dir,
@@ -42,6 +50,7 @@ from fl_lightning.config import (
     LoggerArgs,
     ModelArgs,
 )
+from fl_lightning.configurable import Configurable
 from fl_lightning.constraints import Constraint
 from fl_lightning.data import class_histogram, load_dataset, partition_indices, plot_partition
 from fl_lightning.flat import FlatLayout
@@ -60,6 +69,9 @@ from fl_lightning.run_dir import (
 from fl_lightning.run_logging import MetricsLog, WandbIdentity, new_run_id, new_wandb_run
 from fl_lightning.server_optimizers import ServerOptimizer, ServerSGD
 
+if TYPE_CHECKING:
+    from fl_lightning.federation import FederatedRun
+
 
 def fit(
     algorithm: Algorithm,
@@ -72,6 +84,7 @@ def fit(
     fabric: FabricArgs = FabricArgs(),
     logger: LoggerArgs = LoggerArgs(),
     checkpoint: CheckpointArgs = CheckpointArgs(),
+    callbacks: Optional[list[Callback]] = None,
     seed: NonNegativeInt = 0,
     out_dir: Optional[Path] = None,
     resume: Optional[Union[Literal["auto"], Path]] = "auto",
@@ -93,6 +106,8 @@ def fit(
         fabric: accelerator, ranks, nodes and precision.
         logger: Weights & Biases settings.
         checkpoint: checkpoint schedule.
+        callbacks: your own callbacks (class_path/init_args), called after evaluation and before the
+            checkpoint and logs of each round; e.g. fl_lightning.callbacks.EarlyStopping or TimeBudget.
         seed: seeds the model init, the partition, client sampling and every client's batches.
         out_dir: folder for config.yaml, metrics.jsonl, partition.json, checkpoints/ and wandb/; null
             uses runs/<algorithm>-<dataset>-<model>-seed<seed>-<digest of the experiment's settings>,
@@ -112,7 +127,8 @@ def fit(
     config = _as_config({
         "algorithm": algorithm, "model": model, "data": data, "federation": federation,
         "client_optimizer": client_optimizer, "server_optimizer": configured_server_optimizer,
-        "constraint": constraint, "fabric": fabric, "logger": logger, "checkpoint": checkpoint, "seed": seed,
+        "constraint": constraint, "fabric": fabric, "logger": logger, "checkpoint": checkpoint,
+        "callbacks": list(callbacks or []), "seed": seed,
         "out_dir": None, "resume": None if resume is None else str(resume), "overwrite": overwrite,
     })
     out_dir = Path(out_dir) if out_dir is not None else default_out_dir(
@@ -125,13 +141,14 @@ def fit(
         lock.acquire()
     try:
         if launching:
-            print(f"run folder: {out_dir}", file=sys.stderr, flush=True)
+            print(f"run folder: {out_dir}", flush=True)
             remove_temporary_files(out_dir)
         resume_state = _resume_state(resume, overwrite, out_dir, config, federation.rounds, launching)
         return _build_and_train(
             algorithm=algorithm, server_optimizer=server_optimizer, model=model, data=data, federation=federation,
             client_optimizer=client_optimizer, constraint=constraint, fabric=fabric, logger=logger,
-            checkpoint=checkpoint, seed=seed, out_dir=out_dir, config=config, method=method,
+            checkpoint=checkpoint, callbacks=list(callbacks or []), seed=seed, out_dir=out_dir, config=config,
+            method=method,
             resume_state=resume_state, launching=launching,
         )
     finally:
@@ -179,10 +196,41 @@ def _resume_state(resume, overwrite: bool, out_dir: Path, config: dict, rounds: 
 
 
 def _build_and_train(*, algorithm, server_optimizer, model, data, federation, client_optimizer, constraint, fabric,
-                     logger, checkpoint, seed, out_dir, config, method, resume_state, launching) -> torch.Tensor:
+                     logger, checkpoint, callbacks, seed, out_dir, config, method, resume_state, launching
+                     ) -> torch.Tensor:
     from fl_lightning.federation import FederatedRun  # imports Lightning, which the command line need not wait for
-    from fl_lightning.module import ClassificationModule
 
+    train_set, test_set, partition = _split_data(data, federation, algorithm, seed, resume_state, out_dir)
+    module = _build_module(model, algorithm, constraint, train_set, seed)
+    identity = WandbIdentity(
+        run_id=resume_state["run_id"] if resume_state is not None else new_run_id(),
+        name=logger.name or f"{method}-seed{seed}", group=logger.group or f"{data.name}-alpha{data.alpha}-{model.name}",
+        tags=sorted({method, data.name, f"alpha={data.alpha}", model.name, *logger.tags}),
+    )
+    if resume_state is not None and resume_state["round"] == federation.rounds:
+        if launching:
+            _complete_logs_of_finished_run(logger, out_dir, identity, config, resume_state)
+        module.load_state_dict(resume_state["model"])
+        return FlatLayout.of(module.named_parameters()).flatten(dict(module.named_parameters()))
+
+    run = FederatedRun(
+        algorithm=algorithm, server_optimizer=server_optimizer, module=module, train=train_set, test=test_set,
+        partition=partition, federation=federation, data=data, client_optimizer=client_optimizer,
+        checkpoint_keep=checkpoint.keep, seed=seed, out_dir=out_dir, run_id=identity.run_id,
+        hyperparameters=config, constraint=constraint, resume_state=resume_state,
+    )
+    engine = _build_fabric(fabric, _run_callbacks(federation, logger, checkpoint, callbacks, out_dir, identity))
+    # Ranks return nothing: a spawned rank's return value travels through a pipe that a model
+    # would block. The final model is the last checkpoint, always written at the end.
+    engine.launch(_train_and_record, run)
+    final = torch.load(checkpoint_dir(out_dir) / LAST, map_location="cpu", weights_only=False)
+    module.load_state_dict(final["model"])
+    return FlatLayout.of(module.named_parameters()).flatten(dict(module.named_parameters()))
+
+
+def _split_data(data: DataArgs, federation: FederationArgs, algorithm: Algorithm, seed: int,
+                resume_state: Optional[dict], out_dir: Path):
+    """The dataset and its partition over clients, checked against the federation and the checkpoint."""
     train_set, test_set = load_dataset(data.name, data.root, data.download)
     partition = partition_indices(
         train_set.labels.numpy(), federation.num_clients, data.partition, alpha=data.alpha,
@@ -197,6 +245,12 @@ def _build_and_train(*, algorithm, server_optimizer, model, data, federation, cl
                           "with local_steps", federation.batch_size)
     if resume_state is not None and [list(p) for p in partition] != resume_state["partition"]:
         raise ConfigError("resume", "a checkpoint made with the same data, partition and seed", str(out_dir))
+    return train_set, test_set, partition
+
+
+def _build_module(model: ModelArgs, algorithm: Algorithm, constraint: Optional[Constraint], train_set, seed: int):
+    from fl_lightning.module import ClassificationModule
+
     torch.manual_seed(seed)  # the same initial global model on every rank
     network = create_model(model.name, num_classes=train_set.num_classes, in_channels=train_set.images.shape[1],
                            image_size=train_set.images.shape[-1], norm=model.norm, bias=model.bias, **model.options)
@@ -206,32 +260,23 @@ def _build_and_train(*, algorithm, server_optimizer, model, data, federation, cl
             raise ConfigError("constraint", f"null for {type(algorithm).__name__}, which trains no local model",
                               type(constraint).__name__)
         constraint.prepare_model(network)
-    module = ClassificationModule(network, train_set.num_classes)
+    return ClassificationModule(network, train_set.num_classes)
 
-    identity = WandbIdentity(
-        run_id=resume_state["run_id"] if resume_state is not None else new_run_id(),
-        name=logger.name or f"{method}-seed{seed}", group=logger.group or f"{data.name}-alpha{data.alpha}-{model.name}",
-        tags=sorted({method, data.name, f"alpha={data.alpha}", model.name, *logger.tags}),
-    )
-    if resume_state is not None and resume_state["round"] == federation.rounds:
-        if launching:
-            _complete_logs_of_finished_run(logger, out_dir, identity, config, resume_state)
-        module.load_state_dict(resume_state["model"])
-        return FlatLayout.of(module.named_parameters()).flatten(dict(module.named_parameters()))
 
-    run = FederatedRun(
-        algorithm=algorithm, server_optimizer=server_optimizer, module=module, train=train_set, test=test_set,
-        partition=partition, federation=federation, data=data, client_optimizer=client_optimizer, logger=logger,
-        checkpoint=checkpoint, seed=seed, out_dir=out_dir, wandb_identity=identity, hyperparameters=config,
-        constraint=constraint, resume_state=resume_state, wandb=new_wandb_run(logger, out_dir, identity),
-    )
-    engine = _build_fabric(fabric)
-    # Ranks return nothing: a spawned rank's return value travels through a pipe that a model
-    # would block. The final model is the last checkpoint, always written at the end.
-    engine.launch(_train_and_record, run)
-    final = torch.load(checkpoint_dir(out_dir) / LAST, map_location="cpu", weights_only=False)
-    module.load_state_dict(final["model"])
-    return FlatLayout.of(module.named_parameters()).flatten(dict(module.named_parameters()))
+def _run_callbacks(federation: FederationArgs, logger: LoggerArgs, checkpoint: CheckpointArgs,
+                   user_callbacks: list[Callback], out_dir: Path, identity: WandbIdentity) -> list[Callback]:
+    """The run's callbacks in the order their hooks are called: what the user's callbacks add to a
+    round's metrics is checkpointed and logged; W&B is closed before a requeue."""
+    wandb = new_wandb_run(logger, out_dir, identity)
+    return [
+        Evaluate(federation.eval_every),
+        *user_callbacks,
+        SaveCheckpoint(checkpoint.every),
+        WriteMetrics(),
+        *([] if wandb is None else [LogToWandb(wandb)]),
+        ShowProgress(logger.progress_bar),
+        StopOnSignal(checkpoint.requeue_signal),
+    ]
 
 
 def _complete_logs_of_finished_run(logger: LoggerArgs, out_dir: Path, identity: WandbIdentity, config: dict,
@@ -264,7 +309,7 @@ def _write_run_files(run: FederatedRun) -> None:
     plot_partition(histogram, out / "partition.png")
 
 
-def _build_fabric(args: FabricArgs):
+def _build_fabric(args: FabricArgs, callbacks: list[Callback]):
     from lightning.fabric import Fabric
     from lightning.fabric.strategies import DDPStrategy
 
@@ -282,7 +327,7 @@ def _build_fabric(args: FabricArgs):
     # meant to be local; under SLURM the allocation check has already matched the ranks to srun's.
     warnings.filterwarnings("ignore", message="The `srun` command is available on your system but is not used")
     return Fabric(accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes,
-                  precision=args.precision, strategy=strategy)
+                  precision=args.precision, strategy=strategy, callbacks=callbacks)
 
 
 def _materialise(default: ServerOptimizer) -> ServerOptimizer:
@@ -314,12 +359,8 @@ def _as_config(value):
     """Plain YAML-able form of a setting, in the layout `--config` reads back."""
     if dataclasses.is_dataclass(value):
         return {f.name: _as_config(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, (Algorithm, ServerOptimizer, Constraint)):
-        cls = type(value)
-        params = [name for name, p in inspect.signature(cls.__init__).parameters.items()
-                  if name != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-        return {"class_path": f"{cls.__module__}.{cls.__qualname__}",
-                "init_args": {p: _as_config(getattr(value, p)) for p in params}}
+    if isinstance(value, Configurable):
+        return {"class_path": value.class_path, "init_args": _as_config(value.init_args)}
     if isinstance(value, Path):
         return str(value)
     for plain in (bool, int, float, str):  # jsonargparse's PositiveInt etc. are subclasses

@@ -141,5 +141,14 @@ def round_line(metrics: dict, rounds: int) -> str:
     return "  ".join(parts)
 
 
+def summary_line(history: list[dict], rounds: int, out_dir: Path, stop_reasons: set[str]) -> str:
+    final_round = history[-1]["round"] if history else 0
+    why = "; ".join(sorted(stop_reasons)) or "requested by another rank"
+    state = "finished" if final_round == rounds else f"stopped ({why}; checkpoint saved)"
+    accuracies = [row["test_accuracy"] for row in history if row.get("test_accuracy") is not None]
+    accuracy = f"; final test_accuracy {accuracies[-1]:.4f}, best {max(accuracies):.4f}" if accuracies else ""
+    return f"{state} at round {final_round}/{rounds}{accuracy}; outputs in {out_dir}"
+
+
 def new_wandb_run(args: LoggerArgs, out_dir: Path, identity: WandbIdentity) -> Optional[WandbRun]:
     return None if args.wandb_mode == "disabled" else WandbRun(args, out_dir, identity)

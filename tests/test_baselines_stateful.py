@@ -14,7 +14,7 @@ from fl_lightning.algorithms.moon import MOON
 from fl_lightning.algorithms.scaffold import SCAFFOLD
 from fl_lightning.checkpoint import load_checkpoint
 from fl_lightning.client import CLIENT_STREAM, LocalTrainer, batch_positions, seeded_generator
-from fl_lightning.config import ClientOptimizerArgs, ConfigError, FabricArgs, ModelArgs
+from fl_lightning.config import ClientOptimizerArgs, FederationArgs, ConfigError, FabricArgs, ModelArgs
 from fl_lightning.federation import FlatGlobalModel, sample_clients
 from fl_lightning.fit import fit
 from fl_lightning.models import FeatureClassifier, create_model
@@ -282,13 +282,15 @@ def test_moon_represents_the_global_and_previous_models_in_eval_mode():
     inputs, labels = torch.randn(num_samples, in_features), torch.randint(num_classes, (num_samples,))
 
     fabric = Fabric(accelerator="cpu", devices=1, precision="32-true")
-    trainer = LocalTrainer(fabric, module, inputs, labels, lambda images, generator: images,
-                           model.param_layout, model.buffer_layout)
-    client = trainer.client_run(
-        client_id=0, round_index=1, seed=SEED, sample_indices=torch.arange(num_samples),
-        global_params=model.params, global_buffers=model.buffers,
-        state={"previous_model": previous_params.clone(), "previous_buffers": previous_buffers.clone()},
-        batch_size=num_samples, local_steps=None, local_epochs=epochs, optimizer_args=ClientOptimizerArgs(lr=lr))
+    trainer = LocalTrainer(
+        fabric, module, images=inputs, labels=labels, transform=lambda images, generator: images,
+        param_layout=model.param_layout, buffer_layout=model.buffer_layout, global_params=model.params,
+        global_buffers=model.buffers, client_indices=[torch.arange(num_samples)], seed=SEED,
+        federation=FederationArgs(num_clients=1, clients_per_round=1, local_epochs=epochs, batch_size=num_samples),
+        optimizer_args=ClientOptimizerArgs(lr=lr),
+    )
+    client = trainer.client_run(0, 1, {"previous_model": previous_params.clone(),
+                                       "previous_buffers": previous_buffers.clone()})
     local = model.params - algorithm.client_update(client)[PSEUDO_GRADIENT]
 
     def unpack(params):

@@ -1,0 +1,205 @@
+"""Callbacks: everything a run does around its rounds, as small separate pieces.
+
+The loop (`fl_lightning.federation.train`) calls these hooks on every rank through Fabric's
+`fabric.call`, in the order the callbacks are listed:
+
+- `on_fit_start(fabric, loop)`: once, before the first round (also after a resume).
+- `on_round_start(fabric, loop, round_index)`: before the round's clients train.
+- `on_round_end(fabric, loop, metrics)`: after the server step; `metrics` (a dict with "round",
+  the 1-based number of the round just completed) may be extended in place, and is the row that
+  metrics.jsonl, W&B and the checkpoint record.
+- `on_fit_end(fabric, loop)`: once, after the last round, a stop, or a failure (`loop.failed`).
+
+To stop a run, a hook calls `loop.request_stop(reason)`. Requests ride the stop slot of the next
+aggregation, so every rank agrees without a collective of its own: a request made in
+`on_round_start` stops the run after that round, one made in `on_round_end` after the next. The
+run then saves a checkpoint and ends cleanly; the same command resumes it.
+
+A user adds callbacks in the config: `callbacks: [{class_path: my_module.MyCallback, init_args: {...}}]`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal, Optional
+
+from fl_lightning.cluster import STOP_SIGNALS, requeue_after_stop
+from fl_lightning.configurable import Configurable
+from fl_lightning.run_logging import MetricsLog, WandbRun, round_line, summary_line
+
+
+class Callback(Configurable):
+    """Base class: override the hooks you need (each does nothing by default)."""
+
+    def on_fit_start(self, fabric, loop) -> None:
+        pass
+
+    def on_round_start(self, fabric, loop, round_index: int) -> None:
+        pass
+
+    def on_round_end(self, fabric, loop, metrics: dict) -> None:
+        pass
+
+    def on_fit_end(self, fabric, loop) -> None:
+        pass
+
+
+class EarlyStopping(Callback):
+    """Stops the run when `metric` has not improved by more than `min_delta` for `patience`
+    evaluations. The metric must be one every rank computes alike (reduced across ranks, as
+    train_loss and test_accuracy are)."""
+
+    def __init__(self, metric: str = "test_accuracy", mode: Literal["max", "min"] = "max", patience: int = 5,
+                 min_delta: float = 0.0):
+        self.metric, self.mode, self.patience, self.min_delta = metric, mode, patience, min_delta
+        self.best: Optional[float] = None
+        self.evaluations_without_improvement = 0
+
+    def on_round_end(self, fabric, loop, metrics: dict) -> None:
+        value = metrics.get(self.metric)
+        if value is None:
+            return
+        if self.best is None or (value - self.best if self.mode == "max" else self.best - value) > self.min_delta:
+            self.best, self.evaluations_without_improvement = value, 0
+            return
+        self.evaluations_without_improvement += 1
+        if self.evaluations_without_improvement >= self.patience:
+            loop.request_stop(f"early stopping: {self.metric} has not improved for {self.patience} evaluations")
+
+
+class TimeBudget(Callback):
+    """Stops the run (with a checkpoint) before a round that would end past `max_seconds` of
+    this process's training time, judged by the longest round so far."""
+
+    def __init__(self, max_seconds: float):
+        self.max_seconds = max_seconds
+        self._started: Optional[float] = None
+        self._longest_round = 0.0
+        self._round_started = 0.0
+
+    def on_fit_start(self, fabric, loop) -> None:
+        self._started = time.monotonic()
+
+    def on_round_start(self, fabric, loop, round_index: int) -> None:
+        now = time.monotonic()
+        if self._round_started:
+            self._longest_round = max(self._longest_round, now - self._round_started)
+        self._round_started = now
+        # The request stops the run after this round: stop here if the next one would not fit.
+        if now + 2 * self._longest_round - self._started > self.max_seconds:
+            loop.request_stop(f"time budget of {self.max_seconds} s")
+
+
+# The run's own callbacks, built by `fit` from its settings; user callbacks run between
+# `Evaluate` and `SaveCheckpoint`, so that what they add to the metrics is saved and logged.
+
+class Evaluate(Callback):
+    """The global model on the test split every `every` rounds and after the last one."""
+
+    def __init__(self, every: int):
+        self.every = every
+
+    def on_round_end(self, fabric, loop, metrics: dict) -> None:
+        if metrics["round"] % self.every == 0 or metrics["round"] == loop.rounds:
+            started = time.perf_counter()
+            metrics.update(loop.evaluate())
+            metrics["eval_seconds"] = time.perf_counter() - started
+
+
+class SaveCheckpoint(Callback):
+    """A checkpoint every `every` rounds, after the last one, and whenever the run stops."""
+
+    def __init__(self, every: int):
+        self.every = every
+
+    def on_round_end(self, fabric, loop, metrics: dict) -> None:
+        if loop.stopping or metrics["round"] % self.every == 0 or metrics["round"] == loop.rounds:
+            loop.save_checkpoint()
+
+
+class WriteMetrics(Callback):
+    """metrics.jsonl (rank 0): the checkpoint's rows first, then one row per round."""
+
+    def on_fit_start(self, fabric, loop) -> None:
+        self.log = MetricsLog(loop.out_dir, loop.history) if fabric.global_rank == 0 else None
+
+    def on_round_end(self, fabric, loop, metrics: dict) -> None:
+        if self.log is not None:
+            self.log.append(metrics)
+
+
+class LogToWandb(Callback):
+    """The W&B run (rank 0): started with the rounds it lacks replayed, closed at the end, also
+    after a failure, and before a requeue (Slurm kills the job's steps as soon as it is requeued)."""
+
+    def __init__(self, run: WandbRun):
+        self.run = run
+
+    def on_fit_start(self, fabric, loop) -> None:
+        if fabric.global_rank == 0:
+            self.run.start(loop.hyperparameters)
+            self.run.replay(loop.history)
+
+    def on_round_end(self, fabric, loop, metrics: dict) -> None:
+        if fabric.global_rank == 0:
+            self.run.log(metrics)
+
+    def on_fit_end(self, fabric, loop) -> None:
+        if fabric.global_rank == 0:
+            self.run.finish()
+
+
+class ShowProgress(Callback):
+    """A progress bar, or one line per round when it is off (batch jobs); a summary at the end."""
+
+    def __init__(self, progress_bar: bool):
+        self.progress_bar = progress_bar
+        self._bar = None
+
+    def on_fit_start(self, fabric, loop) -> None:
+        if fabric.global_rank == 0 and self.progress_bar:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=loop.rounds, initial=loop.start_round, desc="rounds", unit="round",
+                             dynamic_ncols=True)
+
+    def on_round_end(self, fabric, loop, metrics: dict) -> None:
+        if fabric.global_rank != 0:
+            return
+        if self._bar is None:
+            print(round_line(metrics, loop.rounds), flush=True)
+            return
+        self._bar.update(1)
+        accuracies = [row["test_accuracy"] for row in loop.history if "test_accuracy" in row]
+        self._bar.set_postfix(s_per_round=f"{metrics['round_seconds']:.2f}",
+                              acc=f"{accuracies[-1]:.4f}" if accuracies else "-")
+
+    def on_fit_end(self, fabric, loop) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if fabric.global_rank == 0 and not loop.failed:
+            print(summary_line(loop.history, loop.rounds, loop.out_dir, loop.stop_reasons), flush=True)
+
+
+class StopOnSignal(Callback):
+    """Turns SIGTERM and the requeue signal, received at any time (also before the first round),
+    into a stop agreed at the round's aggregation; after the checkpoint, rank 0 requeues a SLURM
+    job (unless it was cancelled)."""
+
+    def __init__(self, signal_name: Optional[str]):
+        self.signal_name = signal_name
+        self._installed: list = []
+
+    def on_fit_start(self, fabric, loop) -> None:
+        self._installed = STOP_SIGNALS.install(self.signal_name)
+        STOP_SIGNALS.listener = lambda signum: loop.request_stop(f"signal {signum.name}", requeue=True)
+        for signum in sorted(STOP_SIGNALS.received):
+            STOP_SIGNALS.listener(signum)
+
+    def on_fit_end(self, fabric, loop) -> None:
+        STOP_SIGNALS.listener = None
+        try:
+            if fabric.global_rank == 0 and loop.requeue_agreed and loop.stopped_early:
+                requeue_after_stop(self.signal_name, STOP_SIGNALS.received)
+        finally:
+            STOP_SIGNALS.uninstall(self._installed)

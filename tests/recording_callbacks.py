@@ -1,0 +1,39 @@
+"""Callbacks a test names by class path in a config, as a user would name their own."""
+
+from pathlib import Path
+
+from fl_lightning.callbacks import Callback
+
+
+class RecordHooks(Callback):
+    """Appends each hook it sees to <folder>/hooks_rank<r>.txt."""
+
+    def __init__(self, folder: str):
+        self.folder = folder
+
+    def _record(self, fabric, line: str) -> None:
+        with open(Path(self.folder) / f"hooks_rank{fabric.global_rank}.txt", "a") as f:
+            f.write(line + "\n")
+
+    def on_fit_start(self, fabric, loop) -> None:
+        self._record(fabric, f"fit_start {loop.start_round}")
+
+    def on_round_start(self, fabric, loop, round_index: int) -> None:
+        self._record(fabric, f"round_start {round_index + 1}")
+
+    def on_round_end(self, fabric, loop, metrics: dict) -> None:
+        self._record(fabric, f"round_end {metrics['round']} {'test_accuracy' in metrics}")
+
+    def on_fit_end(self, fabric, loop) -> None:
+        self._record(fabric, f"fit_end {loop.completed_rounds}")
+
+
+class StopAfterRound(Callback):
+    """Asks to stop once `round` has ended; the request is agreed at the next aggregation."""
+
+    def __init__(self, round: int):
+        self.round = round
+
+    def on_round_end(self, fabric, loop, metrics: dict) -> None:
+        if metrics["round"] == self.round:
+            loop.request_stop(f"asked to stop after round {self.round}")

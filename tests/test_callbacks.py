@@ -1,0 +1,153 @@
+"""Callbacks: the hooks fire in order on every rank, a user callback from YAML can stop a run that
+then resumes, the built-in stop rules, and every configurable class round-trips through config.yaml."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from fl_lightning.algorithms import SHORT_NAMES
+from fl_lightning.callbacks import EarlyStopping, TimeBudget
+from fl_lightning.checkpoint import checkpoint_dir, numbered_checkpoints
+from fl_lightning.cli import build_parser, main
+from fl_lightning.constraints import CONST
+from fl_lightning.fit import _as_config
+from fl_lightning.run_logging import read_metrics
+from fl_lightning import server_optimizers
+
+TESTS = Path(__file__).resolve().parent
+QUICKSTART = str(TESTS.parent / "configs" / "quickstart.yaml")
+TINY = ["--config", QUICKSTART, "--model.options", "{hidden: 16, depth: 1}", "--federation.local_steps", "2",
+        "--federation.eval_every", "2", "--logger.progress_bar", "false", "--resume", "auto"]
+
+
+@pytest.fixture(autouse=True)
+def importable_test_callbacks(monkeypatch):
+    monkeypatch.syspath_prepend(str(TESTS))
+
+
+def hooks_config(tmp_path: Path, *callbacks: dict) -> str:
+    path = tmp_path / "callbacks.yaml"
+    path.write_text(yaml.safe_dump({"callbacks": list(callbacks)}))
+    return str(path)
+
+
+def expected_hooks(first_round: int, last_round: int, eval_every: int, rounds: int) -> list[str]:
+    lines = [f"fit_start {first_round - 1}"]
+    for r in range(first_round, last_round + 1):
+        lines += [f"round_start {r}", f"round_end {r} {r % eval_every == 0 or r == rounds}"]
+    return lines + [f"fit_end {last_round}"]
+
+
+def test_hooks_fire_in_order_and_a_yaml_callback_stops_a_run_that_then_resumes(tmp_path):
+    out_dir = tmp_path / "run"
+    config = hooks_config(tmp_path,
+                          {"class_path": "recording_callbacks.RecordHooks", "init_args": {"folder": str(tmp_path)}},
+                          {"class_path": "recording_callbacks.StopAfterRound", "init_args": {"round": 2}})
+    main(["fit", *TINY, "--federation.rounds", "5", "--config", config, "--out_dir", str(out_dir)])
+    # Asked at the end of round 2, agreed at round 3's aggregation: the run stops after round 3.
+    assert (tmp_path / "hooks_rank0.txt").read_text().splitlines() == expected_hooks(1, 3, 2, 5)
+    assert [p.name for p in numbered_checkpoints(checkpoint_dir(out_dir))][-1] == "round_000003.ckpt"
+    assert [row["round"] for row in read_metrics(out_dir)] == [1, 2, 3]
+
+    (tmp_path / "hooks_rank0.txt").unlink()
+    resumed_config = hooks_config(tmp_path, {"class_path": "recording_callbacks.RecordHooks",
+                                             "init_args": {"folder": str(tmp_path)}})
+    main(["fit", *TINY, "--federation.rounds", "5", "--config", resumed_config, "--out_dir", str(out_dir)])
+    assert (tmp_path / "hooks_rank0.txt").read_text().splitlines() == expected_hooks(4, 5, 2, 5)
+    assert [row["round"] for row in read_metrics(out_dir)] == [1, 2, 3, 4, 5]
+
+    uninterrupted = tmp_path / "uninterrupted"
+    main(["fit", *TINY, "--federation.rounds", "5", "--out_dir", str(uninterrupted)])
+    resumed_model = torch.load(checkpoint_dir(out_dir) / "last.ckpt", weights_only=False)["model"]
+    expected_model = torch.load(checkpoint_dir(uninterrupted) / "last.ckpt", weights_only=False)["model"]
+    for name, tensor in expected_model.items():
+        assert torch.equal(resumed_model[name], tensor), name
+
+
+@pytest.mark.multiprocess
+def test_hooks_fire_in_order_on_every_rank(tmp_path):
+    config = hooks_config(tmp_path, {"class_path": "recording_callbacks.RecordHooks",
+                                     "init_args": {"folder": str(tmp_path)}})
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(TESTS), *sys.path])}
+    environment = {k: v for k, v in environment.items() if not k.startswith("SLURM_")}
+    completed = subprocess.run(
+        [sys.executable, "-m", "fl_lightning", "fit", *TINY, "--federation.rounds", "3", "--config", config,
+         "--fabric.devices", "2", "--fabric.process_group_timeout_s", "120", "--out_dir", str(tmp_path / "run")],
+        env=environment, capture_output=True, text=True, timeout=300,
+    )
+    assert completed.returncode == 0, completed.stderr
+    for rank in (0, 1):
+        assert (tmp_path / f"hooks_rank{rank}.txt").read_text().splitlines() == expected_hooks(1, 3, 2, 3)
+
+
+class StubLoop:
+    def __init__(self):
+        self.reasons = []
+
+    def request_stop(self, reason: str, requeue: bool = False) -> None:
+        self.reasons.append(reason)
+
+
+@pytest.mark.parametrize("mode, values, stop_at", [
+    ("max", [0.5, 0.6, 0.6, 0.59], 3),  # no improvement in the evaluations after 0.6
+    ("min", [1.0, 0.9, 0.95, 0.8, 0.85], None),  # improves again before patience runs out
+    ("max", [0.5, None, 0.5, None, 0.5], 4),  # rounds without the metric do not count
+])
+def test_early_stopping(mode, values, stop_at):
+    callback, loop = EarlyStopping(metric="m", mode=mode, patience=2), StubLoop()
+    asked_at = None
+    for index, value in enumerate(values):
+        callback.on_round_end(None, loop, {"round": index + 1, **({} if value is None else {"m": value})})
+        if loop.reasons and asked_at is None:
+            asked_at = index
+    assert asked_at == stop_at
+
+
+def test_time_budget_stops_before_a_round_that_would_not_fit(monkeypatch):
+    clock = iter([0.0, 0.0, 10.0, 20.0, 30.0, 40.0])
+    monkeypatch.setattr("fl_lightning.callbacks.time.monotonic", lambda: next(clock))
+    callback, loop = TimeBudget(max_seconds=45), StubLoop()
+    callback.on_fit_start(None, loop)
+    starts = []
+    for round_index in range(5):
+        callback.on_round_start(None, loop, round_index)
+        starts.append(len(loop.reasons))
+    # Rounds take 10 s: the round starting at 30 s ends at 40 s, and the next would end past 45 s.
+    assert starts == [0, 0, 0, 1, 2]
+
+
+def configurable_classes():
+    classes = list(SHORT_NAMES.values()) + [getattr(server_optimizers, name) for name in server_optimizers.__all__
+                                            if name != "ServerOptimizer"]
+    return classes + [CONST, EarlyStopping]
+
+
+@pytest.mark.parametrize("cls", configurable_classes(), ids=lambda cls: cls.__name__)
+def test_every_configurable_class_round_trips_through_its_written_config(cls):
+    original = cls()
+    written = _as_config(original)
+    assert written["class_path"] == f"{cls.__module__}.{cls.__qualname__}"
+    group = {"Algorithm": "algorithm", "ServerOptimizer": "server_optimizer", "Constraint": "constraint",
+             "Callback": "callbacks"}[next(base.__name__ for base in cls.__mro__ if base.__name__ in
+                                           ("Algorithm", "ServerOptimizer", "Constraint", "Callback"))]
+    value = [written] if group == "callbacks" else written
+    parser = build_parser()
+    parsed = parser.instantiate(parser.parse_args(["fit", "--algorithm", "fl_lightning.algorithms.FedAvg", f"--{group}",
+                                                   yaml.safe_dump(value, default_flow_style=True)])).fit[group]
+    parsed = parsed[0] if group == "callbacks" else parsed
+    assert type(parsed) is cls and parsed.init_args == original.init_args
+
+
+def test_config_is_written_from_init_args_not_attribute_names():
+    from fl_lightning.algorithms.base import Algorithm
+
+    class Renamed(Algorithm):
+        def __init__(self, mu: float = 0.5):
+            self._weight = mu
+
+    assert _as_config(Renamed(mu=0.25))["init_args"] == {"mu": 0.25}
