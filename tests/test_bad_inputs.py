@@ -249,13 +249,35 @@ BAD_INPUTS: dict[str, tuple[list[str], str, str]] = {
         ["--data.name", "cifar10", "--data.root", "{tmp}/data", "--data.download", "true"], "data.download",
         f"error: data.download: expected a network connection to download {CIFAR10_URL} into {{tmp}}/data (or the "
         "dataset already there), got 'URLError: <urlopen error no network>'"),
+    "two nodes outside SLURM": (
+        ["--fabric.num_nodes", "2"], "fabric.num_nodes",
+        "error: fabric.num_nodes: expected 1 outside SLURM (or every node started with MASTER_ADDR, MASTER_PORT and "
+        "NODE_RANK set), got 2"),
+    "resume from a file that is not a checkpoint": (
+        ["--resume", "{tmp}/garbage.ckpt"], "resume", "error: resume: expected a checkpoint written by fl-lightning "
+        "that passes its checks, got 'checkpoint {tmp}/garbage.ckpt is unreadable (...)'"),
+    "CTP-FL with local_epochs on clients of unequal sizes": (
+        ["--algorithm", "ctpfl", "--federation.local_steps", "null", "--federation.local_epochs", "1"],
+        "federation.local_epochs",
+        "error: federation.local_epochs: expected null for CTP-FL on these clients, whose sizes give from 1 to 6 "
+        "local steps while CTP-FL's clients share one set of K query points (set federation.local_steps: K), got 1"),
+    "fresh start over a folder holding a run": (
+        ["--out_dir", "{tmp}/used_run", "--resume", "null"], "resume",
+        "error: resume: expected 'auto' to continue the run already in {tmp}/used_run, overwrite: true to replace "
+        "it, or another out_dir, got None"),
+    "overwrite while resuming": (
+        ["--overwrite", "true", "--resume", "auto"], "overwrite",
+        "error: overwrite: expected false unless resume is null (overwrite replaces a run; resume continues it), "
+        "got True"),
 }
 
 
 WORDED_ELSEWHERE = {
     "batch larger than every client", "constraint on an algorithm without local training",
     "requeue signal not a signal", "resume from a missing checkpoint", "out_dir under a file", "unknown model",
-    "misspelt algorithm setting", "setting of an algorithm not chosen",
+    "misspelt algorithm setting", "setting of an algorithm not chosen", "two nodes outside SLURM",
+    "resume from a file that is not a checkpoint", "CTP-FL with local_epochs on clients of unequal sizes",
+    "fresh start over a folder holding a run", "overwrite while resuming",
 }
 
 
@@ -273,6 +295,8 @@ FILES = {
     "fedadam_nan.yaml": lambda tmp, _: (tmp / "fedadam_nan.yaml").write_text(
         "server_optimizer:\n  class_path: FedAdam\n  init_args:\n    tau: .nan\n"),
     "a_file": lambda tmp, _: (tmp / "a_file").write_text(""),
+    "garbage.ckpt": lambda tmp, _: (tmp / "garbage.ckpt").write_bytes(bytes(range(256)) * 4),
+    "used_run": lambda tmp, _: (tmp / "used_run").mkdir() or (tmp / "used_run" / "config.yaml").write_text("seed: 0\n"),
     "cifar_missing": lambda tmp, cifar: (_cifar_copy(tmp, "cifar_missing", cifar()) / "data_batch_3").unlink(),
     "cifar_corrupt": lambda tmp, cifar: (_cifar_copy(tmp, "cifar_corrupt", cifar()) / "data_batch_2").write_bytes(
         bytes(1000)),
@@ -281,7 +305,8 @@ FILES = {
 
 @pytest.fixture
 def offline_cpu_machine(monkeypatch):
-    """No CUDA and no network, whatever machine the tests run on."""
+    """No CUDA, no network and no cluster launcher, whatever machine the tests run on."""
+    import os
     import urllib.error
     import urllib.request
 
@@ -292,6 +317,9 @@ def offline_cpu_machine(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(urllib.request, "urlopen", offline)
+    for name in list(os.environ):
+        if name.startswith("SLURM_") or name in ("MASTER_ADDR", "NODE_RANK"):
+            monkeypatch.delenv(name)
 
 
 @pytest.mark.parametrize("case", BAD_INPUTS)
@@ -312,3 +340,9 @@ def test_bad_input_is_one_error_line_before_training(case, tmp_path, capsys, req
         assert err.splitlines() == [user_sees.replace("{tmp}", str(tmp_path))]
     assert "Traceback" not in out + err
     assert not list(tmp_path.rglob("metrics.jsonl"))
+
+
+def test_reliability_page_lists_every_bad_input():
+    page = (Path(__file__).parent.parent / "docs" / "reliability.md").read_text()
+    missing = [case for case in BAD_INPUTS if f"| {case} |" not in page]
+    assert not missing, f"docs/reliability.md lacks {missing}"
