@@ -3,7 +3,7 @@ VENV ?= .venv
 PYTHON := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install quickstart test test-fast benchmark clean
+.PHONY: install quickstart test test-fast lint benchmark clean
 
 install: $(STAMP)
 
@@ -18,6 +18,9 @@ quickstart: $(STAMP)
 
 test: $(STAMP)
 	$(PYTHON) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check fl_lightning tests benchmarks
 
 test-fast: $(STAMP)
 	$(PYTHON) -m pytest -q -m "not multiprocess"
