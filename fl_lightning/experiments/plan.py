@@ -1,0 +1,160 @@
+"""Sweep plans: a YAML file naming a grid of runs, methods x settings x seeds.
+
+    name: fedconst_table3                 # names runs/<name>/ and the W&B tag
+    configs: [configs/settings/a.yaml]    # fragments every run starts from
+    methods:                              # the table's rows: name -> what makes the method
+      FedAvg: [configs/algorithms/fedavg.yaml]
+      FedAvg + CONST: [configs/algorithms/fedavg.yaml, configs/const.yaml]
+      CTP-FL h=0: [configs/algorithms/ctpfl.yaml, {algorithm.init_args.span: 0.0}]
+    settings:                             # the table's columns: the product of these axes
+      dataset: {cifar10: [{data.name: cifar10}], cifar100: [configs/data/cifar100.yaml]}
+      alpha: {"0.5": [{data.alpha: 0.5}]}
+    seeds: [0, 1, 2]
+    reference: references/fedconst_table1.csv   # optional: the paper's numbers (see table.py)
+    metric: test_accuracy                       # optional: what the table reports
+
+Each list holds config fragments (paths, relative to the working folder) and mappings of dotted
+settings. A run is `fl-lightning fit` with the plan's configs, then each setting axis's, then the
+method's (so a method always carries its own hyper-parameters, whatever the setting), then the
+seed, its out_dir runs/<plan>/<setting>/<method>/seed<k> and its W&B names.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Union
+
+import yaml
+
+from fl_lightning.config import ConfigError
+
+Part = Union[str, dict]
+"""A config fragment's path, or a mapping of dotted settings."""
+
+
+@dataclass
+class GridPoint:
+    """One run of a plan."""
+
+    index: int
+    method: str
+    setting: dict[str, str]
+    """Axis name -> the value chosen on that axis."""
+    seed: int
+    parts: list[Part]
+    out_dir: Path
+    plan_name: str
+
+    @property
+    def setting_name(self) -> str:
+        return "_".join(f"{axis}-{value}" for axis, value in self.setting.items()) or "default"
+
+    def fit_arguments(self) -> list[str]:
+        """The `fl-lightning fit` command line of this run (without the program name)."""
+        arguments = ["fit"]
+        for part in self.parts:
+            if isinstance(part, str):
+                arguments += ["--config", part]
+            else:
+                for key, value in part.items():
+                    arguments += [f"--{key}", _command_line_value(value)]
+        return arguments + [
+            "--seed", str(self.seed), "--out_dir", str(self.out_dir), "--resume", "auto",
+            "--logger.group", f"{self.plan_name}-{self.setting_name}",
+            "--logger.name", f"{slug(self.method)}-seed{self.seed}",
+            "--logger.tags", f"[plan={self.plan_name}, method={slug(self.method)}]",
+        ]
+
+
+@dataclass
+class Plan:
+    name: str
+    configs: list[Part]
+    methods: dict[str, list[Part]]
+    settings: dict[str, dict[str, list[Part]]]
+    seeds: list[int]
+    path: Path
+    reference: Optional[Path] = None
+    metric: str = "test_accuracy"
+    runs_root: Path = field(default=Path("runs"))
+
+    def grid(self) -> list[GridPoint]:
+        """Every run, settings outermost, then methods, then seeds (seeds of a cell are neighbours)."""
+        axes = list(self.settings.items())
+        points = []
+        for values in itertools.product(*[list(choices) for _, choices in axes]):
+            setting = {axis: value for (axis, _), value in zip(axes, values)}
+            setting_parts = [part for (axis, choices), value in zip(axes, values) for part in choices[value]]
+            for method, method_parts in self.methods.items():
+                for seed in self.seeds:
+                    point = GridPoint(index=len(points), method=method, setting=setting, seed=seed,
+                                      parts=[*self.configs, *setting_parts, *method_parts], out_dir=Path(),
+                                      plan_name=self.name)
+                    point.out_dir = self.runs_root / self.name / point.setting_name / slug(method) / f"seed{seed}"
+                    points.append(point)
+        return points
+
+
+def slug(name: str) -> str:
+    """A folder- and tag-safe form of a method name: "FedAvg + CONST" -> "fedavg+const"."""
+    return re.sub(r"[^a-z0-9+=._-]+", "-", name.lower().replace(" + ", "+")).strip("-")
+
+
+def _command_line_value(value) -> str:
+    if isinstance(value, str):
+        return value
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+
+
+def load_plan(path: Path, runs_root: Path = Path("runs")) -> Plan:
+    """Read and check a plan file; every problem is a ConfigError naming the plan's key."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+        raise ConfigError("plan", "a readable YAML plan file", f"{path} ({err})") from err
+    if not isinstance(raw, dict):
+        raise ConfigError("plan", "a mapping with name, methods, settings and seeds", str(path))
+    unknown = set(raw) - {"name", "configs", "methods", "settings", "seeds", "reference", "metric"}
+    if unknown:
+        raise ConfigError("plan", "only the keys name, configs, methods, settings, seeds, reference, metric",
+                          sorted(unknown))
+    name = raw.get("name") or path.stem
+    if not isinstance(name, str) or slug(name) != name:
+        raise ConfigError("plan.name", "a name of lower-case letters, digits and - _ . +", name)
+    methods = raw.get("methods")
+    if not isinstance(methods, dict) or not methods:
+        raise ConfigError("plan.methods", "a mapping of method name -> list of config fragments", methods)
+    if len({slug(m) for m in methods}) != len(methods):
+        raise ConfigError("plan.methods", "names that stay distinct as folder names", list(methods))
+    settings = raw.get("settings") or {}
+    if not isinstance(settings, dict) or not all(isinstance(c, dict) and c for c in settings.values()):
+        raise ConfigError("plan.settings", "a mapping of axis -> {value name: list of config fragments}", settings)
+    seeds = raw.get("seeds", [0])
+    if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) and s >= 0 for s in seeds):
+        raise ConfigError("plan.seeds", "a non-empty list of integers >= 0", seeds)
+    parts = {"plan.configs": raw.get("configs") or [],
+             **{f"plan.methods.{m}": p for m, p in methods.items()},
+             **{f"plan.settings.{a}.{v}": p for a, c in settings.items() for v, p in c.items()}}
+    for key, value in parts.items():
+        _check_parts(key, value)
+    reference = raw.get("reference")
+    return Plan(name=name, configs=raw.get("configs") or [], methods=methods,
+                settings={a: {str(v): p for v, p in c.items()} for a, c in settings.items()}, seeds=seeds, path=path,
+                reference=None if reference is None else Path(reference), metric=raw.get("metric", "test_accuracy"),
+                runs_root=runs_root)
+
+
+def _check_parts(key: str, parts) -> None:
+    if not isinstance(parts, list):
+        raise ConfigError(key, "a list of config fragment paths and {dotted.setting: value} mappings", parts)
+    for part in parts:
+        if isinstance(part, str):
+            if not Path(part).is_file():
+                raise ConfigError(key, "config fragments that exist (paths are relative to the working folder)",
+                                  part)
+        elif not isinstance(part, dict):
+            raise ConfigError(key, "a config fragment path or a {dotted.setting: value} mapping", part)
