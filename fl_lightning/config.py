@@ -122,8 +122,10 @@ class FederationArgs:
 class DataArgs:
     """The dataset, where it lies on disk, how it is split over clients and augmented."""
 
-    name: Literal["cifar10", "cifar100", "tiny_imagenet", "digits"] = "cifar10"
-    """The dataset; digits is scikit-learn's bundled 8x8 digits (no download, root unused)."""
+    name: Union[Literal["cifar10", "cifar100", "tiny_imagenet", "digits"], str] = "cifar10"
+    """The dataset: cifar10, cifar100, tiny_imagenet, digits (scikit-learn's bundled 8x8 digits; no
+    download, root unused), or a loader of your own as module.function, called as
+    loader(root=..., download=...) and returning (train, test) ImageDatasets (docs/extending.md)."""
     root: Path = Path("data")
     """Folder holding the dataset in its standard layout (e.g. root/cifar-10-batches-py)."""
     download: bool = False
@@ -141,19 +143,36 @@ class DataArgs:
     crop_padding: NonNegativeInt = 4
     """Zero padding (pixels per side) before the random crop (augment)."""
 
+    def __post_init__(self) -> None:
+        # One field, but no type can say "a built-in name or an importable loader": checked here, so
+        # that a bad name fails while the settings are read, before any run folder is made.
+        from fl_lightning.data.datasets import check_dataset_name
+
+        check_dataset_name(self.name)
+
 
 @dataclass
 class ModelArgs:
-    """The network: a registered name (linear, mlp, lenet5, resnet18, vit_tiny) or any timm model."""
+    """The network: a registered name (linear, mlp, lenet5, resnet18, vit_tiny), a factory of your own,
+    or any timm model."""
 
     name: str = "resnet18"
-    """Model name: linear, mlp, lenet5, resnet18, vit_tiny, or any timm model name (random init)."""
+    """Model name: linear, mlp, lenet5, resnet18, vit_tiny, any timm model name (random init), or a
+    factory of your own as module.function, called as factory(num_classes=..., in_channels=...,
+    image_size=..., norm=..., bias=..., **options) (docs/extending.md)."""
     norm: Literal["bn", "gn", "none"] = "bn"
     """Normalisation layers where the model has them (resnet18)."""
     bias: bool = True
     """Biases in conv and linear layers (FedCONST trains without)."""
     options: dict = field(default_factory=dict)
     """Extra keyword arguments for the model constructor (e.g. {patch_size: 4, hidden: 200})."""
+
+    def __post_init__(self) -> None:
+        # As for DataArgs.name: an unknown name, an unusable factory or an option the model does not
+        # take fails while the settings are read.
+        from fl_lightning.models.registry import check_model_settings
+
+        check_model_settings(self.name, self.options)
 
 
 @dataclass

@@ -1,13 +1,38 @@
-"""Image datasets as whole uint8 tensors, read from their standard on-disk layouts."""
+"""Image datasets as whole uint8 tensors, read from their standard on-disk layouts.
+
+`data.name` is a built-in dataset (`DATASET_NAMES`: cifar10, cifar100, tiny_imagenet, digits) or a
+loader of the user's by dotted path, `module.function` (or `module.Class`), importable from
+`sys.path` (e.g. `data.name: my_dataset.load_my_dataset` with `PYTHONPATH=examples`). A loader is
+called with keywords only, as
+
+    loader(root=data.root, download=data.download)
+
+with `root` a `pathlib.Path` and `download` a bool, and returns the pair `(train, test)` of
+`ImageDataset`s (train: the split the clients share; test: the split the global model is
+evaluated on). Each split holds
+
+- `images`: a uint8 tensor [N, C, H, H] (square images, values 0..255, on the CPU);
+- `labels`: an int64 tensor [N] of class indices 0 .. num_classes - 1;
+- `num_classes`: the same int in both splits;
+- `mean`, `std`: C floats each, per-channel statistics of images / 255 (usually of the training
+  split), which normalise every batch on the device.
+
+Both splits need the same C and H. `load_dataset` checks all of this and raises a `ConfigError`
+naming data.name for anything else; a loader reports a missing or unreadable dataset with a
+`ConfigError` naming data.root, as the built-in ones do.
+"""
 
 from __future__ import annotations
 
+import inspect
 import os
 import pickle
+import pkgutil
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -48,17 +73,108 @@ TINY_IMAGENET_CACHE = "fl_lightning_cache.pt"
 TINY_IMAGENET_SIZE = 64
 
 
+DatasetLoader = Callable[..., "tuple[ImageDataset, ImageDataset]"]
+LOADER_RETURNS = (
+    "a loader returning the pair (train, test) of ImageDatasets: uint8 images [N, C, H, H], int64 labels [N] "
+    "below num_classes, C means and stds"
+)
+
+
 def load_dataset(name: str, root: Path, download: bool = False) -> tuple[ImageDataset, ImageDataset]:
-    """The (train, test) splits of `name`; for tiny_imagenet the test split is the labelled val set."""
+    """The (train, test) splits of `name`: a built-in dataset (for tiny_imagenet the test split is the
+    labelled val set) or a loader by dotted path (see the module docstring)."""
     loaders = {
         "cifar10": _load_cifar10,
         "cifar100": _load_cifar100,
         "tiny_imagenet": _load_tiny_imagenet,
         "digits": _load_digits,
     }
-    if name not in loaders:
+    if name in loaders:
+        return loaders[name](Path(root), download)
+    loader = dataset_loader(name)
+    return _check_splits(name, loader(root=Path(root), download=download))
+
+
+def check_dataset_name(name: str) -> None:
+    """Raise the `ConfigError` that `load_dataset` would raise for an unknown `name` or an
+    unusable loader, without loading anything: `DataArgs` calls it, so a bad name fails while the
+    settings are read."""
+    if name not in DATASET_NAMES:
+        dataset_loader(name)
+
+
+def dataset_loader(name: str) -> DatasetLoader:
+    """The user's loader that the dotted path `name` points to, checked to be a callable taking
+    `root` and `download`; a ConfigError naming data.name otherwise (a plain name that is not a
+    built-in dataset lists the built-in ones)."""
+    if "." not in name:
         raise ConfigError("data.name", f"one of {', '.join(DATASET_NAMES)}", name)
-    return loaders[name](Path(root), download)
+    try:
+        loader = pkgutil.resolve_name(name)
+    except ModuleNotFoundError as err:
+        hint = " (add its folder to PYTHONPATH)" if err.name == name.split(".")[0] else ""
+        raise ConfigError("data.name", f"one of {', '.join(DATASET_NAMES)} or an importable dataset loader as "
+                          "module.function", f"{name} (ModuleNotFoundError: {err}{hint})") from err
+    except Exception as err:  # AttributeError, or anything the user's module raises on import
+        raise ConfigError("data.name", "an importable dataset loader as module.function",
+                          f"{name} ({type(err).__name__}: {err})") from err
+    if not callable(loader):
+        raise ConfigError("data.name", "a callable dataset loader (a function or class) at that dotted path",
+                          f"{name}, of type {type(loader).__name__}")
+    try:
+        signature = inspect.signature(loader)
+    except (TypeError, ValueError):  # no signature to read: the call will tell
+        return loader
+    try:
+        signature.bind(root=Path("."), download=False)
+    except TypeError as err:
+        raise ConfigError("data.name", "a dataset loader taking the keyword arguments root and download",
+                          f"{name}{signature}") from err
+    return loader
+
+
+def _check_splits(name: str, splits: object) -> tuple[ImageDataset, ImageDataset]:
+    """A loader's result must be what the built-in loaders return; a mistake found here names the
+    loader, where it would otherwise surface as a shape error deep inside training."""
+    def refuse(problem: str) -> ConfigError:
+        return ConfigError("data.name", LOADER_RETURNS, f"{name}, which returned {problem}")
+
+    if not isinstance(splits, (tuple, list)) or len(splits) != 2:
+        length = f" of length {len(splits)}" if isinstance(splits, (tuple, list)) else ""
+        raise refuse(f"a value of type {type(splits).__name__}{length}")
+    for split, dataset in zip(("train", "test"), splits):
+        if not isinstance(dataset, ImageDataset):
+            raise refuse(f"a value of type {type(dataset).__name__} as the {split} split")
+        images, labels = dataset.images, dataset.labels
+        if not isinstance(images, torch.Tensor) or images.dtype != torch.uint8 or images.dim() != 4 \
+                or images.shape[2] != images.shape[3]:
+            raise refuse(f"{split} images of {_describe(images)}")
+        if not isinstance(labels, torch.Tensor) or labels.dtype != torch.int64 or labels.shape != images.shape[:1]:
+            raise refuse(f"{split} labels of {_describe(labels)} for {len(images)} images")
+        num_classes = dataset.num_classes
+        if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 2:
+            raise refuse(f"{split} num_classes {num_classes!r}")
+        if len(labels) and (int(labels.min()) < 0 or int(labels.max()) >= num_classes):
+            raise refuse(f"{split} labels from {int(labels.min())} to {int(labels.max())} for num_classes "
+                         f"{num_classes}")
+        channels = images.shape[1]
+        statistics = (dataset.mean, dataset.std)
+        if not all(isinstance(s, (tuple, list)) and len(s) == channels for s in statistics) \
+                or min(dataset.std) <= 0:
+            raise refuse(f"{split} mean {dataset.mean!r} and std {dataset.std!r} for {channels} channel(s)")
+        if len(labels) == 0:
+            raise refuse(f"an empty {split} split")
+    train, test = splits
+    if train.images.shape[1:] != test.images.shape[1:] or train.num_classes != test.num_classes:
+        raise refuse(f"train images {tuple(train.images.shape[1:])} with {train.num_classes} classes but test "
+                     f"images {tuple(test.images.shape[1:])} with {test.num_classes}")
+    return train, test
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{value.dtype} {tuple(value.shape)}"
+    return f"type {type(value).__name__}"
 
 
 def _missing_dataset(root: Path, folder: Path, layout: str) -> ConfigError:

@@ -1,13 +1,38 @@
 """The model registry: a name maps to a constructor, `create_model` builds from the config.
 
-Every model is a `FeatureClassifier`, so algorithms can reach the representation before the last
-layer (MOON's projection head, feature-space regularisers) without knowing the architecture.
+`model.name` is one of three things, looked up in this order:
+
+- a registered name (`registered_models()`: linear, mlp, lenet5, resnet18, vit_tiny);
+- a factory of the user's by dotted path, `module.function` or `module.Class`, importable from
+  `sys.path` (e.g. `model.name: my_model.make_net` with `PYTHONPATH=examples`);
+- any timm model name.
+
+A factory is called with keywords only, as
+
+    factory(num_classes=..., in_channels=..., image_size=..., norm=..., bias=..., **model.options)
+
+where `num_classes` (int), `in_channels` (int) and `image_size` (int, the side of the square
+images) come from the data, and `norm` ("bn", "gn" or "none"), `bias` (bool) and `model.options`
+(a dict) from the config. It must accept the five named arguments (ignoring those it has no use
+for) and every key of `model.options`, and return an `nn.Module` that follows the interface of
+`FeatureClassifier` (subclassing it is simplest):
+
+- `forward_features(x)`: images [B, in_channels, image_size, image_size] (normalised floats) ->
+  features [B, feature_dim];
+- `classifier`: one `nn.Linear(feature_dim, num_classes)`, the last layer;
+- `feature_dim`: an int;
+- `forward(x) == classifier(forward_features(x))`: the logits the loss is taken on.
+
+Every model follows this interface, so algorithms can reach the representation before the last
+layer (MOON's projection head, feature-space regularisers, CONST's classifier) without knowing the
+architecture.
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Callable
+import pkgutil
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -15,6 +40,12 @@ from torch import nn
 from fl_lightning.config import ConfigError
 
 NORMS = ("bn", "gn", "none")
+FACTORY_ARGUMENTS = ("num_classes", "in_channels", "image_size", "norm", "bias")
+"""The keyword arguments every model factory given by dotted path receives (besides model.options)."""
+FACTORY_RETURNS = (
+    "a factory returning an nn.Module with forward_features(x), classifier (an nn.Linear) and feature_dim "
+    "(an int), as FeatureClassifier has"
+)
 
 ModelConstructor = Callable[..., "FeatureClassifier"]
 _model_constructors: dict[str, ModelConstructor] = {}
@@ -68,7 +99,8 @@ def create_model(
     bias: bool = True,
     **options,
 ) -> FeatureClassifier:
-    """Build a registered model, or any timm architecture by name (never with pretrained weights).
+    """Build a registered model, a user's factory by dotted path (`module.function`), or any timm
+    architecture by name (never with pretrained weights).
 
     `norm` picks the normalisation layers of models that let it be chosen (resnet18); models
     without normalisation layers ignore it, timm models keep their own. `bias` switches the
@@ -78,21 +110,111 @@ def create_model(
     if norm not in NORMS:
         raise ConfigError("model.norm", "one of " + ", ".join(NORMS), norm)
     constructor = _model_constructors.get(name)
-    if constructor is None:
-        # Deferred because timm_models registers vit_tiny through this module.
-        import timm
+    if constructor is not None:
+        _check_options(constructor, options)
+        return constructor(num_classes, in_channels, image_size, norm, bias, **options)
+    factory = _user_factory(name)
+    if factory is not None:
+        _check_factory_arguments(name, factory, options)
+        network = factory(num_classes=num_classes, in_channels=in_channels, image_size=image_size, norm=norm,
+                          bias=bias, **options)
+        return _check_model(name, network)
+    from fl_lightning.models.timm_models import create_timm_model  # imports timm, which is slow
 
-        from fl_lightning.models.timm_models import create_timm_model
+    return create_timm_model(name, num_classes, in_channels, norm, bias, **options)
 
-        if not timm.is_model(name):
-            raise ConfigError(
-                "model.name",
-                "one of " + ", ".join(registered_models()) + " or a timm model name",
-                name,
-            )
-        return create_timm_model(name, num_classes, in_channels, norm, bias, **options)
-    _check_options(constructor, options)
-    return constructor(num_classes, in_channels, image_size, norm, bias, **options)
+
+def check_model_settings(name: str, options: dict) -> None:
+    """Raise the `ConfigError` that `create_model` would raise for an unknown `name`, an unusable
+    factory or options the model does not take, without building anything: `ModelArgs` calls it,
+    so such mistakes fail while the settings are read. (timm models check their options when built.)"""
+    constructor = _model_constructors.get(name)
+    if constructor is not None:
+        _check_options(constructor, options)
+        return
+    factory = _user_factory(name)
+    if factory is not None:
+        _check_factory_arguments(name, factory, options)
+
+
+def _user_factory(name: str) -> Optional[Callable[..., nn.Module]]:
+    """The callable `name` points to when it is an importable dotted path; None for a timm model
+    name; a ConfigError naming model.name for anything else."""
+    problem = None
+    if "." in name:
+        try:
+            factory = pkgutil.resolve_name(name)
+        except ModuleNotFoundError as err:
+            if err.name != name.split(".")[0]:  # the module exists but an import inside it failed
+                raise _unimportable("model.name", "model factory", name, err) from err
+            # A timm name may hold a dot (resnet18.a1_in1k); else the top module is not on sys.path.
+            problem = f"no module named {err.name!r} on sys.path (add its folder to PYTHONPATH)"
+        except Exception as err:  # AttributeError, or anything the user's module raises on import
+            raise _unimportable("model.name", "model factory", name, err) from err
+        else:
+            if not callable(factory):
+                raise ConfigError("model.name", "a callable model factory (a function or an nn.Module class) "
+                                  "at that dotted path", f"{name}, of type {type(factory).__name__}")
+            return factory
+    import timm  # slow to import; only timm names get this far
+
+    if not timm.is_model(name):
+        expected = ("one of " + ", ".join(registered_models())
+                    + ", a timm model name, or a model factory as module.function (importable)")
+        raise ConfigError("model.name", expected, name if problem is None else f"{name} ({problem})")
+    return None
+
+
+def _unimportable(field_name: str, what: str, path: str, err: Exception) -> ConfigError:
+    return ConfigError(field_name, f"an importable {what} as module.function",
+                       f"{path} ({type(err).__name__}: {err})")
+
+
+def _check_factory_arguments(name: str, factory: Callable, options: dict) -> None:
+    """The factory must take FACTORY_ARGUMENTS and the options as keywords; checked before the call,
+    so that a TypeError raised inside the factory is never mistaken for a wrong signature."""
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # a builtin without a signature: let the call decide
+        return
+    parameters = signature.parameters.values()
+    any_keyword = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+    keywords = [p.name for p in parameters
+                if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+    if not any_keyword and not set(FACTORY_ARGUMENTS) <= set(keywords):
+        raise ConfigError("model.name", "a factory taking the keyword arguments " + ", ".join(FACTORY_ARGUMENTS)
+                          + " (and the keys of model.options)", f"{name}{signature}")
+    unknown = sorted(set(options) - set(keywords))
+    if unknown and not any_keyword:
+        accepted = [key for key in keywords if key not in FACTORY_ARGUMENTS]
+        expected = "keys among " + ", ".join(accepted) if accepted else f"no options for {name}"
+        raise ConfigError("model.options", expected, {key: options[key] for key in unknown})
+    try:
+        signature.bind(**dict.fromkeys(FACTORY_ARGUMENTS), **options)
+    except TypeError as err:  # a required option left out
+        raise ConfigError("model.options", f"the options {name}{signature} requires ({err})", options) from err
+
+
+def _check_model(name: str, model: object) -> nn.Module:
+    """A factory's model must follow the FeatureClassifier interface, or algorithms fail later."""
+    if not isinstance(model, nn.Module):
+        raise ConfigError("model.name", FACTORY_RETURNS,
+                          f"{name}, which returned a value of type {type(model).__name__}")
+    problems = []
+    if not callable(getattr(model, "forward_features", None)):
+        problems.append("no forward_features")
+    classifier = getattr(model, "classifier", None)
+    if not isinstance(classifier, nn.Linear):
+        problems.append(f"classifier of type {type(classifier).__name__}")
+    feature_dim = getattr(model, "feature_dim", None)
+    if isinstance(feature_dim, bool) or not isinstance(feature_dim, int):
+        problems.append(f"feature_dim {feature_dim!r}")
+    elif isinstance(classifier, nn.Linear) and classifier.in_features != feature_dim:
+        problems.append(f"feature_dim {feature_dim} but classifier.in_features {classifier.in_features}")
+    if problems:
+        raise ConfigError("model.name", FACTORY_RETURNS,
+                          f"{name}, whose {type(model).__name__} has " + ", ".join(problems))
+    return model
 
 
 def _check_options(constructor: ModelConstructor, options: dict) -> None:
