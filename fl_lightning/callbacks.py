@@ -146,7 +146,7 @@ class LogToWandb(Callback):
 
     def on_fit_end(self, fabric, loop) -> None:
         if fabric.global_rank == 0:
-            self.run.finish()
+            self.run.finish(loop.history)
 
 
 class ShowProgress(Callback):

@@ -204,8 +204,11 @@ def _build_and_train(*, algorithm, server_optimizer, model, data, federation, cl
     module = _build_module(model, algorithm, constraint, train_set, seed)
     identity = WandbIdentity(
         run_id=resume_state["run_id"] if resume_state is not None else new_run_id(),
-        name=logger.name or f"{method}-seed{seed}", group=logger.group or f"{data.name}-alpha{data.alpha}-{model.name}",
-        tags=sorted({method, data.name, f"alpha={data.alpha}", model.name, *logger.tags}),
+        name=logger.name or f"{method}-seed{seed}",
+        # W&B averages the runs of a group: one method per group, so a group is its seeds.
+        group=logger.group or f"{data.name}-alpha{data.alpha}-{model.name}-{method}",
+        tags=sorted({f"method={method}", f"constraint={type(constraint).__name__ if constraint else 'none'}",
+                     f"dataset={data.name}", f"alpha={data.alpha}", f"model={model.name}", *logger.tags}),
     )
     if resume_state is not None and resume_state["round"] == federation.rounds:
         if launching:
@@ -289,7 +292,7 @@ def _complete_logs_of_finished_run(logger: LoggerArgs, out_dir: Path, identity: 
     if wandb is not None:
         wandb.start(config)
         wandb.replay(state["metrics"])
-        wandb.finish()
+        wandb.finish(state["metrics"])
 
 
 def _train_and_record(fabric, run: FederatedRun) -> None:

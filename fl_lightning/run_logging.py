@@ -112,9 +112,15 @@ class WandbRun:
         if self._run is not None:
             self._call("log", lambda: self._run.log(metrics, step=metrics["round"]))
 
-    def finish(self) -> None:
-        """Close the run, waiting until W&B has written (offline) or sent (online) everything: a
-        requeue or exit right after would otherwise lose the last rounds."""
+    def finish(self, history: list[dict]) -> None:
+        """Record the final and best test accuracy in the run's summary (what a dashboard's table
+        compares), then close the run, waiting until W&B has written (offline) or sent (online)
+        everything: a requeue or exit right after would otherwise lose the last rounds."""
+        accuracies = [row["test_accuracy"] for row in history if row.get("test_accuracy") is not None]
+        if self._run is not None and accuracies:
+            summary = {"final_test_accuracy": accuracies[-1], "best_test_accuracy": max(accuracies),
+                       "rounds_done": history[-1]["round"]}
+            self._call("write the summary", lambda: self._run.summary.update(summary))
         if self._run is not None:
             self._call("finish", self._run.finish)
             self._run = None

@@ -1,5 +1,7 @@
 """Run logs: metrics.jsonl and a Weights & Biases offline run (no network needed)."""
 
+import json
+
 from pathlib import Path
 
 import pytest
@@ -24,8 +26,12 @@ def test_wandb_offline_run_holds_the_logged_metrics(tmp_path):
     for logged, written in zip(rows, read_metrics(tmp_path)):
         assert {key: logged[key] for key in written} == written
     run_info = [r for r in records(run_file) if r.WhichOneof("record_type") == "run"][0].run
-    assert "fedavg" in run_info.tags and "digits" in run_info.tags
-    assert run_info.display_name == "fedavg-seed0"
+    assert {"method=fedavg", "dataset=digits", "constraint=none", "model=mlp"} <= set(run_info.tags)
+    assert run_info.display_name == "fedavg-seed0" and run_info.run_group == "digits-alpha0.5-mlp-fedavg"
+    summary = {item.key or ".".join(item.nested_key): json.loads(item.value_json)
+               for r in records(run_file) if r.WhichOneof("record_type") == "summary" for item in r.summary.update}
+    accuracies = [row["test_accuracy"] for row in read_metrics(tmp_path) if "test_accuracy" in row]
+    assert (summary["final_test_accuracy"], summary["best_test_accuracy"]) == (accuracies[-1], max(accuracies))
 
 
 def test_resumed_offline_run_replays_the_rounds_before_the_checkpoint(tmp_path):

@@ -48,7 +48,7 @@ def test_every_point_parses_with_its_method_settings_last(tmp_path):
     arguments = parser.instantiate(parser.parse_args(expand_short_names(point.fit_arguments()))).fit
     assert type(arguments.algorithm).__name__ == "FedProx" and arguments.algorithm.mu == 0.1
     assert arguments.data.alpha == 0.1 and arguments.seed == 4
-    assert arguments.logger.group == "demo-alpha-0.1" and arguments.logger.name == "fedprox-seed4"
+    assert arguments.logger.group == "demo-alpha-0.1-fedprox" and arguments.logger.name == "fedprox-seed4"
     assert "plan=demo" in arguments.logger.tags
 
 

@@ -63,7 +63,8 @@ class GridPoint:
                     arguments += [f"--{key}", _command_line_value(value)]
         return arguments + [
             "--seed", str(self.seed), "--out_dir", str(self.out_dir), "--resume", "auto",
-            "--logger.group", f"{self.plan_name}-{self.setting_name}",
+            # One method per W&B group (W&B averages a group): a group is a cell's seeds.
+            "--logger.group", f"{self.plan_name}-{self.setting_name}-{slug(self.method)}",
             "--logger.name", f"{slug(self.method)}-seed{self.seed}",
             "--logger.tags", f"[plan={self.plan_name}, method={slug(self.method)}]",
         ]
