@@ -25,7 +25,7 @@ ROOT = Path(__file__).parent.parent
 EXAMPLES = ROOT / "examples"
 DOC = ROOT / "docs" / "extending.md"
 QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
-EXAMPLE_MODULES = ("my_algorithm", "my_model", "my_dataset", "bad_extensions")
+EXAMPLE_MODULES = ("my_algorithm", "my_model", "my_dataset", "my_callback", "bad_extensions")
 # Appended to the documented commands: later settings override earlier ones.
 TINY = ["--federation.rounds", "2", "--federation.num_clients", "4", "--federation.clients_per_round", "2",
         "--federation.local_steps", "2", "--federation.eval_every", "1", "--checkpoint.every", "1",
@@ -131,17 +131,17 @@ def error_line(arguments: list[str], out_dir: Path, capsys) -> str:
 
 def test_the_doc_shows_each_example_once_and_runs_it():
     commands = [" ".join(command) for command in documented_commands()]
-    assert len(commands) == 4
+    assert len(commands) == 5
     for name in ("--algorithm my_algorithm.ClippedFedAvg", "--model.name my_model.make_net",
-                 "--data.name my_dataset.load_shapes", "--config examples/extending.yaml"):
+                 "--data.name my_dataset.load_shapes", "--config examples/extending.yaml",
+                 "--config examples/callback.yaml"):
         assert sum(name in command for command in commands) == 1, name
-    assert "## A new callback\n\nSee fl_lightning/callbacks.py." in DOC.read_text()
 
 
 def test_the_doc_quotes_the_example_files_as_they_are():
     sources = "\n".join(path.read_text() for path in EXAMPLES.glob("*.py"))
     blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.DOTALL)
-    assert len(blocks) == 3
+    assert len(blocks) == 4
     for block in blocks:
         assert block in sources, block.splitlines()[0]
 
@@ -158,6 +158,19 @@ def test_documented_command_trains(command, tmp_path, on_path):
             assert config["algorithm"]["class_path"] == value
         elif option in ("--model.name", "--data.name"):
             assert config[option[2:].split(".")[0]]["name"] == value
+
+
+def test_user_callback_stops_the_run_and_records_its_metric(tmp_path, on_path):
+    callbacks = tmp_path / "callbacks.yaml"
+    callbacks.write_text("callbacks: [{class_path: my_callback.StopAtAccuracy, init_args: {target: 0.3}}]\n")
+    main(["fit", "--config", QUICKSTART, "--config", str(callbacks), "--federation.rounds", "20",
+          "--federation.eval_every", "1", "--logger.progress_bar", "false", "--out_dir", str(tmp_path / "run")])
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    reached = [row["round"] for row in rows if "reached_target_at" in row]
+    assert reached and rows[reached[0] - 1]["test_accuracy"] >= 0.3
+    assert all(row["test_accuracy"] < 0.3 for row in rows[:reached[0] - 1])
+    assert rows[-1]["round"] == reached[0] + 1 < 20  # asked at the end of a round, agreed at the next
+    assert recorded(tmp_path / "run")["callbacks"][0]["class_path"] == "my_callback.StopAtAccuracy"
 
 
 def test_user_algorithm_clips_uploads_and_resumes(tmp_path, on_path):

@@ -1,0 +1,17 @@
+"""A callback of your own: named in the config by its dotted path, like an algorithm."""
+
+from fl_lightning.callbacks import Callback
+
+
+class StopAtAccuracy(Callback):
+    """Stops the run once the global model's test accuracy reaches `target`, and records the
+    round where it did."""
+
+    def __init__(self, target: float = 0.95):
+        self.target = target
+
+    def on_round_end(self, fabric, loop, metrics: dict) -> None:
+        accuracy = metrics.get("test_accuracy")  # on evaluation rounds; the same on every rank
+        if accuracy is not None and accuracy >= self.target:
+            metrics["reached_target_at"] = metrics["round"]  # saved and logged with the round's row
+            loop.request_stop(f"test accuracy {accuracy:.4f} reached {self.target}")
