@@ -5,6 +5,10 @@ The loop (`fl_lightning.federation.train`) calls these hooks on every rank throu
 
 - `on_fit_start(fabric, loop)`: once, before the first round (also after a resume).
 - `on_round_start(fabric, loop, round_index)`: before the round's clients train.
+- `on_client_end(fabric, loop, client, uploads, weight)`: on the rank that trained it, after each
+  client's update: `client` is its `ClientRun` (id, round, global parameters), `uploads` its
+  flat upload vectors by name (read only), `weight` its aggregation weight p_i. A diagnostic sums
+  what it needs here and reduces it once on its own rounds.
 - `on_round_end(fabric, loop, metrics)`: after the server step; `metrics` (a dict with "round",
   the 1-based number of the round just completed) may be extended in place, and is the row that
   metrics.jsonl, W&B and the checkpoint record.
@@ -35,6 +39,9 @@ class Callback(Configurable):
         pass
 
     def on_round_start(self, fabric, loop, round_index: int) -> None:
+        pass
+
+    def on_client_end(self, fabric, loop, client, uploads: dict, weight: float) -> None:
         pass
 
     def on_round_end(self, fabric, loop, metrics: dict) -> None:

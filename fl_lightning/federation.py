@@ -214,6 +214,7 @@ class FederatedLoop:
         for client, uploads in algorithm.client_updates(self._client_runs(clients, round_index)):
             if self.stateful:
                 self.client_states.put(client.client_id, client.state)
+            fabric.call("on_client_end", fabric, self, client, uploads, weights[client.client_id])
             uploads["buffers"] = client.buffers
             uploads["train_loss"] = torch.tensor([client.mean_loss], device=fabric.device)
             buffer.add(uploads, weights[client.client_id])

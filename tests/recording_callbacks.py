@@ -21,6 +21,9 @@ class RecordHooks(Callback):
     def on_round_start(self, fabric, loop, round_index: int) -> None:
         self._record(fabric, f"round_start {round_index + 1}")
 
+    def on_client_end(self, fabric, loop, client, uploads: dict, weight: float) -> None:
+        self._record(fabric, f"client_end {client.round + 1} {client.client_id} {sorted(uploads)} {weight:.4f}")
+
     def on_round_end(self, fabric, loop, metrics: dict) -> None:
         self._record(fabric, f"round_end {metrics['round']} {'test_accuracy' in metrics}")
 

@@ -15,6 +15,7 @@ from fl_lightning.callbacks import EarlyStopping, TimeBudget
 from fl_lightning.checkpoint import checkpoint_dir, numbered_checkpoints
 from fl_lightning.cli import build_parser, main
 from fl_lightning.constraints import CONST
+from fl_lightning.federation import clients_of_rank, sample_clients
 from fl_lightning.fit import _as_config
 from fl_lightning.run_logging import read_metrics
 from fl_lightning import server_optimizers
@@ -36,6 +37,26 @@ def hooks_config(tmp_path: Path, *callbacks: dict) -> str:
     return str(path)
 
 
+def recorded_hooks(folder: Path, rank: int) -> tuple[list[str], dict[int, list[tuple[int, float]]]]:
+    """The hooks a rank saw, without on_client_end, and per round the (client, weight) pairs that
+    on_client_end saw; client_end lines are checked to come between their round's start and end."""
+    hooks, clients, current = [], {}, None
+    for line in (folder / f"hooks_rank{rank}.txt").read_text().splitlines():
+        words = line.split(" ")
+        if words[0] == "client_end":
+            assert int(words[1]) == current and "'pseudo_gradient'" in line, line
+            clients.setdefault(current, []).append((int(words[2]), float(words[-1])))
+            continue
+        current = int(words[1]) if words[0] == "round_start" else None
+        hooks.append(line)
+    return hooks, clients
+
+
+def expected_clients(rounds: range, world_size: int, rank: int) -> dict[int, list[int]]:
+    """Quickstart: 10 clients, 5 a round, seed 0, stateless FedAvg clients dealt round-robin."""
+    return {r: clients_of_rank(sample_clients(0, r - 1, 10, 5), rank, world_size, stateful=False) for r in rounds}
+
+
 def expected_hooks(first_round: int, last_round: int, eval_every: int, rounds: int) -> list[str]:
     lines = [f"fit_start {first_round - 1}"]
     for r in range(first_round, last_round + 1):
@@ -50,7 +71,10 @@ def test_hooks_fire_in_order_and_a_yaml_callback_stops_a_run_that_then_resumes(t
                           {"class_path": "recording_callbacks.StopAfterRound", "init_args": {"round": 2}})
     main(["fit", *TINY, "--federation.rounds", "5", "--config", config, "--out_dir", str(out_dir)])
     # Asked at the end of round 2, agreed at round 3's aggregation: the run stops after round 3.
-    assert (tmp_path / "hooks_rank0.txt").read_text().splitlines() == expected_hooks(1, 3, 2, 5)
+    hooks, clients = recorded_hooks(tmp_path, 0)
+    assert hooks == expected_hooks(1, 3, 2, 5)
+    assert {r: [c for c, _ in pairs] for r, pairs in clients.items()} == expected_clients(range(1, 4), 1, 0)
+    assert all(abs(sum(w for _, w in pairs) - 1) < 1e-3 for pairs in clients.values())
     assert [p.name for p in numbered_checkpoints(checkpoint_dir(out_dir))][-1] == "round_000003.ckpt"
     assert [row["round"] for row in read_metrics(out_dir)] == [1, 2, 3]
 
@@ -58,7 +82,7 @@ def test_hooks_fire_in_order_and_a_yaml_callback_stops_a_run_that_then_resumes(t
     resumed_config = hooks_config(tmp_path, {"class_path": "recording_callbacks.RecordHooks",
                                              "init_args": {"folder": str(tmp_path)}})
     main(["fit", *TINY, "--federation.rounds", "5", "--config", resumed_config, "--out_dir", str(out_dir)])
-    assert (tmp_path / "hooks_rank0.txt").read_text().splitlines() == expected_hooks(4, 5, 2, 5)
+    assert recorded_hooks(tmp_path, 0)[0] == expected_hooks(4, 5, 2, 5)
     assert [row["round"] for row in read_metrics(out_dir)] == [1, 2, 3, 4, 5]
 
     uninterrupted = tmp_path / "uninterrupted"
@@ -81,8 +105,14 @@ def test_hooks_fire_in_order_on_every_rank(tmp_path):
         env=environment, capture_output=True, text=True, timeout=300,
     )
     assert completed.returncode == 0, completed.stderr
+    weights: dict[int, float] = {}
     for rank in (0, 1):
-        assert (tmp_path / f"hooks_rank{rank}.txt").read_text().splitlines() == expected_hooks(1, 3, 2, 3)
+        hooks, clients = recorded_hooks(tmp_path, rank)
+        assert hooks == expected_hooks(1, 3, 2, 3)
+        assert {r: [c for c, _ in pairs] for r, pairs in clients.items()} == expected_clients(range(1, 4), 2, rank)
+        for r, pairs in clients.items():
+            weights[r] = weights.get(r, 0.0) + sum(w for _, w in pairs)
+    assert all(abs(total - 1) < 1e-3 for total in weights.values())  # every client of a round, once
 
 
 class StubLoop:
