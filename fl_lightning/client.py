@@ -18,6 +18,7 @@ from torch.func import functional_call
 
 from fl_lightning.config import ClientOptimizerArgs, FederationArgs
 from fl_lightning.flat import FlatLayout
+
 if TYPE_CHECKING:  # fl_lightning.module imports Lightning, which the command line need not wait for
     from fl_lightning.module import ClassificationModule
 

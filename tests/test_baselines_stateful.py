@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 from lightning.fabric import Fabric
+from reference import SEED, LinearProblem, assert_close, small_setup
 from torch import nn
 
 from fl_lightning.algorithms.base import PSEUDO_GRADIENT
@@ -14,13 +15,12 @@ from fl_lightning.algorithms.moon import MOON
 from fl_lightning.algorithms.scaffold import SCAFFOLD
 from fl_lightning.checkpoint import load_checkpoint
 from fl_lightning.client import CLIENT_STREAM, LocalTrainer, batch_positions, seeded_generator
-from fl_lightning.config import ClientOptimizerArgs, FederationArgs, ConfigError, FabricArgs, ModelArgs
+from fl_lightning.config import ClientOptimizerArgs, ConfigError, FabricArgs, FederationArgs, ModelArgs
 from fl_lightning.federation import FlatGlobalModel, sample_clients
 from fl_lightning.fit import fit
 from fl_lightning.models import FeatureClassifier, create_model
 from fl_lightning.module import ClassificationModule
 from fl_lightning.server_optimizers import ServerSGD
-from reference import SEED, LinearProblem, assert_close, small_setup
 
 
 def sampled(round_index, setup):

@@ -3,6 +3,7 @@
 
 import pytest
 import torch
+from reference import SEED, LinearProblem, assert_close, small_setup
 
 from fl_lightning.algorithms import SHORT_NAMES, FedAvg
 from fl_lightning.algorithms.fedavg_m import FedAvgMomentum
@@ -16,7 +17,6 @@ from fl_lightning.federation import sample_clients
 from fl_lightning.fit import fit
 from fl_lightning.run_logging import read_metrics
 from fl_lightning.server_optimizers import FedAdam, ServerSGD
-from reference import SEED, LinearProblem, assert_close, small_setup
 
 LR = 0.05
 
@@ -60,7 +60,7 @@ def test_fedprox_matches_reference(cifar_root, tmp_path):
         update = torch.zeros_like(x)
         for c in clients:
             y = local_sgd(problem, x, c, setup["federation"].local_epochs,
-                          lambda y, g: g + mu * (y - x))
+                          lambda y, g, x=x: g + mu * (y - x))
             update += p[c] * (y - x)
         x = x + 0.8 * update
     assert_close(final, x)

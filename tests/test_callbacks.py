@@ -10,6 +10,7 @@ import pytest
 import torch
 import yaml
 
+from fl_lightning import server_optimizers
 from fl_lightning.algorithms import SHORT_NAMES
 from fl_lightning.callbacks import EarlyStopping, TimeBudget
 from fl_lightning.checkpoint import checkpoint_dir, numbered_checkpoints
@@ -18,7 +19,6 @@ from fl_lightning.constraints import CONST
 from fl_lightning.federation import clients_of_rank, sample_clients
 from fl_lightning.fit import _as_config
 from fl_lightning.run_logging import read_metrics
-from fl_lightning import server_optimizers
 
 TESTS = Path(__file__).resolve().parent
 QUICKSTART = str(TESTS.parent / "configs" / "quickstart.yaml")

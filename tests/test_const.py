@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from reference import small_setup
 
 from fl_lightning.algorithms import FedAvg
 from fl_lightning.algorithms.moon import MOON
@@ -12,7 +13,6 @@ from fl_lightning.constraints import CONST
 from fl_lightning.fit import fit
 from fl_lightning.flat import FlatLayout
 from fl_lightning.models import create_model
-from reference import small_setup
 
 TOLERANCE = 1e-5  # relative to |G_c|^2, fp32
 

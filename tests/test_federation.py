@@ -4,13 +4,13 @@ import json
 
 import pytest
 import torch
+from reference import small_setup
 
 from fl_lightning.algorithms import CTPFL, FedAvg
 from fl_lightning.config import ClientOptimizerArgs, FabricArgs
 from fl_lightning.federation import ClientStates, aggregation_weights, clients_of_rank, sample_clients
 from fl_lightning.fit import fit
 from fl_lightning.run_logging import read_metrics
-from reference import small_setup
 
 
 def test_sampling_is_seeded_and_independent_of_rank_split():

@@ -4,13 +4,13 @@ resume."""
 
 import pytest
 import torch
+from reference import SEED, LinearProblem, assert_close, small_setup
 
 from fl_lightning.algorithms import CTPFL, FedAvg
 from fl_lightning.config import ClientOptimizerArgs, ConfigError
 from fl_lightning.federation import sample_clients
 from fl_lightning.fit import fit
 from fl_lightning.server_optimizers import FedAdagrad, FedAdam, FedYogi, ServerSGD
-from reference import SEED, LinearProblem, assert_close, small_setup
 
 LR = 0.05
 BETA1, BETA2, TAU, SERVER_LR = 0.8, 0.9, 0.05, 0.03
