@@ -1,39 +1,45 @@
-"""`fl-lightning compare`: local runs side by side, as a table and a plot, without W&B."""
+"""`fl-lightning compare`: local runs side by side, as a table and a plot, without W&B.
+
+Runs are read, and their final and best values taken, by the same code as `fl-lightning table`
+(`fl_lightning.experiments.table`): "best" is the maximum, or the minimum for a metric whose name
+contains "loss".
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
-
-import yaml
+from typing import Optional, Union
 
 from fl_lightning.config import ConfigError
-from fl_lightning.run_logging import read_metrics
+from fl_lightning.experiments.table import find_runs, read_run, run_labels, value_at
 
 
-def compare(runs: list[Path], metric: str = "test_accuracy", plot: Optional[Path] = None) -> list[dict]:
+def compare(runs: Union[list[Path], str], metric: str = "test_accuracy", plot: Optional[Path] = None) -> list[dict]:
     """Print one row per run (its algorithm, rounds done, final and best value of `metric`) and
     optionally plot `metric` against the round for every run.
 
     Args:
-        runs: output folders of `fl-lightning fit` (each holding metrics.jsonl and config.yaml).
+        runs: output folders of `fl-lightning fit` (each holding metrics.jsonl and config.yaml), as a
+            list or a glob pattern ("runs/sweep/*"); patterns may also be list items.
         metric: a key of metrics.jsonl, e.g. test_accuracy, test_loss, train_loss.
-        plot: PNG file to draw the curves into.
+        plot: PNG file to draw the curves into, each labelled by its run folder's name.
 
     Returns the rows printed.
     """
+    paths = find_runs([runs] if isinstance(runs, (str, Path)) else list(runs), recursive=False)
+    if not paths:
+        raise ConfigError("runs", "folders written by `fl-lightning fit` (with metrics.jsonl)", str(runs))
     rows, curves = [], {}
-    for run in runs:
-        history = read_metrics(run)
-        if not history:
-            raise ConfigError("runs", "folders written by `fl-lightning fit` (with metrics.jsonl)", str(run))
-        points = [(row["round"], row[metric]) for row in history if row.get(metric) is not None]
-        config = yaml.safe_load((Path(run) / "config.yaml").read_text()) if (Path(run) / "config.yaml").exists() else {}
-        algorithm = (config.get("algorithm") or {}).get("class_path", "?").rsplit(".", 1)[-1]
+    for path, label in zip(paths, run_labels(paths)):
+        run = read_run(path)
+        if not run.history:
+            raise ConfigError("runs", "folders written by `fl-lightning fit` (with metrics.jsonl)", str(path))
+        points = run.points(metric)
         values = [value for _, value in points]
-        rows.append({"run": str(run), "algorithm": algorithm, "rounds": history[-1]["round"],
-                     f"final_{metric}": values[-1] if values else None, f"best_{metric}": max(values) if values else None})
-        curves[str(run)] = points
+        rows.append({"run": str(path), "algorithm": run.algorithm, "rounds": run.rounds_done,
+                     f"final_{metric}": value_at(values, metric, "final"),
+                     f"best_{metric}": value_at(values, metric, "best")})
+        curves[label] = points
     _print_table(rows)
     if plot is not None:
         _plot(curves, metric, Path(plot))

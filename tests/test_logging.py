@@ -66,30 +66,6 @@ def test_unreachable_wandb_server_falls_back_to_offline(tmp_path, monkeypatch):
     assert [row["round"] for row in read_metrics(tmp_path)] == [1]
 
 
-def test_compare_tabulates_and_plots_local_runs(tmp_path, capsys):
-    for name, accuracies in {"fedavg": [0.2, 0.5, 0.4], "ctpfl": [0.1, 0.3, 0.35]}.items():
-        run = tmp_path / name
-        run.mkdir()
-        log = MetricsLog(run, history=[])
-        for round_index, accuracy in enumerate(accuracies, start=1):
-            log.append({"round": round_index, "train_loss": 1.0, "test_accuracy": accuracy})
-        (run / "config.yaml").write_text(f"algorithm:\n  class_path: fl_lightning.algorithms.{name}.X{name}\n")
-    plot = tmp_path / "curves.png"
-    main(["compare", "--runs", f"[{tmp_path / 'fedavg'}, {tmp_path / 'ctpfl'}]", "--plot", str(plot)])
-    printed = capsys.readouterr().out.splitlines()
-    assert printed[0].split() == ["run", "algorithm", "rounds", "final_test_accuracy", "best_test_accuracy"]
-    assert printed[1].split()[1:] == ["Xfedavg", "3", "0.4000", "0.5000"]
-    assert printed[2].split()[1:] == ["Xctpfl", "3", "0.3500", "0.3500"]
-    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-def test_compare_rejects_a_folder_without_metrics(tmp_path, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        main(["compare", "--runs", f"[{tmp_path}]"])
-    assert exit_info.value.code == 2
-    assert "runs" in capsys.readouterr().err
-
-
 class BrokenWandbRun:
     """A W&B run whose service died (as when Slurm kills it with the ranks)."""
 

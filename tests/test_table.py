@@ -1,0 +1,267 @@
+"""`fl-lightning table` and `fl-lightning compare` on run folders written by hand (no training)."""
+
+import csv
+import io
+import statistics
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fl_lightning.cli import main
+from fl_lightning.config import ConfigError
+from fl_lightning.experiments.plan import load_plan
+from fl_lightning.experiments.table import mean_curve, order_methods, setting_label, table, value_at
+from fl_lightning.run_logging import MetricsLog
+
+PNG = b"\x89PNG\r\n\x1a\n"
+ROUNDS = 4  # evaluations at rounds 2 and 4
+
+
+def write_run(out_dir: Path, accuracies: list[float], losses: list[float] = None, rounds: int = ROUNDS,
+              algorithm: str = "fl_lightning.algorithms.fedavg.FedAvg", seed: int = 0) -> None:
+    """A run folder as `fit` leaves it: config.yaml and one metrics row per round done, evaluated
+    every second round; `accuracies` (and `losses`) are the values of its evaluations."""
+    out_dir.mkdir(parents=True)
+    (out_dir / "config.yaml").write_text(yaml.safe_dump(
+        {"algorithm": {"class_path": algorithm, "init_args": {}}, "federation": {"rounds": rounds}, "seed": seed}))
+    log = MetricsLog(out_dir, history=[])
+    evaluations = iter(zip(accuracies, losses or [1.0] * len(accuracies)))
+    for round_index in range(1, 2 * len(accuracies) + 1):
+        row = {"round": round_index, "train_loss": 2.0 / round_index, "round_seconds": 0.1}
+        if round_index % 2 == 0:
+            accuracy, loss = next(evaluations)
+            row.update(test_accuracy=accuracy, test_loss=loss)
+        log.append(row)
+
+
+# The plan: FedAvg + CONST is listed last, but belongs right after FedAvg.
+METHODS = {"FedAvg": [{"algorithm": "fedavg"}], "SCAFFOLD": [{"algorithm": "scaffold"}],
+           "FedAvg + CONST": [{"algorithm": "fedavg"}, {"constraint.rho": 0.1}]}
+# (setting, method) -> seed -> (accuracies at rounds 2 and 4, test losses); a run with one
+# evaluation stopped at round 2 of 4; a missing seed was never started.
+RUNS = {
+    ("alpha-0.5", "FedAvg"): {0: ([0.60, 0.70], [1.2, 0.9]), 1: ([0.75, 0.72], [1.0, 0.8]),
+                              2: ([0.65, 0.74], [1.1, 1.0])},
+    ("alpha-0.5", "SCAFFOLD"): {0: ([0.50, 0.80], [1.5, 0.5]), 1: ([0.50, 0.78], [1.5, 0.6]),
+                                2: ([0.50, 0.76], [1.5, 0.7])},
+    ("alpha-0.5", "FedAvg + CONST"): {0: ([0.70, 0.75], [0.8, 0.7]), 1: ([0.70, 0.77], [0.8, 0.9]),
+                                      2: ([0.70, 0.79], [0.8, 0.8])},
+    ("alpha-0.1", "FedAvg"): {0: ([0.40, 0.50], [2.0, 1.5]), 1: ([0.40, 0.54], [2.0, 1.4])},  # seed 2 missing
+    ("alpha-0.1", "SCAFFOLD"): {0: ([0.30, 0.40], [2.5, 2.0]), 1: ([0.30, 0.44], [2.5, 2.2]),
+                                2: ([0.30, 0.42], [2.5, 2.1])},
+    ("alpha-0.1", "FedAvg + CONST"): {0: ([0.45, 0.60], [1.8, 1.2]), 1: ([0.90], [0.3]),  # seed 1 unfinished
+                                      2: ([0.45, 0.62], [1.8, 1.1])},
+}
+
+
+@pytest.fixture
+def sweep(tmp_path, monkeypatch):
+    """A plan of 3 methods x 2 settings x 3 seeds, its runs under tmp_path/runs, and a reference CSV."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "paper.csv").write_text("method,alpha-0.5,alpha-0.1\n"
+                                        "FedAvg,71.50,\n"
+                                        "fedavg+const,76.00 ± 0.40,60.00\n"
+                                        "FedProx,70.00,50.00\n")
+    plan_file = tmp_path / "plan.yaml"
+    plan_file.write_text(yaml.safe_dump({
+        "name": "demo", "methods": METHODS, "seeds": [0, 1, 2], "reference": "paper.csv",
+        "settings": {"alpha": {"0.5": [{"data.alpha": 0.5}], "0.1": [{"data.alpha": 0.1}]}}}, sort_keys=False))
+    plan = load_plan(plan_file, runs_root=tmp_path / "runs")
+    for point in plan.grid():
+        seeds = RUNS[point.setting_name, point.method]
+        if point.seed in seeds:
+            accuracies, losses = seeds[point.seed]
+            write_run(point.out_dir, accuracies, losses, seed=point.seed)
+    return plan_file
+
+
+def run_table(plan_file: Path, *options: str) -> tuple[str, list[dict], Path]:
+    """`fl-lightning table`: (printed text, table.csv rows, output folder)."""
+    out = plan_file.parent / "out"
+    main(["table", "--plan", str(plan_file), "--runs_root", str(plan_file.parent / "runs"), "--out", str(out),
+          *options])
+    return (out / "table.md").read_text(), list(csv.DictReader(io.StringIO((out / "table.csv").read_text()))), out
+
+
+def rows_by_method(rows: list[dict]) -> dict[str, dict]:
+    return {row["method"]: row for row in rows}
+
+
+def test_final_round_mean_sample_std_and_seed_counts(sweep, capsys):
+    markdown, rows, out = run_table(sweep)
+    assert capsys.readouterr().out.startswith(markdown)  # the Markdown is printed
+    cells = rows_by_method(rows)
+    assert [row["method"] for row in rows] == ["FedAvg", "FedAvg + CONST", "SCAFFOLD"]  # + CONST after its base
+    fedavg = cells["FedAvg"]
+    assert float(fedavg["alpha-0.5:mean"]) == pytest.approx(72.0)  # 70, 72, 74
+    assert float(fedavg["alpha-0.5:std"]) == pytest.approx(2.0)  # sample std, ddof = 1
+    assert fedavg["alpha-0.5:n"] == "3"
+    assert float(fedavg["alpha-0.1:mean"]) == pytest.approx(52.0) and fedavg["alpha-0.1:n"] == "2"  # seed 2 missing
+    assert float(fedavg["alpha-0.1:std"]) == pytest.approx(statistics.stdev([50.0, 54.0]))
+    const = cells["FedAvg + CONST"]
+    assert float(const["alpha-0.1:mean"]) == pytest.approx(61.0) and const["alpha-0.1:n"] == "2"  # unfinished left out
+    assert float(cells["SCAFFOLD"]["alpha-0.5:mean"]) == pytest.approx(78.0)
+
+    lines = markdown.splitlines()
+    assert lines[0] == "| method | α = 0.5 | paper | Δ | α = 0.1 | paper | Δ |"
+    assert lines[2] == "| FedAvg | 72.00 ± 2.00 (3) | 71.50 | +0.50 | 52.00 ± 2.83 (2) | – | – |"
+    assert lines[3] == "| FedAvg + CONST | 77.00 ± 2.00 (3) | 76.00 | +1.00 | **61.00 ± 1.41** (2) | 60.00 | +1.00 |"
+    assert lines[4] == "| SCAFFOLD | **78.00 ± 2.00** (3) | – | – | 42.00 ± 2.00 (3) | – | – |"
+    notes = markdown.split("\n\n", 1)[1]
+    assert "alpha-0.1/FedAvg + CONST/seed1 (round 2/4)" in notes and "not counted, unfinished" in notes
+    assert "not started: alpha-0.1/FedAvg/seed2" in notes
+    assert (out / "plot.png").read_bytes()[:8] == PNG
+
+
+def test_best_of_each_column_is_marked_in_markdown_and_csv(sweep):
+    _, rows, _ = run_table(sweep)
+    best = {(row["method"], setting) for row in rows for setting in ("alpha-0.5", "alpha-0.1")
+            if row[f"{setting}:best"] == "1"}
+    assert best == {("SCAFFOLD", "alpha-0.5"), ("FedAvg + CONST", "alpha-0.1")}
+
+
+def test_reference_numbers_and_differences(sweep):
+    _, rows, _ = run_table(sweep)
+    cells = rows_by_method(rows)
+    assert float(cells["FedAvg"]["alpha-0.5:paper"]) == 71.5
+    assert float(cells["FedAvg"]["alpha-0.5:diff"]) == pytest.approx(0.5)
+    assert cells["FedAvg"]["alpha-0.1:paper"] == "" and cells["FedAvg"]["alpha-0.1:diff"] == ""  # not reported
+    assert float(cells["FedAvg + CONST"]["alpha-0.5:paper"]) == 76.0  # matched by folder form, "± 0.40" ignored
+    assert float(cells["FedAvg + CONST"]["alpha-0.1:diff"]) == pytest.approx(1.0)
+    assert cells["SCAFFOLD"]["alpha-0.5:paper"] == ""  # not in the reference; its FedProx row is ignored
+    assert "FedProx" not in cells
+
+
+def test_partial_runs_count_only_when_asked(sweep):
+    markdown, rows, _ = run_table(sweep, "--include_partial", "true")
+    const = rows_by_method(rows)["FedAvg + CONST"]
+    assert const["alpha-0.1:n"] == "3"
+    assert float(const["alpha-0.1:mean"]) == pytest.approx((60 + 90 + 62) / 3)  # its last round counts
+    assert "counted although unfinished: alpha-0.1/FedAvg + CONST/seed1 (round 2/4)" in markdown
+
+
+def test_at_best_and_last_k(sweep):
+    _, rows, _ = run_table(sweep, "--at", "best")
+    fedavg = rows_by_method(rows)["FedAvg"]
+    assert float(fedavg["alpha-0.5:mean"]) == pytest.approx((70 + 75 + 74) / 3)  # seed 1 peaked at round 2
+    _, rows, _ = run_table(sweep, "--at", "last:2")
+    fedavg = rows_by_method(rows)["FedAvg"]
+    assert float(fedavg["alpha-0.5:mean"]) == pytest.approx((65 + 73.5 + 69.5) / 3)
+
+
+def test_losses_take_the_minimum_and_the_lowest_is_best(sweep):
+    markdown, rows, _ = run_table(sweep, "--metric", "test_loss", "--at", "best")
+    cells = rows_by_method(rows)
+    assert float(cells["FedAvg"]["alpha-0.5:mean"]) == pytest.approx((0.9 + 0.8 + 1.0) / 3)  # minima, not maxima
+    assert float(cells["SCAFFOLD"]["alpha-0.5:mean"]) == pytest.approx(0.6)
+    assert cells["SCAFFOLD"]["alpha-0.5:best"] == "1"  # 0.6 is the lowest of the column
+    assert "| SCAFFOLD | **0.6000 ± 0.1000** (3)" in markdown  # losses as they are, 4 decimals
+    assert "test_loss, at the best evaluation" in markdown and "the lowest of its column" in markdown
+
+
+def test_value_rules():
+    assert value_at([0.3, 0.5, 0.4], "test_accuracy", "best") == 0.5
+    assert value_at([0.3, 0.5, 0.4], "test_loss", "best") == 0.3
+    assert value_at([0.3, 0.5, 0.4], "test_accuracy", "final") == 0.4
+    assert value_at([0.3, 0.5, 0.4], "test_accuracy", "last:2") == pytest.approx(0.45)
+    assert value_at([0.3], "test_accuracy", "last:5") == 0.3
+    assert value_at([], "test_accuracy", "final") is None
+    for bad in ("last", "last:0", "median"):
+        with pytest.raises(ConfigError):
+            value_at([0.3], "test_accuracy", bad)
+
+
+def test_const_rows_follow_their_base_method():
+    assert order_methods(["A + CONST", "B", "A", "C + CONST"]) == ["B", "A", "A + CONST", "C + CONST"]
+    assert order_methods(["fedavg+const", "fedavg", "scaffold"]) == ["fedavg", "fedavg+const", "scaffold"]
+
+
+def test_column_labels_from_the_axis_values():
+    axes = {"dataset": ["cifar10", "cifar100"], "alpha": ["0.5", "0.1"], "clients": ["100"]}
+    assert setting_label({"dataset": "cifar100", "alpha": "0.1", "clients": "100"}, axes) == "CIFAR-100, α = 0.1"
+    assert setting_label({"clients": "100"}, {"clients": ["100"]}) == "clients = 100"  # the only axis stays
+
+
+def test_curve_mean_and_bands_over_seeds():
+    runs = [[(2, 60.0), (4, 70.0)], [(2, 64.0), (4, 74.0)], [(2, 62.0)]]
+    rounds, means, lower, upper = mean_curve(runs, "minmax")
+    assert (rounds, means, lower, upper) == ([2, 4], [62.0, 72.0], [60.0, 70.0], [64.0, 74.0])
+    _, _, lower, upper = mean_curve(runs, "std")
+    assert lower == pytest.approx([60.0, 72 - 2 ** 1.5]) and upper == pytest.approx([64.0, 72 + 2 ** 1.5])
+
+
+def test_run_folders_or_a_glob_instead_of_a_plan(sweep, capsys):
+    runs = sweep.parent / "runs" / "demo"
+    out = sweep.parent / "from_glob"
+    main(["table", "--plan", str(runs / "alpha-0.5" / "*" / "seed*"), "--out", str(out)])
+    rows = rows_by_method(list(csv.DictReader(io.StringIO((out / "table.csv").read_text()))))
+    assert list(rows) == ["fedavg", "fedavg+const", "scaffold"]  # the folders' names
+    assert float(rows["fedavg"]["alpha-0.5:mean"]) == pytest.approx(72.0)
+    assert "| method | α = 0.5 |" in capsys.readouterr().out
+    table(plan=str(runs))  # the plan's folder: its runs, the table written beside them
+    assert (runs / "table.md").is_file() and (runs / "plot.png").read_bytes()[:8] == PNG
+
+
+def test_bad_at_is_refused_naming_the_option(sweep, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        run_table(sweep, "--at", "last:x")
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.startswith("error: at: expected final, best or last:K")
+
+
+# compare
+
+
+def write_compare_runs(tmp_path: Path) -> None:
+    for name, accuracies in {"fedavg": [0.2, 0.5, 0.4], "ctpfl": [0.1, 0.3, 0.35]}.items():
+        run = tmp_path / name
+        run.mkdir()
+        log = MetricsLog(run, history=[])
+        for round_index, accuracy in enumerate(accuracies, start=1):
+            log.append({"round": round_index, "train_loss": 1.0 - accuracy, "test_accuracy": accuracy})
+        (run / "config.yaml").write_text(f"algorithm:\n  class_path: fl_lightning.algorithms.{name}.X{name}\n")
+
+
+def test_compare_tabulates_and_plots_local_runs(tmp_path, capsys):
+    write_compare_runs(tmp_path)
+    plot = tmp_path / "curves.png"
+    main(["compare", "--runs", f"[{tmp_path / 'fedavg'}, {tmp_path / 'ctpfl'}]", "--plot", str(plot)])
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].split() == ["run", "algorithm", "rounds", "final_test_accuracy", "best_test_accuracy"]
+    assert printed[1].split()[1:] == ["Xfedavg", "3", "0.4000", "0.5000"]
+    assert printed[2].split()[1:] == ["Xctpfl", "3", "0.3500", "0.3500"]
+    assert plot.read_bytes()[:8] == PNG
+
+
+def test_compare_best_loss_is_the_minimum(tmp_path, capsys):
+    write_compare_runs(tmp_path)
+    main(["compare", "--runs", f"[{tmp_path / 'fedavg'}]", "--metric", "train_loss"])
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].split()[-2:] == ["final_train_loss", "best_train_loss"]
+    assert printed[1].split()[-2:] == ["0.6000", "0.5000"]  # losses 0.8, 0.5, 0.6: the best is not the 0.8
+
+
+def test_compare_takes_a_glob_and_labels_curves_by_folder(tmp_path, capsys, monkeypatch):
+    write_compare_runs(tmp_path)
+    (tmp_path / "notes.txt").write_text("not a run")
+    labels = []
+    monkeypatch.setattr("fl_lightning.compare._plot", lambda curves, metric, path: labels.extend(curves))
+    main(["compare", "--runs", str(tmp_path / "*"), "--plot", str(tmp_path / "curves.png")])
+    printed = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in printed[1:]] == [str(tmp_path / "ctpfl"), str(tmp_path / "fedavg")]
+    assert labels == ["ctpfl", "fedavg"]
+
+
+def test_compare_rejects_a_folder_without_metrics(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["compare", "--runs", f"[{tmp_path}]"])
+    assert exit_info.value.code == 2
+    assert "runs" in capsys.readouterr().err
+
+
+def test_compare_rejects_a_glob_matching_no_run(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["compare", "--runs", str(tmp_path / "*")])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.startswith("error: runs: expected folders written by `fl-lightning fit`")
