@@ -211,10 +211,13 @@ class FederatedLoop:
         weights = aggregation_weights(clients, self.sizes, self.weighting)
         buffer = UploadBuffer(algorithm, self.global_model.param_layout.numel, self.global_model.buffer_layout.numel,
                               fabric.device)
+        hooks_seconds = 0.0  # diagnostics' time on their rounds, left out of the round's own time
         for client, uploads in algorithm.client_updates(self._client_runs(clients, round_index)):
             if self.stateful:
                 self.client_states.put(client.client_id, client.state)
+            hook_started = time.perf_counter()
             fabric.call("on_client_end", fabric, self, client, uploads, weights[client.client_id])
+            hooks_seconds += time.perf_counter() - hook_started
             uploads["buffers"] = client.buffers
             uploads["train_loss"] = torch.tensor([client.mean_loss], device=fabric.device)
             buffer.add(uploads, weights[client.client_id])
@@ -232,7 +235,7 @@ class FederatedLoop:
         self.stopping = aggregate[STOP_REQUESTED].item() > 0
         self.requeue_agreed = aggregate[REQUEUE_REQUESTED].item() > 0
         metrics = {"round": round_index + 1, "train_loss": aggregate["train_loss"].item(),
-                   **algorithm.round_metrics(), "round_seconds": time.perf_counter() - started}
+                   **algorithm.round_metrics(), "round_seconds": time.perf_counter() - started - hooks_seconds}
         self.history.append(metrics)
         return metrics
 
