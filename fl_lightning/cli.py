@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Literal, Optional, Union
 
 import yaml
-from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
+from jsonargparse import ActionConfigFile, ArgumentParser, get_loader, set_loader, set_parsing_settings
 
 from fl_lightning.algorithms import SHORT_NAMES, Algorithm
 from fl_lightning.compare import compare
@@ -54,6 +54,7 @@ def build_parser() -> ArgumentParser:
         # as_positional=False: a required `algorithm` would otherwise become positional, and
         # `--algorithm X` would be misread.
         subparser.add_function_arguments(command, as_group=False, as_positional=False, sub_configs=True)
+    parser.parser_mode = CONFIG_MODE  # also sets the subcommands'
     return parser
 
 
@@ -86,6 +87,62 @@ def expand_short_names(argv: list[str]) -> list[str]:
 def _class_path(short_name: str) -> str:
     cls = SHORT_NAMES[short_name]
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+# Config files (and inline YAML values) are read with jsonargparse's YAML loader followed by
+# `explicit_algorithms`.
+CONFIG_MODE = "fl_yaml"
+
+
+def load_config_text(text: str):
+    return explicit_algorithms(get_loader("yaml")(text))
+
+
+def explicit_algorithms(value):
+    """In a loaded config, `algorithm: fedprox` or `algorithm: {class_path: fedprox, init_args: {mu: 0.1}}`
+    (short name, class name or class path) -> the class path with every init argument: its
+    defaults, then those given. So a YAML file names algorithms as the command line does, and an
+    algorithm named in a later --config file starts from its own defaults: jsonargparse would
+    otherwise keep the earlier algorithm's init_args that the new class also accepts (FedProx's mu
+    as MOON's mu, FedCM's alpha as FedDyn's). A mapping with init_args only (no class) still
+    changes the algorithm already chosen."""
+    if not isinstance(value, dict):
+        return value
+    if "class_path" in value:  # an algorithm given inline or as a file of its own
+        return _explicit_algorithm(value)
+    for settings in (value, value.get("fit")):
+        if isinstance(settings, dict) and "algorithm" in settings:
+            settings["algorithm"] = _explicit_algorithm(settings["algorithm"])
+    return value
+
+
+def _explicit_algorithm(spec):
+    named = spec.get("class_path") if isinstance(spec, dict) else spec
+    cls = _algorithm_class(named)
+    if cls is None:
+        return spec  # not an algorithm, or not one we can resolve: jsonargparse reports it
+    given = spec.get("init_args", {}) if isinstance(spec, dict) else {}
+    if not isinstance(given, dict):
+        return spec
+    defaults = {name: p.default for name, p in inspect.signature(cls.__init__).parameters.items()
+                if name != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                and isinstance(p.default, (type(None), bool, int, float, str))}
+    extra = {key: item for key, item in spec.items() if key not in ("class_path", "init_args")} \
+        if isinstance(spec, dict) else {}
+    return {"class_path": f"{cls.__module__}.{cls.__qualname__}", "init_args": {**defaults, **given}, **extra}
+
+
+def _algorithm_class(name) -> Optional[type]:
+    if not isinstance(name, str):
+        return None
+    if name in SHORT_NAMES:
+        return SHORT_NAMES[name]
+    same_name = [cls for cls in _subclasses(Algorithm) if cls.__name__ == name]
+    cls = same_name[0] if len(same_name) == 1 else _import_class(name)
+    return cls if inspect.isclass(cls) and issubclass(cls, Algorithm) else None
+
+
+set_loader(CONFIG_MODE, load_config_text, exceptions=(yaml.YAMLError,))
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -1,5 +1,5 @@
-"""The command line: the config hub, overrides, short names and help. Bad input is in
-test_bad_inputs.py."""
+"""The command line: overrides, short names and help. The shipped configs are tested in
+test_configs.py, bad input in test_bad_inputs.py."""
 
 import re
 from argparse import ArgumentError
@@ -12,19 +12,12 @@ from fl_lightning.algorithms import SHORT_NAMES, CTPFL, FedAvg
 from fl_lightning.cli import build_parser, expand_short_names, main
 from fl_lightning.models import registered_models
 
-CONFIGS = sorted(Path(__file__).parent.parent.joinpath("configs").glob("*.yaml"))
 QUICKSTART = str(Path(__file__).parent.parent / "configs" / "quickstart.yaml")
 
 
 def parse(*argv):
     parser = build_parser()
     return parser.instantiate(parser.parse_args(expand_short_names(["fit", *argv]))).fit
-
-
-@pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
-def test_every_shipped_config_parses(config):
-    arguments = parse("--config", str(config))
-    assert arguments.algorithm.short_name in SHORT_NAMES
 
 
 def test_dotted_fields_override_the_config():

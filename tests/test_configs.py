@@ -1,0 +1,274 @@
+"""The config hub: every shipped composition of configs/ parses and trains one tiny round end to
+end; no value is written in two fragments; an algorithm named in YAML (by short name too) starts
+from its own defaults, so one method's settings never leak into another's.
+
+A run is `fit --config <setting> --config algorithms/<name>.yaml [--config tuned/<setting>/<name>.yaml]
+[--config const.yaml]`; COMPOSITIONS lists the shipped ones (README.md gives the same commands).
+"""
+
+import inspect
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fl_lightning.algorithms import SHORT_NAMES
+from fl_lightning.cli import build_parser, expand_short_names, main
+
+CONFIGS = Path(__file__).parent.parent / "configs"
+
+LOCAL_UPDATE = ("fedavg", "fedavgm", "fedavg_m", "fedcm", "scaffold", "fedprox", "feddyn", "moon", "fedsam")
+FEDCONST_TABLE_1 = ("fedavg", "fedprox", "moon", "scaffold", "feddyn", "fedsam")
+
+# setting -> (algorithm, with CONST) pairs shipped with it.
+COMPOSITIONS = {
+    # FedCONST's Table 1: each method with and without CONST.
+    "cifar10_lenet5_fedconst": [(name, const) for name in FEDCONST_TABLE_1 for const in (False, True)],
+    # CTP-FL against every local-update method at the same K = 50.
+    "cifar10_lenet5_ctpfl": [("ctpfl", False)] + [(name, False) for name in LOCAL_UPDATE],
+    "cifar100_resnet18_ctpfl": [("ctpfl", False)],
+    "tinyimagenet_vit_tiny_ctpfl": [("ctpfl", False)],
+    # The one-command demo (FedAvg), with any other algorithm instead.
+    "quickstart": [(name, False) for name in sorted(SHORT_NAMES)],
+}
+
+# Values that two settings share by coincidence of the papers, not by copying: a YAML file can take a
+# whole group from a file (`federation: ../federation/ctpfl.yaml`) but cannot take a group and change
+# one field of it, so settings whose groups differ in one field each write the group out.
+COINCIDENCES = {
+    # FedCONST's cross-device federation is the CTP-FL paper's, with 5 local epochs for K = 50 steps.
+    ("federation.rounds", 300), ("federation.num_clients", 100), ("federation.clients_per_round", 10),
+    ("federation.batch_size", 50), ("federation.eval_every", 5),
+    # The CTP-FL paper splits CIFAR-100 and Tiny-ImageNet alike.
+    ("data.alpha", 0.1),
+}
+
+
+def setting_file(setting: str) -> Path:
+    return CONFIGS / "quickstart.yaml" if setting == "quickstart" else CONFIGS / "settings" / f"{setting}.yaml"
+
+
+def composition(setting: str, algorithm: str, const: bool) -> list[Path]:
+    files = [setting_file(setting), CONFIGS / "algorithms" / f"{algorithm}.yaml"]
+    tuned = CONFIGS / "tuned" / setting / f"{algorithm}.yaml"
+    if tuned.exists():
+        files.append(tuned)
+    if const:
+        files.append(CONFIGS / "const.yaml")
+    return files
+
+
+SHIPPED = [(setting, algorithm, const) for setting, runs in COMPOSITIONS.items() for algorithm, const in runs]
+IDS = [f"{setting}+{algorithm}" + ("+const" if const else "") for setting, algorithm, const in SHIPPED]
+
+
+def config_args(files: list[Path]) -> list[str]:
+    return [arg for path in files for arg in ("--config", str(path))]
+
+
+def parse(*argv: str):
+    """The parsed (not instantiated) settings of `fit`: jsonargparse's own record of them."""
+    return build_parser().parse_args(expand_short_names(["fit", *argv])).fit
+
+
+def init_args(spec) -> dict:
+    """A parsed class spec's init_args (jsonargparse leaves them out for a class that takes none)."""
+    return dict(vars(spec.init_args)) if "init_args" in spec else {}
+
+
+def class_defaults(cls: type) -> dict:
+    return {name: p.default for name, p in inspect.signature(cls.__init__).parameters.items()
+            if name != "self" and p.default is not p.empty}
+
+
+def written_init_args(files: list[Path]) -> dict:
+    """The algorithm's init_args as the files write them, a later file over an earlier one."""
+    written = {}
+    for path in files:
+        spec = (yaml.safe_load(path.read_text()) or {}).get("algorithm")
+        if isinstance(spec, dict):
+            written.update(spec.get("init_args") or {})
+    return written
+
+
+@pytest.mark.parametrize("setting, algorithm, const", SHIPPED, ids=IDS)
+def test_every_shipped_composition_parses_with_only_its_own_algorithm_settings(setting, algorithm, const):
+    files = composition(setting, algorithm, const)
+    parsed = parse(*config_args(files))
+    cls = SHORT_NAMES[algorithm]
+    assert parsed.algorithm.class_path == f"{cls.__module__}.{cls.__qualname__}"
+    # Exactly the class's defaults and what this composition's files write: nothing from the
+    # quickstart's FedAvg or any other algorithm.
+    assert init_args(parsed.algorithm) == {**class_defaults(cls), **written_init_args(files)}
+    assert (parsed.constraint is not None) == const
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory):
+    """Small CIFAR-10, CIFAR-100 and Tiny-ImageNet folders in their real layouts, side by side."""
+    from fl_lightning.data.generate import write_cifar, write_tiny_imagenet
+
+    root = tmp_path_factory.mktemp("datasets")
+    write_cifar(root, variant="cifar10", num_train=120, num_test=40, seed=0)
+    write_cifar(root, variant="cifar100", num_train=120, num_test=40, seed=0)
+    write_tiny_imagenet(root, num_classes=3, train_per_class=16, val_per_class=4, seed=0)
+    return root
+
+
+@pytest.mark.parametrize("setting, algorithm, const", SHIPPED, ids=IDS)
+def test_every_shipped_composition_trains_one_round(setting, algorithm, const, data_root, tmp_path):
+    files = composition(setting, algorithm, const)
+    # Tiny sizes, as litgpt's config hub test shrinks its models; one local step or epoch, whichever
+    # budget the setting uses. GPU settings run on this CPU in their own precision.
+    budget = "local_epochs" if parse(*config_args(files)).federation.local_epochs is not None else "local_steps"
+    out_dir = tmp_path / "run"
+    main(["fit", *config_args(files),
+          "--federation.rounds", "1", "--federation.num_clients", "4", "--federation.clients_per_round", "2",
+          f"--federation.{budget}", "1", "--federation.batch_size", "8",
+          "--data.root", str(data_root), "--data.min_samples", "2",
+          "--fabric.accelerator", "cpu", "--fabric.devices", "1", "--fabric.num_nodes", "1",
+          "--logger.wandb_mode", "disabled", "--logger.progress_bar", "false", "--out_dir", str(out_dir)])
+    (record,) = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert record["round"] == 1 and math.isfinite(record["train_loss"]) and "test_accuracy" in record
+    written = yaml.safe_load((out_dir / "config.yaml").read_text())
+    assert written["algorithm"]["class_path"].endswith(SHORT_NAMES[algorithm].__qualname__)
+    assert (written["constraint"] is not None) == const
+
+
+# Folders of files that each hold one group of settings, named after the group.
+GROUP_FOLDERS = ("federation", "data", "model", "fabric")
+
+
+def fragments() -> list[Path]:
+    """Every YAML file in configs/ but the quickstart, which is a whole run by design."""
+    return sorted(path for path in CONFIGS.rglob("*.yaml") if path.name != "quickstart.yaml")
+
+
+def flatten(value, prefix: str = "") -> dict:
+    if not isinstance(value, dict):
+        return {prefix: value}
+    pairs = {}
+    for key, item in value.items():
+        pairs.update(flatten(item, f"{prefix}.{key}" if prefix else str(key)))
+    return pairs
+
+
+def written_pairs(path: Path) -> dict:
+    """(key, value) pairs a file writes, with its keys as `fit` sees them: a group file referenced by
+    a setting (`federation: ../federation/ctpfl.yaml`) writes under that group; a reference itself
+    writes nothing. Algorithms are compared by class, however named."""
+    group = path.parent.name if path.parent.name in GROUP_FOLDERS else ""
+    pairs = flatten(yaml.safe_load(path.read_text()), group)
+    for key, value in list(pairs.items()):
+        if isinstance(value, str) and value.endswith(".yaml"):
+            assert (path.parent / value).is_file(), f"{path}: {key} names a missing file {value}"
+            del pairs[key]
+        elif key in ("algorithm", "algorithm.class_path") and value in SHORT_NAMES:
+            pairs[key] = f"{SHORT_NAMES[value].__module__}.{SHORT_NAMES[value].__qualname__}"
+    return {(key.replace("algorithm.class_path", "algorithm"), str(value)): value for key, value in pairs.items()}
+
+
+def test_no_value_is_written_in_two_fragments():
+    writers = defaultdict(list)
+    for path in fragments():
+        for pair in written_pairs(path):
+            writers[pair].append(str(path.relative_to(CONFIGS)))
+    repeated = {pair: files for pair, files in writers.items() if len(files) > 1}
+    coincidences = {(key, str(value)) for key, value in COINCIDENCES}
+    assert {pair: files for pair, files in repeated.items() if pair not in coincidences} == {}
+    assert coincidences <= set(repeated), "a listed coincidence is no longer repeated: remove it from COINCIDENCES"
+
+
+def test_every_fragment_is_part_of_a_shipped_composition():
+    used = {path for setting, algorithm, const in SHIPPED for path in composition(setting, algorithm, const)}
+    referenced = {(path.parent / value).resolve() for path in used
+                  for value in flatten(yaml.safe_load(path.read_text())).values()
+                  if isinstance(value, str) and value.endswith(".yaml")}
+    unused = [str(path.relative_to(CONFIGS)) for path in fragments()
+              if path not in used and path.resolve() not in referenced]
+    assert unused == []
+
+
+def test_settings_name_no_algorithm():
+    # So that composing a setting with an algorithm never mixes two algorithms' settings.
+    for path in (CONFIGS / "settings").glob("*.yaml"):
+        assert "algorithm" not in yaml.safe_load(path.read_text()), path
+
+
+# Short names in YAML, and what a later file naming another algorithm does.
+
+
+def write(tmp_path: Path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+QUICKSTART = str(CONFIGS / "quickstart.yaml")
+
+
+@pytest.mark.parametrize("text", [
+    "algorithm: fedprox\n",
+    "algorithm: FedProx\n",
+    "algorithm: fl_lightning.algorithms.fedprox.FedProx\n",
+    "algorithm:\n  class_path: fedprox\n",
+    "algorithm: {class_path: fedprox, init_args: {mu: 0.3}}\n",
+])
+def test_yaml_names_an_algorithm_as_the_command_line_does(tmp_path, text):
+    parsed = parse("--config", QUICKSTART, "--config", write(tmp_path, "algorithm.yaml", text))
+    assert parsed.algorithm.class_path == "fl_lightning.algorithms.fedprox.FedProx"
+    assert parsed.algorithm.init_args.mu == (0.3 if "0.3" in text else 0.01)
+
+
+def test_a_top_level_config_names_an_algorithm_under_fit(tmp_path):
+    config = write(tmp_path, "top.yaml", "fit:\n  algorithm: {class_path: moon, init_args: {tau: 0.2}}\n")
+    parsed = build_parser().parse_args(["--config", config, "fit", "--config", QUICKSTART,
+                                        "--config", str(CONFIGS / "algorithms" / "moon.yaml")]).fit
+    assert parsed.algorithm.class_path.endswith("MOON")
+
+
+def test_an_inline_algorithm_on_the_command_line_takes_a_short_name():
+    parsed = parse("--config", QUICKSTART, "--algorithm", "{class_path: fedsam, init_args: {rho: 0.2}}")
+    assert parsed.algorithm.class_path.endswith("FedSAM") and parsed.algorithm.init_args.rho == 0.2
+
+
+def test_an_unknown_algorithm_in_yaml_is_refused_naming_the_field(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", QUICKSTART, "--config", write(tmp_path, "bad.yaml", "algorithm: fedprocs\n"),
+              "--out_dir", str(tmp_path / "run")])
+    assert exit_info.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("error: algorithm: expected an algorithm") and "fedprocs" in line
+
+
+@pytest.mark.parametrize("first, second, field, expected", [
+    # jsonargparse alone keeps FedProx's mu as MOON's mu, FedCM's alpha as FedDyn's alpha.
+    ("algorithm: {class_path: fedprox, init_args: {mu: 0.3}}\n", "algorithm: moon\n", "mu", 5.0),
+    ("algorithm: {class_path: fedcm, init_args: {alpha: 0.3}}\n", "algorithm: {class_path: feddyn}\n", "alpha", 0.01),
+    ("algorithm: {class_path: moon, init_args: {mu: 0.3}}\n", "algorithm: fedprox\n", "mu", 0.01),
+])
+def test_an_algorithm_named_in_a_later_file_starts_from_its_own_defaults(tmp_path, first, second, field, expected):
+    parsed = parse("--config", QUICKSTART, "--config", write(tmp_path, "first.yaml", first),
+                   "--config", write(tmp_path, "second.yaml", second))
+    assert getattr(parsed.algorithm.init_args, field) == expected
+
+
+def test_shipped_algorithm_fragments_never_pass_settings_to_each_other():
+    parser = build_parser()
+    for first in sorted(SHORT_NAMES):
+        for second in sorted(SHORT_NAMES):
+            files = [CONFIGS / "quickstart.yaml", CONFIGS / "algorithms" / f"{first}.yaml",
+                     CONFIGS / "algorithms" / f"{second}.yaml"]
+            chosen = init_args(parser.parse_args(["fit", *config_args(files)]).fit.algorithm)
+            assert chosen == {**class_defaults(SHORT_NAMES[second]), **written_init_args(files[2:])}, (first, second)
+
+
+def test_a_later_file_without_a_class_changes_the_algorithm_already_chosen():
+    # How tuned/<setting>/<algorithm>.yaml works: init_args only, composed after the algorithm.
+    setting = "tinyimagenet_vit_tiny_ctpfl"
+    parsed = parse(*config_args(composition(setting, "ctpfl", False)))
+    assert parsed.algorithm.init_args.weight_decay == 0.05 and parsed.algorithm.init_args.span is None
+    assert parsed.server_optimizer.init_args.lr == 0.1
