@@ -35,9 +35,10 @@ COMPOSITIONS = {
     "quickstart": [(name, False) for name in sorted(SHORT_NAMES)],
 }
 
-# Values that two settings share by coincidence of the papers, not by copying: a YAML file can take a
-# whole group from a file (`federation: ../federation/ctpfl.yaml`) but cannot take a group and change
-# one field of it, so settings whose groups differ in one field each write the group out.
+# Values that two settings both write. A YAML file can take a whole group from a file
+# (`federation: ../federation/ctpfl.yaml`) but not take one and change a field of it (with
+# `federation.local_epochs: 5` beside it, jsonargparse drops the file), so settings whose groups
+# differ in a field each write their group out.
 COINCIDENCES = {
     # FedCONST's cross-device federation is the CTP-FL paper's, with 5 local epochs for K = 50 steps.
     ("federation.rounds", 300), ("federation.num_clients", 100), ("federation.clients_per_round", 10),
@@ -223,11 +224,12 @@ def test_yaml_names_an_algorithm_as_the_command_line_does(tmp_path, text):
     assert parsed.algorithm.init_args.mu == (0.3 if "0.3" in text else 0.01)
 
 
-def test_a_top_level_config_names_an_algorithm_under_fit(tmp_path):
+def test_a_config_given_before_the_command_names_an_algorithm_under_fit(tmp_path):
     config = write(tmp_path, "top.yaml", "fit:\n  algorithm: {class_path: moon, init_args: {tau: 0.2}}\n")
-    parsed = build_parser().parse_args(["--config", config, "fit", "--config", QUICKSTART,
-                                        "--config", str(CONFIGS / "algorithms" / "moon.yaml")]).fit
+    setting = str(CONFIGS / "settings" / "cifar10_lenet5_ctpfl.yaml")
+    parsed = build_parser().parse_args(["--config", config, "fit", "--config", setting]).fit
     assert parsed.algorithm.class_path.endswith("MOON")
+    assert (parsed.algorithm.init_args.mu, parsed.algorithm.init_args.tau) == (5.0, 0.2)
 
 
 def test_an_inline_algorithm_on_the_command_line_takes_a_short_name():
