@@ -27,11 +27,12 @@ from fl_lightning.algorithms import SHORT_NAMES, Algorithm
 from fl_lightning.compare import compare
 from fl_lightning.cluster import RequeueFailed
 from fl_lightning.config import TYPE_DESCRIPTIONS, ConfigError
+from fl_lightning.experiments.sweep import sweep
 from fl_lightning.experiments.table import table
 from fl_lightning.fit import fit
 from fl_lightning.models import registered_models
 
-COMMANDS = {"fit": fit, "compare": compare, "table": table}
+COMMANDS = {"fit": fit, "compare": compare, "table": table, "sweep": sweep}
 
 # Options whose value may be an algorithm's short name.
 ALGORITHM_OPTIONS = ("--algorithm", "--algorithm.help", "--algorithm.class_path")

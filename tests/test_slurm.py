@@ -2,19 +2,21 @@
 stand-in `srun` that records the command it was asked to launch (and, when asked to, waits for a
 signal and records which one it got)."""
 
-import itertools
 import os
 import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import yaml
 
 from fl_lightning.cli import main as fl_lightning_main
+from fl_lightning.experiments.plan import load_plan
 from fl_lightning.run_dir import is_safe_to_change
 
 REPOSITORY = Path(__file__).resolve().parents[1]
@@ -26,6 +28,23 @@ SUBMIT_SWEEP = SLURM_DIR / "submit_sweep.sh"
 LIBRARY = SLURM_DIR / "lib.sh"
 # No virtualenv on it: fl-lightning is found only where a test puts a stand-in.
 SYSTEM_PATH = "/usr/bin:/bin"
+# The sweep plan a sweep task is given (written into the submit folder): 2 methods x 1 seed.
+PLAN = "plan.yaml"
+PLAN_CONTENT = {"name": "demo", "configs": ["configs/quickstart.yaml"],
+                "methods": {"FedAvg": [{"algorithm": "fedavg"}],
+                            "FedProx": [{"algorithm": "fedprox"}, {"algorithm.init_args.mu": 0.1}]},
+                "settings": {"alpha": {"0.1": [{"data.alpha": 0.1}]}}, "seeds": [3]}
+# The stand-in fl-lightning: nothing for `fit` (srun is a stand-in too); for `sweep`, records its
+# arguments and prints a config path, or runs the real `fl-lightning sweep` when STAND_IN_PYTHON is set.
+STAND_IN_FL_LIGHTNING = """#!/bin/bash
+if [[ ${1:-} == sweep ]]; then
+    printf "%s\\n" "$@" > "$STAND_IN_DIR/sweep_args.txt"
+    if [[ -n ${STAND_IN_PYTHON:-} ]]; then
+        exec "$STAND_IN_PYTHON" -m fl_lightning "$@"
+    fi
+    echo configs/quickstart.yaml
+fi
+"""
 
 STAND_IN_SRUN = """#!/bin/bash
 printf "%s\\n" "$@" > "$STAND_IN_DIR/srun_args.txt"
@@ -64,11 +83,6 @@ def sbatch_options(script: Path) -> dict[str, str]:
     return options
 
 
-def grid_arrays(script: Path) -> dict[str, list[str]]:
-    return {name: re.search(rf"^{name}=\((.*)\)$", script.read_text(), re.M).group(1).split()
-            for name in ("ALGORITHMS", "ALPHAS", "SEEDS")}
-
-
 def allocation_environment(nodes: int = 1, tasks_per_node: int = 1, gpus_per_node=None, **extra: str) -> dict[str, str]:
     """What sbatch exports to a batch script for this allocation; gpus_per_node None: no GPUs asked for."""
     environment = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "fl-test", "SLURM_NNODES": str(nodes),
@@ -79,13 +93,23 @@ def allocation_environment(nodes: int = 1, tasks_per_node: int = 1, gpus_per_nod
 
 
 def submit_dir(tmp_path: Path) -> Path:
-    """The folder the job is submitted from: a checkout's configs/ and slurm/lib.sh."""
+    """The folder the job is submitted from: a checkout's configs/ and slurm/lib.sh, and a sweep plan."""
     directory = tmp_path / "submit"
     if not directory.exists():
         (directory / "slurm").mkdir(parents=True)
         (directory / "configs").symlink_to(REPOSITORY / "configs")
         shutil.copy(LIBRARY, directory / "slurm" / "lib.sh")
+        (directory / PLAN).write_text(yaml.safe_dump(PLAN_CONTENT, sort_keys=False))
     return directory
+
+
+def is_sweep(script: Path) -> bool:
+    return "fl-lightning sweep" in script.read_text()
+
+
+def script_arguments(script: Path, args=()) -> list[str]:
+    """A sweep task's batch script takes the plan first."""
+    return [PLAN, *args] if is_sweep(script) else list(args)
 
 
 def stand_ins(tmp_path: Path, with_fl_lightning: bool = True) -> Path:
@@ -96,7 +120,7 @@ def stand_ins(tmp_path: Path, with_fl_lightning: bool = True) -> Path:
     (bin_dir / "srun").chmod(0o755)
     fl_lightning = bin_dir / "fl-lightning"
     if with_fl_lightning:
-        fl_lightning.write_text("#!/bin/bash\n")
+        fl_lightning.write_text(STAND_IN_FL_LIGHTNING)
         fl_lightning.chmod(0o755)
     else:
         fl_lightning.unlink(missing_ok=True)
@@ -117,11 +141,11 @@ def launched(tmp_path: Path) -> tuple[list[str], dict[str, str]]:
 
 def run_script(script: Path, tmp_path: Path, environment: dict[str, str], args=(), with_fl_lightning=True) -> Job:
     """Run `script` with bash from the submit folder, as the batch shell of a job."""
-    for record in ("srun_args.txt", "srun_env.txt"):
+    for record in ("srun_args.txt", "srun_env.txt", "sweep_args.txt"):
         (tmp_path / record).unlink(missing_ok=True)
     env = job_environment(tmp_path, environment, with_fl_lightning)
-    completed = subprocess.run(["bash", str(script), *args], env=env, cwd=submit_dir(tmp_path),
-                               capture_output=True, text=True, timeout=30)
+    completed = subprocess.run(["bash", str(script), *script_arguments(script, args)], env=env,
+                               cwd=submit_dir(tmp_path), capture_output=True, text=True, timeout=60)
     return Job(completed.returncode, completed.stdout, completed.stderr, *launched(tmp_path))
 
 
@@ -319,7 +343,8 @@ def test_batch_shell_forwards_usr1_and_term_to_srun(script, signal_name, srun_st
     srun step and then exit with srun's status, not die of it."""
     env = job_environment(tmp_path, allocation_environment(SLURM_ARRAY_TASK_ID="0", STAND_IN_WAIT_FOR_SIGNAL="1",
                                                            STAND_IN_STATUS=str(srun_status)))
-    batch_shell = subprocess.Popen(["bash", str(script)], env=env, cwd=submit_dir(tmp_path), start_new_session=True,
+    batch_shell = subprocess.Popen(["bash", str(script), *script_arguments(script)], env=env, cwd=submit_dir(tmp_path),
+                                   start_new_session=True,
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_for(tmp_path / "srun_ready", batch_shell)  # srun runs, with its traps in place
@@ -380,9 +405,10 @@ def test_a_requeued_or_resubmitted_job_launches_the_same_run(script, tmp_path):
     for job_id, restart in (("4242", "0"), ("4242", "1"), ("5151", "0"), ("5151", "3")):
         environment = allocation_environment(SLURM_ARRAY_TASK_ID="3", SLURM_JOB_ID=job_id,
                                              SLURM_RESTART_COUNT=restart, WANDB_MODE="offline")
-        job = run_script(script, tmp_path, environment, args=["--seed", "2"])
+        job = run_script(script, tmp_path, environment, args=["--seed", "2"] if script == FIT_SCRIPT else [])
         assert job.status == 0, job.stderr
-        assert option_value(job.srun_args[:-len(RESTART_GUARD)], "--logger.wandb_mode") == "offline"
+        before_guard = job.srun_args[:-len(RESTART_GUARD)] if restart != "0" else job.srun_args
+        assert option_value(before_guard, "--logger.wandb_mode") == "offline"
         launches[job_id, restart] = job.srun_args
         assert ("continuing the run in its folder" in job.stdout) == (restart != "0")
     first = launches["4242", "0"]
@@ -390,7 +416,8 @@ def test_a_requeued_or_resubmitted_job_launches_the_same_run(script, tmp_path):
     assert launches["4242", "1"] == launches["5151", "3"] == [*first, *RESTART_GUARD]
 
 
-@pytest.mark.parametrize("script", BATCH_SCRIPTS, ids=lambda p: p.name)
+# A sweep task takes no fit arguments (the plan holds every setting): these are fit.sbatch's.
+@pytest.mark.parametrize("script", [FIT_SCRIPT], ids=lambda p: p.name)
 def test_a_requeued_attempt_never_starts_over_again(script, tmp_path):
     """`--resume null --overwrite true` at submission starts over once; the attempts after a requeue
     continue from the checkpoints the first one wrote instead of wiping them."""
@@ -404,7 +431,7 @@ def test_a_requeued_attempt_never_starts_over_again(script, tmp_path):
     assert requeued.srun_args == [*first.srun_args, *RESTART_GUARD]  # later options win
 
 
-@pytest.mark.parametrize("script", BATCH_SCRIPTS, ids=lambda p: p.name)
+@pytest.mark.parametrize("script", [FIT_SCRIPT], ids=lambda p: p.name)
 def test_extra_arguments_reach_fit_last(script, tmp_path):
     job = run_script(script, tmp_path, allocation_environment(SLURM_ARRAY_TASK_ID="0"),
                      args=["--federation.rounds", "7"])
@@ -415,113 +442,92 @@ def test_extra_arguments_reach_fit_last(script, tmp_path):
 
 # --- the sweep ---------------------------------------------------------------------------------
 
-def test_sweep_array_matches_the_grid(tmp_path):
-    grid = grid_arrays(SWEEP_SCRIPT)
-    grid_size = len(grid["ALGORITHMS"]) * len(grid["ALPHAS"]) * len(grid["SEEDS"])
-    assert sbatch_options(SWEEP_SCRIPT)["array"] == f"0-{grid_size - 1}"
-    printed = subprocess.run(["bash", str(SWEEP_SCRIPT), "--grid-size"], cwd=tmp_path,
-                             capture_output=True, text=True).stdout
-    assert int(printed) == grid_size
+def test_the_sweep_array_is_sized_at_submission():
+    """`fl-lightning sweep --slurm true` passes --array=0-(grid size - 1) (tests/test_sweep.py): the
+    header has no array of its own to get out of step with a plan."""
+    assert "array" not in sbatch_options(SWEEP_SCRIPT)
 
 
-def sweep_launches(script: Path, tmp_path: Path, grid_size: int, args=()) -> list[list[str]]:
-    launches = []
-    for task in range(grid_size):
-        environment = allocation_environment(SLURM_ARRAY_JOB_ID="4242", SLURM_ARRAY_TASK_ID=str(task),
-                                             SLURM_JOB_ID=str(5000 + task))
-        job = run_script(script, tmp_path, environment, args=args)
+def test_a_sweep_task_asks_fl_lightning_sweep_for_its_grid_point(tmp_path):
+    environment = allocation_environment(SLURM_ARRAY_JOB_ID="4242", SLURM_ARRAY_TASK_ID="1")
+    job = run_script(SWEEP_SCRIPT, tmp_path, environment, args=["--runs_root", "elsewhere"])
+    assert job.status == 0, job.stderr
+    assert (tmp_path / "sweep_args.txt").read_text().splitlines() == [
+        "sweep", "--plan", PLAN, "--index", "1", "--fit_config", "true", "--runs_root", "elsewhere"]
+    # fit on the config it printed, then the allocation's devices and the launch options, as fit.sbatch.
+    assert job.srun_args[:5] == ["--kill-on-bad-exit=1", "fl-lightning", "fit", "--config", "configs/quickstart.yaml"]
+    assert job.srun_args[5:][::2] == list(SCRIPT_OPTIONS)
+    assert f"task 1 of array job 4242: grid point 1 of {PLAN}, config configs/quickstart.yaml" in job.stdout
+
+
+@pytest.mark.parametrize("environment, arguments, message", [
+    ({"SLURM_ARRAY_TASK_ID": "0"}, [], "no plan given: submit with fl-lightning sweep --plan PLAN --slurm true"),
+    ({"SLURM_ARRAY_TASK_ID": "0"}, ["nowhere.yaml"], "plan 'nowhere.yaml' not found"),
+    ({}, [PLAN], "not an array task: submit with fl-lightning sweep --plan plan.yaml --slurm true"),
+], ids=["no plan", "missing plan", "not an array"])
+def test_a_sweep_task_without_its_plan_or_index_stops_before_srun(environment, arguments, message, tmp_path):
+    env = job_environment(tmp_path, allocation_environment(**environment))
+    completed = subprocess.run(["bash", str(SWEEP_SCRIPT), *arguments], env=env, cwd=submit_dir(tmp_path),
+                               capture_output=True, text=True, timeout=30)
+    assert completed.returncode == 1
+    assert message in completed.stderr
+    assert launched(tmp_path) == ([], {})
+
+
+def test_each_sweep_task_launches_its_grid_point(tmp_path, capsys, monkeypatch):
+    """With the real `fl-lightning sweep --fit_config`: task I launches fit on point I's settings,
+    resolved into its run folder, and the allocation's devices win over the plan's (the quickstart
+    config it starts from says cpu and 1 device)."""
+    points = load_plan(submit_dir(tmp_path) / PLAN).grid()
+    monkeypatch.chdir(submit_dir(tmp_path))  # the plan's paths are relative to the submit folder
+    for point, gpus_per_node, accelerator in zip(points, (None, 4), ("cpu", "gpu")):
+        environment = allocation_environment(2, 4, gpus_per_node, SLURM_ARRAY_TASK_ID=str(point.index),
+                                             STAND_IN_PYTHON=sys.executable)
+        job = run_script(SWEEP_SCRIPT, tmp_path, environment)
         assert job.status == 0, job.stderr
-        launches.append(job.srun_args)
-    return launches
+        config = point.out_dir / "sweep_fit.yaml"
+        assert option_value(job.srun_args, "--config") == str(config)
+        assert (submit_dir(tmp_path) / config).is_file()
+        fit_args = job.srun_args[job.srun_args.index("fl-lightning") + 1:]
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exited:
+            fl_lightning_main([*fit_args, "--print_config"])
+        assert exited.value.code in (None, 0), capsys.readouterr().err
+        printed = yaml.safe_load(capsys.readouterr().out)
+        assert printed["out_dir"] == str(point.out_dir) and printed["seed"] == point.seed == 3
+        assert printed["data"]["alpha"] == 0.1
+        assert printed["algorithm"]["class_path"].endswith(point.method)
+        assert printed["logger"]["name"] == f"{point.method.lower()}-seed3"
+        assert printed["fabric"] == {**printed["fabric"], "accelerator": accelerator, "devices": 4, "num_nodes": 2}
+        assert printed["resume"] == "auto"
+    assert [p.method for p in points] == ["FedAvg", "FedProx"]
 
 
-def check_tasks_cover_the_grid(script: Path, tmp_path: Path, args=()) -> None:
-    grid = grid_arrays(script)
-    points = set(itertools.product(grid["ALGORITHMS"], grid["ALPHAS"], grid["SEEDS"]))
-    launches = sweep_launches(script, tmp_path, len(points), args)
-    chosen = [(option_value(a, "--algorithm"), option_value(a, "--data.alpha"), option_value(a, "--seed"))
-              for a in launches]
-    assert set(chosen) == points and len(chosen) == len(points)  # one task per point, none twice
-    out_dirs = {option_value(a, "--out_dir") for a in launches}
-    assert len(out_dirs) == len(points)
-    assert len({Path(d).parent for d in out_dirs}) == 1  # one folder for the sweep
-    for (algorithm, alpha, seed), launch in zip(chosen, launches):
-        run_name = f"{algorithm}-a{alpha}-s{seed}"
-        assert re.fullmatch(rf"runs/quickstart-[0-9a-f]{{8}}/{run_name}", option_value(launch, "--out_dir"))
-        assert option_value(launch, "--logger.name") == run_name
-        # Seeds of one (algorithm, alpha) share a W&B group, so the dashboard averages over them.
-        assert option_value(launch, "--logger.group").endswith(f"{algorithm}-a{alpha}")
-        assert launch[len(launch) - len(args):] == list(args)  # extra arguments last, for every point
-    listed = subprocess.run(["bash", str(script), "--list", *args], cwd=submit_dir(tmp_path),
-                            capture_output=True, text=True).stdout.splitlines()
-    assert [line.split()[1:] for line in listed] == [
-        [*point, option_value(launch, "--out_dir")] for point, launch in zip(chosen, launches)]
-
-
-def test_each_sweep_task_trains_its_own_grid_point(tmp_path):
-    check_tasks_cover_the_grid(SWEEP_SCRIPT, tmp_path)
-
-
-def test_a_sweep_with_other_arguments_gets_its_own_folder(tmp_path):
-    environment = allocation_environment(SLURM_ARRAY_TASK_ID="0")
-    plain = run_script(SWEEP_SCRIPT, tmp_path, environment)
-    longer = run_script(SWEEP_SCRIPT, tmp_path, environment, args=["--federation.rounds", "300"])
-    named = run_script(SWEEP_SCRIPT, tmp_path, {**environment, "SWEEP": "mine"})
-    assert plain.status == longer.status == named.status == 0
-    plain_dir, longer_dir = (Path(option_value(job.srun_args, "--out_dir")) for job in (plain, longer))
-    assert plain_dir.name == longer_dir.name and plain_dir.parent != longer_dir.parent
-    assert option_value(named.srun_args, "--out_dir") == f"runs/mine/{plain_dir.name}"
-
-
-def edited_sweep(tmp_path: Path) -> Path:
-    """sweep.sbatch with its grid replaced by a sample one (2 x 1 x 3), as a user would edit it."""
-    text = SWEEP_SCRIPT.read_text()
-    text = re.sub(r"^ALGORITHMS=\(.*\)$", "ALGORITHMS=(ctpfl fedavg)", text, flags=re.M)
-    text = re.sub(r"^ALPHAS=\(.*\)$", "ALPHAS=(0.05)", text, flags=re.M)
-    text = re.sub(r"^SEEDS=\(.*\)$", "SEEDS=(3 4 5)", text, flags=re.M)
-    edited = submit_dir(tmp_path) / "slurm" / "sweep.sbatch"
-    edited.write_text(text)
-    return edited
-
-
-def test_an_edited_grid_is_covered_too(tmp_path):
-    check_tasks_cover_the_grid(edited_sweep(tmp_path), tmp_path, ["--federation.rounds", "9"])
-
-
-@pytest.mark.parametrize("task", ["-1", "18", "1000"])
-def test_sweep_task_outside_the_grid_fails_before_srun(task, tmp_path):
-    job = run_script(SWEEP_SCRIPT, tmp_path, allocation_environment(SLURM_ARRAY_TASK_ID=task))
-    assert job.status != 0
-    assert f"array task {task} is outside the grid of 18 points" in job.stderr
+def test_a_sweep_task_outside_the_grid_fails_before_srun(tmp_path):
+    environment = allocation_environment(SLURM_ARRAY_TASK_ID="2", STAND_IN_PYTHON=sys.executable)
+    job = run_script(SWEEP_SCRIPT, tmp_path, environment)
+    assert job.status == 2
+    assert f"error: index: expected a grid point of {PLAN}: 0-1, got 2" in job.stderr
     assert job.srun_args == []
 
 
-@pytest.mark.parametrize("max_parallel, sbatch_args, fit_args, array", [
-    (None, [], [], "0-5"),
-    ("2", ["--partition", "gpu"], ["--federation.rounds", "9"], "0-5%2"),
-])
-def test_submit_sweep_sizes_the_array_to_the_grid(max_parallel, sbatch_args, fit_args, array, tmp_path):
-    sweep = edited_sweep(tmp_path)  # 6 points
-    submit = sweep.parent / "submit_sweep.sh"
-    submit.write_text(SUBMIT_SWEEP.read_text())
-    record = tmp_path / "sbatch_args.txt"
-    (tmp_path / "bin").mkdir()
-    (tmp_path / "bin" / "sbatch").write_text(f'#!/bin/bash\nprintf "%s\\n" "$@" > {record}\n')
-    (tmp_path / "bin" / "sbatch").chmod(0o755)
-    env = {"PATH": f"{tmp_path / 'bin'}{os.pathsep}{SYSTEM_PATH}"}
-    if max_parallel:
-        env["MAX_PARALLEL"] = max_parallel
-    separator = ["--"] if fit_args else []
-    completed = subprocess.run(["bash", "slurm/submit_sweep.sh", *sbatch_args, *separator, *fit_args],
-                               env=env, cwd=submit_dir(tmp_path), capture_output=True, text=True)
+def test_submit_sweep_is_fl_lightning_sweep_slurm(tmp_path):
+    env = job_environment(tmp_path, {})
+    script = submit_dir(tmp_path) / "slurm" / "submit_sweep.sh"
+    script.write_text(SUBMIT_SWEEP.read_text())
+    completed = subprocess.run(["bash", "slurm/submit_sweep.sh", PLAN, "--jobs", "4"], env=env,
+                               cwd=submit_dir(tmp_path), capture_output=True, text=True)
     assert completed.returncode == 0, completed.stderr
-    assert record.read_text().splitlines() == [f"--array={array}", *sbatch_args, "slurm/sweep.sbatch", *fit_args]
-    assert (submit_dir(tmp_path) / "logs").is_dir()  # sbatch does not create the log folder
+    assert (tmp_path / "sweep_args.txt").read_text().splitlines() == [
+        "sweep", "--plan", PLAN, "--slurm", "true", "--jobs", "4"]
+    completed = subprocess.run(["bash", "slurm/submit_sweep.sh"], env=env, cwd=submit_dir(tmp_path),
+                               capture_output=True, text=True)
+    assert completed.returncode == 2 and "usage: bash slurm/submit_sweep.sh PLAN" in completed.stderr
 
 
 # --- what reaches fit parses -------------------------------------------------------------------
 
-@pytest.mark.parametrize("script", BATCH_SCRIPTS, ids=lambda p: p.name)
+@pytest.mark.parametrize("script", [FIT_SCRIPT], ids=lambda p: p.name)
 @pytest.mark.parametrize("gpus_per_node, accelerator, restart", [(None, "cpu", "0"), (4, "gpu", "0"), (4, "gpu", "2")])
 def test_the_launched_command_line_parses(script, gpus_per_node, accelerator, restart, tmp_path, capsys, monkeypatch):
     """Every option the script passes exists in `fit` and takes the value given (no typo reaches the

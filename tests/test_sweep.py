@@ -1,0 +1,276 @@
+"""`fl-lightning sweep`: a plan's grid run locally (interrupted, rerun, with a failing method), listed,
+and submitted to SLURM as one array job (with a stand-in sbatch); how runs share the machine."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fl_lightning.checkpoint import checkpoint_dir
+from fl_lightning.cli import build_parser, expand_short_names
+from fl_lightning.cli import main as fl_lightning_main
+from fl_lightning.config import ConfigError
+from fl_lightning.experiments import sweep as sweep_module
+from fl_lightning.experiments.plan import load_plan
+from fl_lightning.experiments.sweep import (
+    FIT_CONFIG_FILE,
+    LOG_FILE,
+    plan_resources,
+    run_environment,
+    write_fit_config,
+)
+from fl_lightning.run_logging import read_metrics
+
+REPOSITORY = Path(__file__).resolve().parents[1]
+QUICKSTART = str(REPOSITORY / "configs" / "quickstart.yaml")
+ROUNDS = 3
+TINY = {"model.options": {"hidden": 16, "depth": 1}, "federation.rounds": ROUNDS, "federation.local_steps": 2,
+        "checkpoint.every": 1, "logger.wandb_mode": "disabled"}
+TIMEOUT_S = 120
+
+# Holds a run after round 1 (its checkpoint written) while its run folder has a file `hold`, until the
+# run is asked to stop: the sweep is interrupted at a known point, whatever the machine's speed.
+GATE_MODULE = '''
+import time
+from pathlib import Path
+
+from fl_lightning.callbacks import Callback
+from fl_lightning.cluster import STOP_SIGNALS
+
+
+class HoldAfterRoundOne(Callback):
+    def on_round_start(self, fabric, loop, round_index: int) -> None:
+        deadline = time.monotonic() + 120
+        while (round_index == 1 and (Path(loop.out_dir) / "hold").exists() and not STOP_SIGNALS.requested
+               and time.monotonic() < deadline):
+            time.sleep(0.02)
+'''
+HOLD = {"callbacks": [{"class_path": "gate_callbacks.HoldAfterRoundOne"}]}
+
+
+@pytest.fixture(autouse=True)
+def outside_slurm(monkeypatch):
+    for name in list(os.environ):
+        if name.startswith("SLURM_"):
+            monkeypatch.delenv(name)
+
+
+def write_plan(path: Path, methods: dict, seeds=(0, 1), settings=None, extra=()) -> Path:
+    plan = {"name": "smoke", "configs": [QUICKSTART, TINY, *extra], "methods": methods,
+            "settings": settings if settings is not None else {"alpha": {"0.5": [{"data.alpha": 0.5}]}},
+            "seeds": list(seeds)}
+    path.write_text(yaml.safe_dump(plan, sort_keys=False))
+    return path
+
+
+def run_sweep(capsys, *arguments: str) -> tuple[int, str, str]:
+    """`fl-lightning sweep ...` in this process: (exit status, stdout, stderr)."""
+    capsys.readouterr()
+    try:
+        fl_lightning_main(["sweep", *arguments])
+        status = 0
+    except SystemExit as exited:
+        status = exited.code or 0
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def files_of(folder: Path) -> dict[str, tuple[int, bytes]]:
+    """Every file under `folder`: relative path -> (mtime in ns, content)."""
+    return {str(p.relative_to(folder)): (p.stat().st_mtime_ns, p.read_bytes())
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def wait_until(condition, process: subprocess.Popen, what: str) -> None:
+    deadline = time.monotonic() + TIMEOUT_S
+    while not condition():
+        assert process.poll() is None, f"the sweep exited {process.returncode} before {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_interrupted_sweep_resumes_without_retraining_finished_runs(tmp_path, capsys, monkeypatch):
+    (tmp_path / "gate_callbacks.py").write_text(GATE_MODULE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))  # the plan's callback parses here and in the runs
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    plan = write_plan(tmp_path / "plan.yaml", {"FedAvg": [{"algorithm": "fedavg"}],
+                                               "FedProx": [{"algorithm": "fedprox"}]}, extra=[HOLD])
+    runs = tmp_path / "runs"
+    points = load_plan(plan, runs_root=runs).grid()
+    assert [(p.method, p.seed) for p in points] == [("FedAvg", 0), ("FedAvg", 1), ("FedProx", 0), ("FedProx", 1)]
+    finished, held = points[:3], points[3]
+
+    # Two at a time: FedAvg's seeds, then FedProx's; FedProx seed 1 is held after round 1 until the
+    # sweep gets Ctrl-C, which it passes on as SIGTERM.
+    held.out_dir.mkdir(parents=True)
+    (held.out_dir / "hold").touch()
+    output, errors = tmp_path / "sweep.out", tmp_path / "sweep.err"
+    with open(output, "w") as stdout, open(errors, "w") as stderr:
+        process = subprocess.Popen([sys.executable, "-m", "fl_lightning", "sweep", "--plan", str(plan), "--jobs", "2",
+                                    "--runs_root", str(runs)], stdout=stdout, stderr=stderr, start_new_session=True)
+    try:
+        wait_until(lambda: "[2] finished at round 3" in output.read_text()
+                   and (checkpoint_dir(held.out_dir) / "round_000001.ckpt").exists(), process,
+                   "FedProx seed 0 finished and seed 1 checkpointed round 1")
+        process.send_signal(signal.SIGINT)
+        process.wait(timeout=TIMEOUT_S)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    out, err = output.read_text(), errors.read_text()
+    assert process.returncode == 130, err
+    assert "SIGINT: asking 1 run(s) to checkpoint and stop at the end of their round" in err
+    assert "[3] stopped at round 2" in out
+    assert out.splitlines()[-1] == "3 finished, 0 failed, 0 skipped, 1 stopped, 0 not started"
+    assert "interrupted by SIGINT: run the same command again to continue" in err
+
+    # --list reads each run folder's state, training nothing.
+    status, out, _ = run_sweep(capsys, "--plan", str(plan), "--runs_root", str(runs), "--list", "true")
+    assert status == 0
+    rows = out.splitlines()
+    assert rows[0].split() == ["index", "method", "setting", "seed", "state", "run", "folder"]
+    for point, row in zip(points, rows[1:5]):
+        assert row.split()[:4] == [str(point.index), point.method, "alpha-0.5", str(point.seed)]
+        assert row.endswith(str(point.out_dir))
+    assert [row.split()[4] for row in rows[1:4]] == ["finished"] * 3
+    assert " partial at round 2/3 " in rows[4]
+    assert rows[5] == "4 runs: 3 finished, 1 partial, 0 without a checkpoint"
+    before = {p.index: files_of(p.out_dir) for p in finished}
+
+    # The same command again: the finished runs are skipped (no process, no file touched), the
+    # stopped one continues from its checkpoint.
+    (held.out_dir / "hold").unlink()
+    status, out, err = run_sweep(capsys, "--plan", str(plan), "--jobs", "2", "--runs_root", str(runs))
+    assert status == 0, err
+    assert all(f"[{p.index}] skipped, finished (round 3)" in out for p in finished)
+    assert out.splitlines()[-1] == "1 finished, 0 failed, 3 skipped"
+    assert {p.index: files_of(p.out_dir) for p in finished} == before
+    assert [row["round"] for row in read_metrics(held.out_dir)] == [1, 2, 3]
+    log = (held.out_dir / LOG_FILE).read_text()
+    assert log.count("=== ") == 2 and "resuming from" in log and "--fabric.devices 1" in log
+
+    # One point in the foreground: finished, so nothing runs.
+    status, out, _ = run_sweep(capsys, "--plan", str(plan), "--runs_root", str(runs), "--index", "3")
+    assert status == 0 and "[3] skipped, finished" in out and out.splitlines()[-1] == "0 finished, 0 failed, 1 skipped"
+
+
+def test_a_failing_method_is_reported_and_the_others_finish(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    # clients_per_round above num_clients: fit refuses the setting (exit status 2).
+    plan = write_plan(tmp_path / "plan.yaml", {"FedAvg": [], "Broken": [{"federation.clients_per_round": 50}]},
+                      seeds=[0], settings={})
+    runs = tmp_path / "runs"
+    status, out, err = run_sweep(capsys, "--plan", str(plan), "--jobs", "2", "--runs_root", str(runs))
+    assert status == 1
+    broken = runs / "smoke" / "default" / "broken" / "seed0"
+    assert f"[1] FAILED with exit status 2: Broken | default | seed 0 in {broken}" in err
+    assert f"last lines of {broken / LOG_FILE}:" in err
+    assert "| error: federation.clients_per_round: expected" in err
+    assert "[0] finished at round 3" in out
+    assert out.splitlines()[-1] == "1 finished, 1 failed, 0 skipped"
+    assert [row["round"] for row in read_metrics(runs / "smoke" / "default" / "fedavg" / "seed0")] == [1, 2, 3]
+
+
+def test_bad_sweep_options_are_refused(tmp_path, capsys):
+    plan = write_plan(tmp_path / "plan.yaml", {"FedAvg": []})
+    for arguments, message in [
+        (["--index", "2"], "error: index: expected a grid point of"),
+        (["--fit_config", "true"], "error: fit_config: expected true only with --index"),
+        (["--slurm", "true", "--index", "0"], "error: slurm: expected false with --index"),
+    ]:
+        status, _, err = run_sweep(capsys, "--plan", str(plan), *arguments)
+        assert status == 2 and message in err, err
+
+
+# --- SLURM ---------------------------------------------------------------------------------------
+
+def stand_in_sbatch(tmp_path: Path, monkeypatch) -> Path:
+    record = tmp_path / "sbatch_args.txt"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(f'#!/bin/bash\nprintf "%s\\n" "$@" > {record}\necho "Submitted batch job 42"\n')
+    (bin_dir / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.chdir(REPOSITORY)  # jobs are submitted from the repository root
+    return record
+
+
+@pytest.mark.parametrize("options, sbatch_args", [
+    ([], ["--array=0-3"]),
+    (["--jobs", "3", "--gpus_per_run", "2", "--threads_per_run", "8", "--sbatch_options", "[--time=01:00:00]"],
+     ["--array=0-3%3", "--ntasks-per-node=2", "--gpus-per-node=2", "--cpus-per-task=4", "--time=01:00:00"]),
+], ids=["plain", "resources"])
+def test_slurm_submits_one_array_task_per_grid_point(options, sbatch_args, tmp_path, capsys, monkeypatch):
+    record = stand_in_sbatch(tmp_path, monkeypatch)
+    plan = write_plan(tmp_path / "plan.yaml", {"FedAvg": [], "FedProx": [{"algorithm": "fedprox"}]})
+    runs = tmp_path / "runs"
+    status, out, err = run_sweep(capsys, "--plan", str(plan), "--runs_root", str(runs), "--slurm", "true", *options)
+    assert status == 0, err
+    assert record.read_text().splitlines() == [*sbatch_args, "slurm/sweep.sbatch", str(plan), "--runs_root",
+                                               str(runs)]
+    assert "4 grid points as one array job: sbatch" in out and "Submitted batch job 42" in out
+    assert not runs.exists()  # nothing runs here
+
+
+def test_slurm_refuses_a_plan_whose_points_do_not_parse(tmp_path, capsys, monkeypatch):
+    record = stand_in_sbatch(tmp_path, monkeypatch)
+    plan = write_plan(tmp_path / "plan.yaml", {"FedAvg": [], "Typo": [{"federation.round": 5}]})
+    status, _, err = run_sweep(capsys, "--plan", str(plan), "--slurm", "true")
+    assert status == 2
+    assert "error: plan: expected grid points whose settings parse" in err and "point 2, Typo" in err
+    assert not record.exists()
+
+
+def test_fit_config_resolves_the_point_to_the_same_fit_call(tmp_path, monkeypatch):
+    """What an array task launches (one config file, then the allocation's devices) is the point's fit."""
+    monkeypatch.chdir(tmp_path)
+    plan = write_plan(tmp_path / "plan.yaml", {"FedProx": [{"algorithm": "fedprox"}, {"algorithm.init_args.mu": 0.3}]},
+                      seeds=[4])
+    (point,) = load_plan(plan, runs_root=Path("runs")).grid()
+    path = write_fit_config(point)
+    assert path == point.out_dir / FIT_CONFIG_FILE and path.is_file()
+    parser = build_parser()
+    direct = parser.parse_args(expand_short_names(point.fit_arguments())).fit
+    launched = parser.parse_args(["fit", "--config", str(path)]).fit
+    direct.pop("config", None)
+    launched.pop("config", None)
+    assert launched == direct
+    assert launched.out_dir == point.out_dir and launched.seed == 4 and launched.algorithm.init_args.mu == 0.3
+
+
+# --- sharing the machine -------------------------------------------------------------------------
+
+def test_cpu_runs_share_the_cores(monkeypatch):
+    monkeypatch.setattr(sweep_module, "available_cores", lambda: 8)
+    assert plan_resources(jobs=2, gpus_per_run=0, threads_per_run=None).threads == 4
+    assert plan_resources(jobs=3, gpus_per_run=0, threads_per_run=None).threads == 2
+    assert plan_resources(jobs=1, gpus_per_run=0, threads_per_run=3).threads == 3
+    with pytest.raises(ConfigError) as refused:
+        plan_resources(jobs=2, gpus_per_run=0, threads_per_run=5)
+    assert refused.value.field_name == "threads_per_run"
+    with pytest.raises(ConfigError) as refused:
+        plan_resources(jobs=9, gpus_per_run=0, threads_per_run=None)
+    assert refused.value.field_name == "jobs"
+
+
+def test_gpu_runs_get_gpus_of_their_own(monkeypatch):
+    monkeypatch.setattr(sweep_module, "available_cores", lambda: 16)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,6,7")
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    resources = plan_resources(jobs=2, gpus_per_run=2, threads_per_run=None)
+    assert (resources.accelerator, resources.devices, resources.threads) == ("gpu", 2, 4)
+    environments = [run_environment(resources, slot) for slot in (0, 1)]
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in environments] == ["3,5", "6,7"]
+    assert all(e["OMP_NUM_THREADS"] == "4" and "SLURM_JOB_ID" not in e and "LOCAL_RANK" not in e
+               for e in environments)
+    for jobs, gpus_per_run, field_name in [(3, 2, "jobs"), (1, 5, "gpus_per_run")]:
+        with pytest.raises(ConfigError) as refused:
+            plan_resources(jobs=jobs, gpus_per_run=gpus_per_run, threads_per_run=None)
+        assert refused.value.field_name == field_name
