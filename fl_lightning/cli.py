@@ -24,8 +24,8 @@ import yaml
 from jsonargparse import ActionConfigFile, ArgumentParser, get_loader, set_loader, set_parsing_settings
 
 from fl_lightning.algorithms import SHORT_NAMES, Algorithm
-from fl_lightning.compare import compare
 from fl_lightning.cluster import RequeueFailed
+from fl_lightning.compare import compare
 from fl_lightning.config import TYPE_DESCRIPTIONS, ConfigError
 from fl_lightning.experiments.sweep import sweep
 from fl_lightning.experiments.table import table
@@ -70,18 +70,29 @@ def _epilog(command: str) -> Optional[str]:
 
 
 def expand_short_names(argv: list[str]) -> list[str]:
-    """`--algorithm fedavg` -> `--algorithm fl_lightning.algorithms.FedAvg` (also for
-    `--algorithm.help`), so sweeps can name algorithms briefly; class paths and class names pass
-    through unchanged."""
+    """`--algorithm fedprox` -> `--algorithm '{class_path: fl_lightning.algorithms.fedprox.FedProx}'`
+    (also for a class name or class path): a mapping, which `explicit_algorithms` fills with the
+    algorithm's defaults, so that an algorithm chosen on the command line after a config that chose
+    another never inherits its hyper-parameters (FedCM's alpha as FedDyn's). `--algorithm.help NAME`
+    and `--algorithm.class_path NAME` get the class path; other values pass through unchanged."""
     expanded = list(argv)
     for i, arg in enumerate(expanded):
         option, equals, value = arg.partition("=")
         if option not in ALGORITHM_OPTIONS:
             continue
-        if equals and value in SHORT_NAMES:
-            expanded[i] = f"{option}={_class_path(value)}"
-        elif not equals and i + 1 < len(expanded) and expanded[i + 1] in SHORT_NAMES:
-            expanded[i + 1] = _class_path(expanded[i + 1])
+        position = i if equals else i + 1
+        if not equals:
+            if position >= len(expanded):
+                continue
+            value = expanded[position]
+        cls = _algorithm_class(value) if option == "--algorithm" else None
+        if cls is not None:
+            value = f"{{class_path: {cls.__module__}.{cls.__qualname__}}}"
+        elif value in SHORT_NAMES:
+            value = _class_path(value)
+        else:
+            continue
+        expanded[position] = f"{option}={value}" if equals else value
     return expanded
 
 
@@ -146,9 +157,20 @@ def _algorithm_class(name) -> Optional[type]:
 set_loader(CONFIG_MODE, load_config_text, exceptions=(yaml.YAMLError,))
 
 
+# Subcommands whose first argument may be the plan itself: `fl-lightning sweep PLAN`.
+PLAN_COMMANDS = ("sweep", "table")
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) > 1 and argv[0] in PLAN_COMMANDS and not argv[1].startswith("-"):
+        argv = [argv[0], "--plan", *argv[1:]]
     try:
+        if (model := _model_asked_about(argv)) is not None:
+            from fl_lightning.models.registry import model_help
+
+            print(model_help(model))
+            return
         parser = build_parser()
         check_config_files(argv)
         try:
@@ -165,6 +187,19 @@ def main(argv: Optional[list[str]] = None) -> None:
     except (FloatingPointError, RequeueFailed) as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(1) from err
+
+
+def _model_asked_about(argv: list[str]) -> Optional[str]:
+    """NAME of `--model.help NAME` (or `--model.help=NAME`), which jsonargparse has no action for:
+    `model` is a group of settings, not a class."""
+    for position, arg in enumerate(argv):
+        if arg == "--model.help":
+            if position + 1 == len(argv):
+                raise ConfigError("model.help", "a model name after --model.help", "nothing")
+            return argv[position + 1]
+        if arg.startswith("--model.help="):
+            return arg.split("=", 1)[1]
+    return None
 
 
 def check_config_files(argv: list[str]) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fl_lightning.algorithms import SHORT_NAMES, CTPFL, FedAvg
+from fl_lightning.algorithms import CTPFL, SHORT_NAMES, FedAvg
 from fl_lightning.cli import build_parser, expand_short_names, main
 from fl_lightning.models import registered_models
 
@@ -96,10 +96,22 @@ def test_algorithm_help_takes_a_short_name(capsys, argv):
 
 
 def test_expand_short_names_leaves_other_values_alone():
-    assert expand_short_names(["fit", "--algorithm.help", "moon", "--logger.name", "fedavg", "--algorithm=fedcm"]) == [
+    assert expand_short_names(["fit", "--algorithm.help", "moon", "--logger.name", "fedavg", "--algorithm=fedcm",
+                               "--algorithm", "SCAFFOLD"]) == [
         "fit", "--algorithm.help", "fl_lightning.algorithms.moon.MOON", "--logger.name", "fedavg",
-        "--algorithm=fl_lightning.algorithms.fedcm.FedCM",
+        "--algorithm={class_path: fl_lightning.algorithms.fedcm.FedCM}",
+        "--algorithm", "{class_path: fl_lightning.algorithms.scaffold.SCAFFOLD}",
     ]
+
+
+def test_an_algorithm_chosen_on_the_command_line_starts_from_its_own_defaults(tmp_path):
+    """The algorithm a config chose keeps none of its hyper-parameters when another is named after it."""
+    fedcm = tmp_path / "fedcm.yaml"
+    fedcm.write_text("algorithm: {class_path: fedcm, init_args: {alpha: 0.3}}\n")
+    chosen = parse("--config", QUICKSTART, "--config", str(fedcm), "--algorithm", "feddyn").algorithm
+    assert type(chosen).__name__ == "FedDyn" and chosen.init_args == {"alpha": 0.01}
+    tuned = parse("--config", QUICKSTART, "--algorithm", "fedprox", "--algorithm.mu", "0.2").algorithm
+    assert tuned.init_args == {"mu": 0.2}
 
 
 def test_abbreviated_options_are_refused():
@@ -166,3 +178,24 @@ def test_written_config_reads_back(tmp_path, capsys):
     again = parse("--config", str(out_dir / "config.yaml"))
     assert isinstance(again.algorithm, CTPFL) and again.algorithm.span == 0.1
     assert again.federation.rounds == 1 and str(again.out_dir) == str(out_dir)
+
+
+def test_model_help_lists_a_models_options(capsys):
+    main(["fit", "--model.help", "mlp"])
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith("registered model mlp; keys of model.options")
+    assert printed[1:3] == ["  hidden (default 200)", "  depth (default 2)"]
+    main(["fit", "--model.help=resnet18"])
+    assert "(none)" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--model.help", "no_such_network"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.startswith("error: model.name: expected one of linear, mlp")
+
+
+def test_sweep_and_table_take_the_plan_as_their_first_argument(tmp_path, capsys):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(f"name: demo\nconfigs: [{QUICKSTART}]\nmethods: {{FedAvg: [{{algorithm: fedavg}}]}}\nseeds: [0, 1]\n")
+    main(["sweep", str(plan), "--list", "true", "--runs_root", str(tmp_path / "runs")])
+    listed = capsys.readouterr().out
+    assert "fedavg" in listed and "seed1" in listed and "not started" in listed

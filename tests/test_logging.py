@@ -1,14 +1,13 @@
 """Run logs: metrics.jsonl and a Weights & Biases offline run (no network needed)."""
 
 import json
-
 from pathlib import Path
 
 import pytest
+from wandb_records import history_rows, records
 
 from fl_lightning.cli import main
 from fl_lightning.run_logging import MetricsLog, read_metrics
-from wandb_records import history_rows, records
 
 QUICKSTART = str(Path(__file__).parent.parent / "configs" / "quickstart.yaml")
 

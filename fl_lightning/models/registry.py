@@ -124,6 +124,29 @@ def create_model(
     return create_timm_model(name, num_classes, in_channels, norm, bias, **options)
 
 
+def model_help(name: str) -> str:
+    """What `fl-lightning fit --model.help NAME` prints: the model's `model.options` with their
+    defaults, and its description."""
+    constructor = _model_constructors.get(name)
+    if constructor is not None:
+        parameters = [p for p in inspect.signature(constructor).parameters.values()
+                      if p.kind is inspect.Parameter.KEYWORD_ONLY]
+        source = f"registered model {name}"
+    else:
+        factory = _user_factory(name)
+        if factory is None:
+            return (f"timm model {name}: model.options are passed on to timm.create_model "
+                    "(never with pretrained weights); model.norm and model.bias as for every model.")
+        parameters = [p for p in inspect.signature(factory).parameters.values()
+                      if p.name not in FACTORY_ARGUMENTS and p.kind is not inspect.Parameter.VAR_KEYWORD]
+        constructor, source = factory, f"model factory {name}"
+    options = [f"  {p.name}" + (" (required)" if p.default is inspect.Parameter.empty else f" (default {p.default!r})")
+               for p in parameters]
+    description = inspect.getdoc(constructor) or ""
+    lines = [f"{source}; keys of model.options (e.g. --model.options '{{key: value}}'):", *(options or ["  (none)"])]
+    return "\n".join([*lines, "", description]).rstrip()
+
+
 def check_model_settings(name: str, options: dict) -> None:
     """Raise the `ConfigError` that `create_model` would raise for an unknown `name`, an unusable
     factory or options the model does not take, without building anything: `ModelArgs` calls it,
