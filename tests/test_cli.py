@@ -195,7 +195,8 @@ def test_model_help_lists_a_models_options(capsys):
 
 def test_sweep_and_table_take_the_plan_as_their_first_argument(tmp_path, capsys):
     plan = tmp_path / "plan.yaml"
-    plan.write_text(f"name: demo\nconfigs: [{QUICKSTART}]\nmethods: {{FedAvg: [{{algorithm: fedavg}}]}}\nseeds: [0, 1]\n")
+    plan.write_text(f"name: demo\nconfigs: [{QUICKSTART}]\nmethods: {{FedAvg: [{{algorithm: fedavg}}]}}\n"
+                    "seeds: [0, 1]\n")
     main(["sweep", str(plan), "--list", "true", "--runs_root", str(tmp_path / "runs")])
     listed = capsys.readouterr().out
     assert "fedavg" in listed and "seed1" in listed and "not started" in listed
