@@ -1,5 +1,5 @@
 # Shared by slurm/fit.sbatch and slurm/sweep.sbatch, which source it (it is not run on its own):
-# the environment hook, the allocation checks, the sweep's default name and the srun launch that
+# the environment hook, the allocation checks and the srun launch that
 # forwards signals and makes a requeued attempt continue its run. Its names start with fl_ / FL_.
 #
 # Environment read here:
@@ -87,25 +87,6 @@ fl_read_allocation() {
 
 fl_check_config() {
     [[ -f $1 ]] || fl_die "config file '$1' not found in $PWD: submit from the repository root (or give CONFIG as an absolute path)"
-}
-
-# fl_experiment_id CONFIG [FIT_ARGS...]: 8 hex digits of the sha256 over the config file's contents
-# and the extra fit arguments, so that a sweep with other arguments gets a folder of its own.
-fl_experiment_id() {
-    local config=$1
-    shift
-    local digest
-    if command -v sha256sum >/dev/null 2>&1; then
-        digest=$({ cat "$config"; printf '\0'; printf '%s\0' "$@"; } | sha256sum)
-    else
-        digest=$({ cat "$config"; printf '\0'; printf '%s\0' "$@"; } | shasum -a 256)
-    fi
-    echo "${digest:0:8}"
-}
-
-# fl_experiment_name CONFIG [FIT_ARGS...]: <config name>-<experiment id>.
-fl_experiment_name() {
-    echo "$(basename "$1" .yaml)-$(fl_experiment_id "$@")"
 }
 
 fl_forward() {
