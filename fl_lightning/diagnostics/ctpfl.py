@@ -1,0 +1,135 @@
+"""CTP-FL's displacement bias, measured (ctp-fl.txt, section 3.4, eqs. 12-14).
+
+Under full participation CTP-FL's direction is an unbiased estimate of the path-averaged gradient,
+E[v^{r+1} | F_r] = H^r = (1/K) sum_k grad F(z_k^r) (eq. 12), not of grad F(x^r); the difference,
+the displacement bias H^r - grad F(x^r), is bounded by L h |v^r| / 2 (eq. 13) and equals
+-(h/2) H v^r on a quadratic with Hessian H (eq. 14).
+
+`DisplacementBias` estimates it on the clients' own mini-batches: on a measured round each client
+also takes its gradient at x^r (the round's global model) on exactly the K batches it used at the
+query points z_k, and these are averaged with the uploads' weights into g(x^r). Because both
+sides see the same samples, the mini-batch noise common to both cancels and
+v^{r+1} - g(x^r) = sum_i p_i (1/K) sum_k [g_i(z_k; B_ik) - g_i(x^r; B_ik)] is the displacement
+bias on those batches, with far less noise than a comparison against a held-out batch.
+
+|v| and h |v| are CTP-FL's own round metrics (`direction_norm`, `displacement`), logged every round:
+the row of round r holds v^{r+1}, the direction of round r + 1's query points.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterator
+
+import torch
+
+from fl_lightning.algorithms.base import PSEUDO_GRADIENT
+from fl_lightning.algorithms.ctpfl import CTPFL
+from fl_lightning.client import CLIENT_STREAM, Batch, ClientRun, batch_positions, seeded_generator
+from fl_lightning.config import ConfigError
+from fl_lightning.diagnostics.base import Diagnostic
+
+
+def replay_batches(client: ClientRun) -> Iterator[Batch]:
+    """The mini-batches `client` trained on this round, drawn again from a fresh generator seeded
+    as `LocalTrainer.client_run` seeds the client's, so the run's own generator is not advanced
+    (augmentations included, they come out the same)."""
+    trainer, federation = client.trainer, client.trainer.federation
+    generator = seeded_generator(trainer.seed, CLIENT_STREAM, client.round, client.client_id)
+    positions = batch_positions(client.num_samples, federation.batch_size, federation.local_steps,
+                                federation.local_epochs, generator)
+    if len(positions) != len(client._positions) or not all(map(torch.equal, positions, client._positions)):
+        raise RuntimeError(f"client {client.client_id}, round {client.round + 1}: the replayed batch order differs "
+                           "from the one the client trained on (has LocalTrainer.client_run changed its seeding?)")
+    for step in positions:
+        yield trainer.make_batch(client._sample_indices[step], generator)
+
+
+def gradient_at_global_model(client: ClientRun, algorithm: CTPFL) -> torch.Tensor:
+    """(1/K) sum_k g_i(x; B_ik): the client's gradient at the global model x on each batch it used
+    at the query points, computed as CTP-FL computes its (training mode, so BatchNorm normalises
+    with each batch's statistics, on a copy of the buffers; the same weight decay)."""
+    trainer, params = client.trainer, client.global_params
+    buffers = trainer.global_buffers.clone()
+    total = torch.zeros_like(params)
+    for batch in replay_batches(client):
+        _, gradient = trainer.loss_and_grad(params, buffers, batch)
+        total += algorithm.with_weight_decay(gradient, params)
+    return total / client.num_steps
+
+
+class DisplacementBias(Diagnostic):
+    """Adds to the round's metrics, every `every` rounds of a CTP-FL run, with g = g(x^r) the
+    clients' gradient at the round's global model on their own batches, averaged like the uploads:
+
+    - `ctpfl_bias`: |v^{r+1} - g|, the displacement bias |H^r - grad F(x^r)| on those batches;
+    - `ctpfl_relative_bias`: ctpfl_bias / |g|;
+    - `ctpfl_client_bias`: sum_i p_i |u_i - g_i|, the clients' own biases before averaging;
+    - `ctpfl_cosine`: the cosine between v^{r+1} and g;
+    - `ctpfl_gradient_norm`: |g|;
+    - `ctpfl_bias_curvature`: 2 ctpfl_bias / (h |v^r|), a lower bound on the smoothness constant L
+      of eq. 13 along the path (|H v| / |v| on a quadratic); absent while h |v^r| = 0;
+    - `ctpfl_seconds`: this rank's time for the extra gradients (K per client, as many again as
+      the round's own).
+
+    Each rank sums its clients' parts; one sum over ranks on measured rounds aggregates them.
+    """
+
+    def __init__(self, every: int = 1):
+        """
+        Args:
+            every: measure every this many rounds (and after the last).
+        """
+        super().__init__(every)
+        self._measuring = False
+
+    def on_fit_start(self, fabric, loop) -> None:
+        if not isinstance(loop.algorithm, CTPFL):
+            raise ConfigError("callbacks.DisplacementBias", "a CTP-FL run (algorithm ctpfl)",
+                              type(loop.algorithm).__name__)
+
+    def on_round_start(self, fabric, loop, round_index: int) -> None:
+        self._measuring = self.due(loop, round_index + 1)
+        if not self._measuring:
+            return
+        params = loop.global_model.params
+        self._gradient_sum = torch.zeros_like(params)  # sum_i p_i g_i on this rank
+        self._client_bias_sum = 0.0
+        self._seconds = 0.0
+        self._previous_direction_norm = loop.algorithm.server_state["direction"].norm().item()  # |v^r|
+
+    def on_client_end(self, fabric, loop, client, uploads: dict, weight: float) -> None:
+        if not self._measuring:
+            return
+        started = time.perf_counter()
+        device = client.global_params.device
+        # Guard: training's global random stream is the same afterwards (a model with dropout
+        # would draw from it in this extra training-mode pass).
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            gradient = gradient_at_global_model(client, loop.algorithm)
+        self._gradient_sum.add_(gradient, alpha=weight)
+        self._client_bias_sum += weight * (uploads[PSEUDO_GRADIENT] - gradient).norm().item()
+        self._seconds += time.perf_counter() - started
+
+    def on_round_end(self, fabric, loop, metrics: dict) -> None:
+        if not self._measuring:
+            return
+        self._measuring = False
+        started = time.perf_counter()
+        reduced = self.sum_over_ranks(fabric, torch.cat([
+            self._gradient_sum, torch.tensor([self._client_bias_sum], device=self._gradient_sum.device)]))
+        gradient, client_bias = reduced[:-1], reduced[-1].item()
+        self.gradient = gradient  # g(x^r), kept for inspection until the next measured round
+        direction = loop.algorithm.server_state["direction"]  # v^{r+1} = sum_i p_i u_i
+        bias = (direction - gradient).norm().item()
+        gradient_norm = gradient.norm().item()
+        cosine = torch.nn.functional.cosine_similarity(direction, gradient, dim=0, eps=1e-30).item()
+        metrics.update({"ctpfl_bias": bias,
+                        "ctpfl_relative_bias": bias / gradient_norm if gradient_norm > 0 else float("nan"),
+                        "ctpfl_client_bias": client_bias,
+                        "ctpfl_cosine": cosine,
+                        "ctpfl_gradient_norm": gradient_norm})
+        displacement = loop.algorithm.effective_span * self._previous_direction_norm
+        if displacement > 0:
+            metrics["ctpfl_bias_curvature"] = 2 * bias / displacement
+        metrics["ctpfl_seconds"] = self._seconds + time.perf_counter() - started
