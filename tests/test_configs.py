@@ -144,8 +144,10 @@ GROUP_FOLDERS = ("federation", "data", "model", "fabric")
 
 
 def fragments() -> list[Path]:
-    """Every YAML file in configs/ but the quickstart, which is a whole run by design."""
-    return sorted(path for path in CONFIGS.rglob("*.yaml") if path.name != "quickstart.yaml")
+    """Every YAML file in configs/ but the quickstart, which is a whole run by design, and the sweep
+    plans (configs/plans/), which compose fragments rather than being one."""
+    return sorted(path for path in CONFIGS.rglob("*.yaml")
+                  if path.name != "quickstart.yaml" and "plans" not in path.relative_to(CONFIGS).parts)
 
 
 def flatten(value, prefix: str = "") -> dict:
