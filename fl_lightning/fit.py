@@ -148,8 +148,7 @@ def fit(
             algorithm=algorithm, server_optimizer=server_optimizer, model=model, data=data, federation=federation,
             client_optimizer=client_optimizer, constraint=constraint, fabric=fabric, logger=logger,
             checkpoint=checkpoint, callbacks=list(callbacks or []), seed=seed, out_dir=out_dir, config=config,
-            method=method,
-            resume_state=resume_state, launching=launching,
+            method=method, resume_state=resume_state, launching=launching,
         )
     finally:
         lock.release()
@@ -186,12 +185,13 @@ def _resume_state(resume, overwrite: bool, out_dir: Path, config: dict, rounds: 
     if state is not None and state["round"] > rounds:
         raise ConfigError("federation.rounds", f"at least {state['round']}, the round the checkpoint in {out_dir} "
                           "reached (more rounds continue the run)", rounds)
-    for recorded, source in records:
-        if recorded is not None:
-            changes = check_same_experiment(recorded, config, source, out_dir)
-            if launching:
-                report_safe_changes(changes)
-            break
+    # The checkpoint and the folder's config.yaml (which differ when --resume names a checkpoint
+    # elsewhere) must both be this experiment's; the checkpoint's safe changes are the ones reported.
+    compared = [(recorded, source) for recorded, source in records if recorded is not None]
+    for index, (recorded, source) in enumerate(compared):
+        changes = check_same_experiment(recorded, config, source, out_dir)
+        if launching and index == 0:
+            report_safe_changes(changes)
     return state
 
 

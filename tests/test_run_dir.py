@@ -208,3 +208,10 @@ def test_final_model_is_returned_for_a_finished_run(run_copy):
     expected = torch.cat([saved[name].reshape(-1) for name in saved if "running" not in name
                           and "num_batches" not in name])
     torch.testing.assert_close(final, expected, rtol=0, atol=0)
+
+
+def test_explicit_checkpoint_into_a_folder_of_another_experiment_is_refused(run_copy, tmp_path, capsys):
+    other = tmp_path / "other"
+    fit(other, "--client_optimizer.lr", "0.2")
+    stderr = refused(capsys, other, "--resume", str(checkpoint_dir(run_copy) / "last.ckpt"))
+    assert "client_optimizer.lr: 0.2 -> 0.05" in stderr and "config.yaml" in stderr
