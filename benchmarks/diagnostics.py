@@ -4,8 +4,8 @@ and the round time of rounds on which no diagnostic is due, all measured in the 
 Two CTP-FL federations train side by side from the same start on random uint8 CIFAR-shaped images
 (as benchmarks/throughput.py): one plain, one with `DisplacementBias` and `Landscape` due every
 `--every` rounds. They take turns round by round, so a slowdown of a shared machine hits both
-alike. Each diagnostic's cost is the time it reports in its own metric (`ctpfl_seconds`: the extra
-gradient at x^r on every client's batches; `hessian_seconds`: the Lanczos and Hutchinson products);
+alike. Each diagnostic's cost is the time it reports in its own metric (`ctpfl/seconds`: the extra
+gradient at x^r on every client's batches; `hessian/seconds`: the Lanczos and Hutchinson products);
 the table also gives whole rounds (the round and its hooks) with and without diagnostics due. The
 diagnostics leave training unchanged, so both federations end with the same model (checked).
 
@@ -45,23 +45,23 @@ SERVER_LR = 0.01
 PLAIN = "plain round (no diagnostics)"
 UNMEASURED = "round, no diagnostic due"
 MEASURED = "round, both diagnostics due"
-BIAS = "  DisplacementBias (ctpfl_seconds)"
-LANDSCAPE = "  Landscape (hessian_seconds)"
+BIAS = "  DisplacementBias (ctpfl/seconds)"
+LANDSCAPE = "  Landscape (hessian/seconds)"
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="lenet5",
                         help=f"{', '.join(registered_models())} or a timm model name (default: lenet5)")
-    parser.add_argument("--clients", type=int, default=10, help="clients per round, all trained every round")
-    parser.add_argument("--local-steps", type=int, default=20, help="mini-batches per client per round (K)")
+    parser.add_argument("--clients", type=int, default=5, help="clients per round, all trained every round")
+    parser.add_argument("--local-steps", type=int, default=10, help="mini-batches per client per round (K)")
     parser.add_argument("--batch-size", type=int, default=50)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--precision", choices=("32-true", "bf16-mixed"), default="32-true")
     parser.add_argument("--repeats", type=int, default=3,
                         help="timed rounds of each kind (with and without diagnostics due); medians are reported")
     parser.add_argument("--every", type=int, default=2, help="the diagnostics' schedule")
-    parser.add_argument("--subset-size", type=int, default=1000, help="Landscape: samples in its subset")
+    parser.add_argument("--subset-size", type=int, default=500, help="Landscape: samples in its subset")
     parser.add_argument("--iterations", type=int, default=20, help="Landscape: Lanczos iterations")
     parser.add_argument("--probes", type=int, default=10, help="Landscape: Hutchinson probes")
     parser.add_argument("--hvp", choices=("jvp", "double_backward"), default="jvp")
@@ -128,10 +128,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, float]:
         if round_index < warm_up:
             continue
         seconds[PLAIN].append(plain_seconds)
-        if "hessian_seconds" in metrics:
+        if "hessian/seconds" in metrics:
             seconds[MEASURED].append(measured_seconds)
-            seconds[BIAS].append(metrics["ctpfl_seconds"])
-            seconds[LANDSCAPE].append(metrics["hessian_seconds"])
+            seconds[BIAS].append(metrics["ctpfl/seconds"])
+            seconds[LANDSCAPE].append(metrics["hessian/seconds"])
         else:
             seconds[UNMEASURED].append(measured_seconds)
     same_model = torch.equal(plain.global_model.params, measured.global_model.params)

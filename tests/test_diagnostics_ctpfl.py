@@ -3,6 +3,7 @@ with full participation the direction is unbiased for the path-averaged gradient
 measured bias is -(h/2) H v^r (eq. 14); a zero span measures no bias on a BatchNorm network with
 augmentation; and a run with the diagnostics on trains bitwise the same model, on one rank and two."""
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -33,8 +34,8 @@ from fl_lightning.run_logging import read_metrics
 
 DIMENSION, CLIENTS, SAMPLES_PER_CLIENT = 5, 4, 12
 HESSIAN = symmetric_matrix([-0.5, 0.3, 1.0, 2.0, 4.0], seed=2)
-CTPFL_METRICS = {"ctpfl_bias", "ctpfl_relative_bias", "ctpfl_client_bias", "ctpfl_cosine", "ctpfl_gradient_norm",
-                 "ctpfl_seconds"}
+CTPFL_METRICS = {"ctpfl/bias", "ctpfl/relative_bias", "ctpfl/client_bias", "ctpfl/cosine", "ctpfl/gradient_norm",
+                 "ctpfl/seconds"}
 
 
 def quadratic_loop(span: float, callbacks: list, weight_decay: float = 0.0, server_lr: float = 0.2):
@@ -90,14 +91,14 @@ def test_the_measured_bias_on_a_quadratic_is_minus_h_over_2_H_v(span, weight_dec
         measured = loop.algorithm.server_state["direction"].double() - diagnostic.gradient.double()
         expected = -span / 2 * curvature @ previous
         torch.testing.assert_close(measured, expected, atol=2e-5, rtol=1e-4)
-        assert metrics["ctpfl_bias"] == pytest.approx(expected.norm().item(), abs=2e-5, rel=1e-4)
+        assert metrics["ctpfl/bias"] == pytest.approx(expected.norm().item(), abs=2e-5, rel=1e-4)
         assert CTPFL_METRICS <= set(metrics)
         if round_index == 0:
-            assert "ctpfl_bias_curvature" not in metrics  # v^0 = 0: no displacement yet
+            assert "ctpfl/bias_curvature" not in metrics  # v^0 = 0: no displacement yet
         else:
             ratio = (curvature @ previous).norm() / previous.norm()
-            assert metrics["ctpfl_bias_curvature"] == pytest.approx(ratio.item(), rel=1e-3)
-            assert metrics["ctpfl_bias_curvature"] <= torch.linalg.eigvalsh(curvature).abs().max().item() + 1e-4
+            assert metrics["ctpfl/bias_curvature"] == pytest.approx(ratio.item(), rel=1e-3)
+            assert metrics["ctpfl/bias_curvature"] <= torch.linalg.eigvalsh(curvature).abs().max().item() + 1e-4
 
 
 def test_the_direction_is_unbiased_for_the_path_averaged_gradient_under_full_participation():
@@ -155,10 +156,10 @@ def test_a_zero_span_measures_no_bias(network, vectorise):
     fabric, loop = federated_loop(module, images, labels, partition, CTPFL(span=0.0, vectorise=vectorise),
                                   [diagnostic], local_steps=3, batch_size=4, augment=True, num_classes=3)
     for metrics in run_rounds(fabric, loop, 3):
-        assert metrics["ctpfl_bias"] <= 1e-6 * metrics["ctpfl_gradient_norm"]
-        assert metrics["ctpfl_cosine"] == pytest.approx(1.0, abs=1e-6)
-        assert metrics["ctpfl_client_bias"] <= 1e-6 * metrics["ctpfl_gradient_norm"]
-        assert "ctpfl_bias_curvature" not in metrics  # h |v^r| = 0
+        assert metrics["ctpfl/bias"] <= 1e-6 * metrics["ctpfl/gradient_norm"]
+        assert metrics["ctpfl/cosine"] == pytest.approx(1.0, abs=1e-6)
+        assert metrics["ctpfl/client_bias"] <= 1e-6 * metrics["ctpfl/gradient_norm"]
+        assert "ctpfl/bias_curvature" not in metrics  # h |v^r| = 0
 
 
 def test_a_run_of_another_algorithm_is_refused():
@@ -195,16 +196,16 @@ def test_a_ctpfl_run_with_both_diagnostics_trains_the_same_model(tmp_path, monke
     assert torch.equal(measured["rng"], plain["rng"])
     rows, plain_rows = read_metrics(tmp_path / "with"), read_metrics(tmp_path / "without")
     assert [row["train_loss"] for row in rows] == [row["train_loss"] for row in plain_rows]
-    assert [row["round"] for row in rows if "ctpfl_bias" in row] == [2, 4, 5]
-    assert [row["round"] for row in rows if "hessian_trace" in row] == [3, 5]
+    assert [row["round"] for row in rows if "ctpfl/bias" in row] == [2, 4, 5]
+    assert [row["round"] for row in rows if "hessian/trace" in row] == [3, 5]
     # One reduction per diagnostic on each of its rounds: g(x^r) and the clients' bias (d + 1
     # values), the landscape's 7 values.
     num_params = direction.numel()
     assert sorted(reductions) == sorted([num_params + 1] * 3 + [7] * 2)
     for row in rows:
-        if "ctpfl_bias" in row:
-            assert 0 < row["ctpfl_bias"] and -1 <= row["ctpfl_cosine"] <= 1
-            assert row["ctpfl_bias"] <= row["ctpfl_client_bias"] + 1e-6  # |sum p_i b_i| <= sum p_i |b_i|
+        if "ctpfl/bias" in row:
+            assert 0 < row["ctpfl/bias"] and -1 <= row["ctpfl/cosine"] <= 1
+            assert row["ctpfl/bias"] <= row["ctpfl/client_bias"] + 1e-6  # |sum p_i b_i| <= sum p_i |b_i|
 
 
 @pytest.mark.multiprocess
@@ -229,7 +230,21 @@ def test_on_two_ranks_the_diagnostics_agree_with_one_and_leave_training_alone(tm
         assert torch.equal(measured["model"][name], tensor), name
     two, one = read_metrics(tmp_path / "two"), read_metrics(tmp_path / "one")
     for row_two, row_one in zip(two, one):
-        for name in sorted(set(row_one) & (CTPFL_METRICS | {"ctpfl_bias_curvature", "hessian_lambda_max",
-                                                            "hessian_lambda_min", "hessian_trace"})):
+        for name in sorted(set(row_one) & (CTPFL_METRICS | {"ctpfl/bias_curvature", "hessian/lambda_max",
+                                                            "hessian/lambda_min", "hessian/trace"})):
             if not name.endswith("seconds"):
                 assert row_two[name] == pytest.approx(row_one[name], rel=1e-3, abs=1e-5), (row_one["round"], name)
+
+
+def test_the_cost_benchmark_runs_and_its_two_federations_end_alike(capsys):
+    spec = importlib.util.spec_from_file_location("diagnostics_benchmark",
+                                                  Path(__file__).resolve().parents[1] / "benchmarks" / "diagnostics.py")
+    benchmark = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(benchmark)
+    medians = benchmark.main(["--model", "linear", "--clients", "2", "--local-steps", "2", "--batch-size", "8",
+                              "--repeats", "1", "--subset-size", "16", "--iterations", "3", "--probes", "2"])
+    printed = capsys.readouterr().out
+    for row in (benchmark.PLAIN, benchmark.UNMEASURED, benchmark.MEASURED, benchmark.BIAS, benchmark.LANDSCAPE):
+        assert medians[row] > 0 and row in printed
+    assert medians["same_model"] == 1.0
+    assert "bitwise equal: True" in printed

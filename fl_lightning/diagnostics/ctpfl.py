@@ -62,14 +62,14 @@ class DisplacementBias(Diagnostic):
     """Adds to the round's metrics, every `every` rounds of a CTP-FL run, with g = g(x^r) the
     clients' gradient at the round's global model on their own batches, averaged like the uploads:
 
-    - `ctpfl_bias`: |v^{r+1} - g|, the displacement bias |H^r - grad F(x^r)| on those batches;
-    - `ctpfl_relative_bias`: ctpfl_bias / |g|;
-    - `ctpfl_client_bias`: sum_i p_i |u_i - g_i|, the clients' own biases before averaging;
-    - `ctpfl_cosine`: the cosine between v^{r+1} and g;
-    - `ctpfl_gradient_norm`: |g|;
-    - `ctpfl_bias_curvature`: 2 ctpfl_bias / (h |v^r|), a lower bound on the smoothness constant L
+    - `ctpfl/bias`: |v^{r+1} - g|, the displacement bias |H^r - grad F(x^r)| on those batches;
+    - `ctpfl/relative_bias`: ctpfl/bias / |g|;
+    - `ctpfl/client_bias`: sum_i p_i |u_i - g_i|, the clients' own biases before averaging;
+    - `ctpfl/cosine`: the cosine between v^{r+1} and g;
+    - `ctpfl/gradient_norm`: |g|;
+    - `ctpfl/bias_curvature`: 2 ctpfl/bias / (h |v^r|), a lower bound on the smoothness constant L
       of eq. 13 along the path (|H v| / |v| on a quadratic); absent while h |v^r| = 0;
-    - `ctpfl_seconds`: this rank's time for the extra gradients (K per client, as many again as
+    - `ctpfl/seconds`: this rank's time for the extra gradients (K per client, as many again as
       the round's own).
 
     Each rank sums its clients' parts; one sum over ranks on measured rounds aggregates them.
@@ -124,12 +124,12 @@ class DisplacementBias(Diagnostic):
         bias = (direction - gradient).norm().item()
         gradient_norm = gradient.norm().item()
         cosine = torch.nn.functional.cosine_similarity(direction, gradient, dim=0, eps=1e-30).item()
-        metrics.update({"ctpfl_bias": bias,
-                        "ctpfl_relative_bias": bias / gradient_norm if gradient_norm > 0 else float("nan"),
-                        "ctpfl_client_bias": client_bias,
-                        "ctpfl_cosine": cosine,
-                        "ctpfl_gradient_norm": gradient_norm})
+        metrics.update({"ctpfl/bias": bias,
+                        "ctpfl/relative_bias": bias / gradient_norm if gradient_norm > 0 else float("nan"),
+                        "ctpfl/client_bias": client_bias,
+                        "ctpfl/cosine": cosine,
+                        "ctpfl/gradient_norm": gradient_norm})
         displacement = loop.algorithm.effective_span * self._previous_direction_norm
         if displacement > 0:
-            metrics["ctpfl_bias_curvature"] = 2 * bias / displacement
-        metrics["ctpfl_seconds"] = self._seconds + time.perf_counter() - started
+            metrics["ctpfl/bias_curvature"] = 2 * bias / displacement
+        metrics["ctpfl/seconds"] = self._seconds + time.perf_counter() - started

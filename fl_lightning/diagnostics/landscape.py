@@ -34,8 +34,8 @@ SUBSET_STREAM = 0
 START_STREAM = 1
 PROBE_STREAM = 2
 
-METRICS = ("hessian_lambda_max", "hessian_lambda_min", "hessian_convexity", "hessian_trace",
-           "hessian_trace_stderr", "hessian_loss", "hessian_seconds")
+METRICS = ("hessian/lambda_max", "hessian/lambda_min", "hessian/convexity", "hessian/trace",
+           "hessian/trace_stderr", "hessian/loss", "hessian/seconds")
 
 
 def lanczos_extremes(hvp: HVP, dim: int, iterations: int, generator: torch.Generator, device: torch.device
@@ -125,10 +125,10 @@ def hessian_vector_product(loss: Callable[[torch.Tensor], torch.Tensor], params:
 
 class Landscape(Diagnostic):
     """Adds to the round's metrics, every `every` rounds, the Hessian of the global model's loss on
-    a fixed subset: `hessian_lambda_max`, `hessian_lambda_min` (the smallest, usually negative),
-    `hessian_convexity` (|lambda_max / lambda_min|, FedCONST's C_convex), `hessian_trace`
-    (Hutchinson) and `hessian_trace_stderr`, `hessian_loss` (the loss on the subset) and
-    `hessian_seconds` (the time it took). Measured after the round's server step, on rank 0; one
+    a fixed subset: `hessian/lambda_max`, `hessian/lambda_min` (the smallest, usually negative),
+    `hessian/convexity` (|lambda_max / lambda_min|, FedCONST's C_convex), `hessian/trace`
+    (Hutchinson) and `hessian/trace_stderr`, `hessian/loss` (the loss on the subset) and
+    `hessian/seconds` (the time it took). Measured after the round's server step, on rank 0; one
     sum over ranks gives every rank the values."""
 
     def __init__(self, every: int = 10, split: Literal["train", "test"] = "train", subset_size: int = 1000,
@@ -203,13 +203,13 @@ class Landscape(Diagnostic):
         finally:
             loop.module.train(was_training)
         return {
-            "hessian_lambda_max": largest,
-            "hessian_lambda_min": smallest,
-            "hessian_convexity": abs(largest / smallest) if smallest != 0 else math.inf,
-            "hessian_trace": trace,
-            "hessian_trace_stderr": stderr,
-            "hessian_loss": float(loss),
-            "hessian_seconds": time.perf_counter() - started,
+            "hessian/lambda_max": largest,
+            "hessian/lambda_min": smallest,
+            "hessian/convexity": abs(largest / smallest) if smallest != 0 else math.inf,
+            "hessian/trace": trace,
+            "hessian/trace_stderr": stderr,
+            "hessian/loss": float(loss),
+            "hessian/seconds": time.perf_counter() - started,
         }
 
     def on_round_end(self, fabric, loop, metrics: dict) -> None:
