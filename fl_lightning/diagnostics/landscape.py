@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from typing import Callable, Literal
 
 import torch
@@ -112,7 +113,15 @@ def hessian_vector_product(loss: Callable[[torch.Tensor], torch.Tensor], params:
     of `torch.func.grad`) or double backward (for layers without forward-mode rules)."""
     if how == "jvp":
         gradient = torch.func.grad(loss)
-        return lambda v: torch.func.jvp(gradient, (params,), (v,))[1].detach()
+
+        def forward_over_reverse(v: torch.Tensor) -> torch.Tensor:
+            with warnings.catch_warnings():
+                # torch registers its forward-mode decompositions with torch.jit.script on first use
+                # and warns that it is deprecated: torch's own business, not the run's.
+                warnings.filterwarnings("ignore", message="`torch.jit.script` is deprecated", category=FutureWarning)
+                return torch.func.jvp(gradient, (params,), (v,))[1].detach()
+
+        return forward_over_reverse
 
     def double_backward(v: torch.Tensor) -> torch.Tensor:
         point = params.detach().requires_grad_(True)
