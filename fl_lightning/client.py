@@ -123,6 +123,15 @@ class ClientRun:
         for positions in self._positions:
             yield self.trainer.make_batch(self._sample_indices[positions], self._generator)
 
+    def replay_batches(self) -> Iterator[Batch]:
+        """The same mini-batches as `batches()`, augmentation included, drawn again from a fresh
+        generator seeded as this client's: what a diagnostic recomputes without moving the run's
+        own random stream."""
+        generator = self.trainer.client_generator(self.client_id, self.round)
+        self.trainer.batch_order(len(self._sample_indices), generator)  # as client_run drew it first
+        for positions in self._positions:
+            yield self.trainer.make_batch(self._sample_indices[positions], generator)
+
     def loss_and_grad(self, params: torch.Tensor, batch: Batch, training_pass: bool = True
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """The module's training loss at flat `params` on `batch`, and its gradient (flat).
@@ -273,12 +282,20 @@ class LocalTrainer:
         # in `loss_and_grad`, but its running statistics must not be updated a second time.
         return self._train_mode_call(self.features_call, params, buffers.clone(), inputs, training).float()
 
-    def client_run(self, client_id: int, round_index: int, state: dict[str, torch.Tensor]) -> ClientRun:
-        generator = seeded_generator(self.seed, CLIENT_STREAM, round_index, client_id)
-        sample_indices = self.client_indices[client_id]
+    def client_generator(self, client_id: int, round_index: int) -> torch.Generator:
+        """The stream of everything the client draws in the round: its batch order, then its
+        augmentations."""
+        return seeded_generator(self.seed, CLIENT_STREAM, round_index, client_id)
+
+    def batch_order(self, num_samples: int, generator: torch.Generator) -> list[torch.Tensor]:
         federation = self.federation
-        positions = batch_positions(len(sample_indices), federation.batch_size, federation.local_steps,
-                                    federation.local_epochs, generator)
+        return batch_positions(num_samples, federation.batch_size, federation.local_steps, federation.local_epochs,
+                               generator)
+
+    def client_run(self, client_id: int, round_index: int, state: dict[str, torch.Tensor]) -> ClientRun:
+        generator = self.client_generator(client_id, round_index)
+        sample_indices = self.client_indices[client_id]
+        positions = self.batch_order(len(sample_indices), generator)
         projection = None if self.constraint is None else self.constraint.projection(self.global_params,
                                                                                      self.param_layout)
         return ClientRun(

@@ -28,7 +28,7 @@ from fl_lightning.algorithms import CTPFL, FedAvg
 from fl_lightning.cli import main
 from fl_lightning.config import ConfigError
 from fl_lightning.diagnostics.base import Diagnostic
-from fl_lightning.diagnostics.ctpfl import DisplacementBias, replay_batches
+from fl_lightning.diagnostics.ctpfl import DisplacementBias
 from fl_lightning.module import ClassificationModule
 from fl_lightning.run_logging import read_metrics
 
@@ -65,7 +65,7 @@ def test_replayed_batches_are_the_clients_own_and_leave_its_generator_alone():
     client = loop.trainer.client_run(2, 7, {})
     trained = list(client.batches())
     state = client._generator.get_state()
-    replayed = list(replay_batches(client))
+    replayed = list(client.replay_batches())
     assert torch.equal(client._generator.get_state(), state)
     assert len(replayed) == len(trained) == 5
     for (inputs, targets), (again, again_targets) in zip(trained, replayed):

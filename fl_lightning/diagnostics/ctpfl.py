@@ -19,30 +19,14 @@ the row of round r holds v^{r+1}, the direction of round r + 1's query points.
 from __future__ import annotations
 
 import time
-from typing import Iterator
 
 import torch
 
 from fl_lightning.algorithms.base import PSEUDO_GRADIENT
 from fl_lightning.algorithms.ctpfl import CTPFL
-from fl_lightning.client import CLIENT_STREAM, Batch, ClientRun, batch_positions, seeded_generator
+from fl_lightning.client import ClientRun
 from fl_lightning.config import ConfigError
 from fl_lightning.diagnostics.base import Diagnostic
-
-
-def replay_batches(client: ClientRun) -> Iterator[Batch]:
-    """The mini-batches `client` trained on this round, drawn again from a fresh generator seeded
-    as `LocalTrainer.client_run` seeds the client's, so the run's own generator is not advanced
-    (augmentations included, they come out the same)."""
-    trainer, federation = client.trainer, client.trainer.federation
-    generator = seeded_generator(trainer.seed, CLIENT_STREAM, client.round, client.client_id)
-    positions = batch_positions(client.num_samples, federation.batch_size, federation.local_steps,
-                                federation.local_epochs, generator)
-    if len(positions) != len(client._positions) or not all(map(torch.equal, positions, client._positions)):
-        raise RuntimeError(f"client {client.client_id}, round {client.round + 1}: the replayed batch order differs "
-                           "from the one the client trained on (has LocalTrainer.client_run changed its seeding?)")
-    for step in positions:
-        yield trainer.make_batch(client._sample_indices[step], generator)
 
 
 def gradient_at_global_model(client: ClientRun, algorithm: CTPFL) -> torch.Tensor:
@@ -52,7 +36,7 @@ def gradient_at_global_model(client: ClientRun, algorithm: CTPFL) -> torch.Tenso
     trainer, params = client.trainer, client.global_params
     buffers = trainer.global_buffers.clone()
     total = torch.zeros_like(params)
-    for batch in replay_batches(client):
+    for batch in client.replay_batches():
         _, gradient = trainer.loss_and_grad(params, buffers, batch)
         total += algorithm.with_weight_decay(gradient, params)
     return total / client.num_steps
