@@ -1,18 +1,20 @@
 """Federated algorithms, selectable by class path, class name or short name.
 
-Every module in this package is imported here, so each algorithm registers its short name just by
-defining a subclass of `Algorithm` with `short_name` set.
+Each algorithm is importable from here (`fl_lightning.algorithms.FedProx`); importing its module
+registers its short name (`fedprox`), so a new module of this package is listed below.
 """
 
-import importlib
-import pkgutil
-
 from fl_lightning.algorithms.base import SHORT_NAMES, Algorithm
+from fl_lightning.algorithms.ctpfl import CTPFL
+from fl_lightning.algorithms.fedavg import FedAvg
+from fl_lightning.algorithms.fedavg_m import FedAvgMomentum
+from fl_lightning.algorithms.fedavgm import FedAvgM
+from fl_lightning.algorithms.fedcm import FedCM
+from fl_lightning.algorithms.feddyn import FedDyn
+from fl_lightning.algorithms.fedprox import FedProx
+from fl_lightning.algorithms.fedsam import FedSAM
+from fl_lightning.algorithms.moon import MOON
+from fl_lightning.algorithms.scaffold import SCAFFOLD
 
-for _module in pkgutil.iter_modules(__path__):
-    importlib.import_module(f"{__name__}.{_module.name}")
-
-from fl_lightning.algorithms.ctpfl import CTPFL  # noqa: E402
-from fl_lightning.algorithms.fedavg import FedAvg  # noqa: E402
-
-__all__ = ["Algorithm", "CTPFL", "FedAvg", "SHORT_NAMES"]
+__all__ = ["Algorithm", "SHORT_NAMES", "CTPFL", "FedAvg", "FedAvgMomentum", "FedAvgM", "FedCM", "FedDyn", "FedProx",
+           "FedSAM", "MOON", "SCAFFOLD"]
