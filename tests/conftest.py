@@ -13,3 +13,19 @@ def cifar_root(tmp_path_factory):
     root = tmp_path_factory.mktemp("cifar")
     write_cifar(root, variant="cifar10", num_train=240, num_test=60, seed=0)
     return root
+
+
+@pytest.fixture
+def reductions(monkeypatch) -> list[int]:
+    """The size of every reduction across ranks a diagnostic makes (Diagnostic.sum_over_ranks), in order."""
+    from fl_lightning.diagnostics.base import Diagnostic
+
+    sizes: list[int] = []
+    original = Diagnostic.sum_over_ranks
+
+    def counted(fabric, values):
+        sizes.append(values.numel())
+        return original(fabric, values)
+
+    monkeypatch.setattr(Diagnostic, "sum_over_ranks", staticmethod(counted))
+    return sizes

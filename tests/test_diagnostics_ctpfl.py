@@ -27,7 +27,6 @@ from torch import nn
 from fl_lightning.algorithms import CTPFL, FedAvg
 from fl_lightning.cli import main
 from fl_lightning.config import ConfigError
-from fl_lightning.diagnostics.base import Diagnostic
 from fl_lightning.diagnostics.ctpfl import DisplacementBias
 from fl_lightning.module import ClassificationModule
 from fl_lightning.run_logging import read_metrics
@@ -176,15 +175,7 @@ CTPFL_RUN = [*TINY, "--algorithm", "ctpfl", "--algorithm.span", "0.3", "--server
              "--federation.rounds", "5"]
 
 
-def test_a_ctpfl_run_with_both_diagnostics_trains_the_same_model(tmp_path, monkeypatch):
-    reductions = []
-    original = Diagnostic.sum_over_ranks
-
-    def counted(fabric, values):
-        reductions.append(values.numel())
-        return original(fabric, values)
-
-    monkeypatch.setattr(Diagnostic, "sum_over_ranks", staticmethod(counted))
+def test_a_ctpfl_run_with_both_diagnostics_trains_the_same_model(tmp_path, reductions):
     main(["fit", *CTPFL_RUN, "--config", callbacks_config(tmp_path, *DIAGNOSTICS), "--out_dir", str(tmp_path / "with")])
     main(["fit", *CTPFL_RUN, "--out_dir", str(tmp_path / "without")])
 

@@ -18,7 +18,6 @@ from fl_lightning.cli import main
 from fl_lightning.client import seeded_generator
 from fl_lightning.config import ClientOptimizerArgs, ConfigError, DataArgs, FederationArgs
 from fl_lightning.data import ImageDataset
-from fl_lightning.diagnostics.base import Diagnostic
 from fl_lightning.diagnostics.landscape import (
     PROBE_STREAM,
     Landscape,
@@ -269,15 +268,7 @@ def final_checkpoint(out_dir: Path) -> dict:
     return torch.load(checkpoint_dir(out_dir) / "last.ckpt", weights_only=False)
 
 
-def test_a_run_with_the_landscape_measured_trains_the_same_model(tmp_path, monkeypatch):
-    reductions = []
-    original = Diagnostic.sum_over_ranks
-
-    def counted(fabric, values):
-        reductions.append(values.numel())
-        return original(fabric, values)
-
-    monkeypatch.setattr(Diagnostic, "sum_over_ranks", staticmethod(counted))
+def test_a_run_with_the_landscape_measured_trains_the_same_model(tmp_path, reductions):
     config = callbacks_config(tmp_path, {"class_path": "fl_lightning.diagnostics.landscape.Landscape",
                                          "init_args": {"every": 2, "subset_size": 100, "iterations": 10,
                                                        "probes": 3}})
