@@ -80,6 +80,28 @@ class FabricArgs:
                               self.precision)
 
 
+CLIENT_PATHS = ("auto", "loop", "grouped")
+
+
+@dataclass
+class ComputeArgs:
+    """How a rank computes its clients' updates: the same global model whichever is chosen, up to
+    float rounding (`loop` is the reference the others are tested against)."""
+
+    client_path: Literal["auto", "loop", "grouped"] = "auto"
+    """`loop`: one client after another. `grouped`: a rank's clients advance in lockstep as one
+    vectorised computation (torch.func.vmap over their stacked parameters, optimizer state and
+    BatchNorm statistics); CTP-FL's clients share each query point, so theirs is one pass over the
+    concatenated batches. `auto`: grouped on a GPU, loop on the CPU, where grouping measured slower
+    (docs/performance.md)."""
+    group_size: Optional[PositiveInt] = None
+    """Most clients computed together in the grouped path; null: all of a rank's clients. On a GPU
+    that runs out of memory, a group is split in halves and computed again."""
+    channels_last: bool = False
+    """Feed images to the network in channels-last memory layout (faster convolutions on recent
+    GPUs with bf16)."""
+
+
 @dataclass
 class FederationArgs:
     """The federation: how many clients, how many take part each round, and their local budget."""

@@ -9,7 +9,7 @@ around the rounds (evaluation, checkpoints, logs, stops) is a callback (`fl_ligh
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -19,7 +19,7 @@ import torch
 from fl_lightning.algorithms import Algorithm
 from fl_lightning.checkpoint import checkpoint_dir, numbered_checkpoints, save_checkpoint, save_client_shard
 from fl_lightning.client import SAMPLING_STREAM, LocalTrainer, seeded_generator
-from fl_lightning.config import ClientOptimizerArgs, DataArgs, FederationArgs
+from fl_lightning.config import ClientOptimizerArgs, ComputeArgs, DataArgs, FederationArgs
 from fl_lightning.constraints import Constraint
 from fl_lightning.data import DeviceTransform, ImageDataset
 from fl_lightning.flat import FlatLayout
@@ -47,6 +47,7 @@ class FederatedRun:
     hyperparameters: dict
     constraint: Optional[Constraint] = None
     resume_state: Optional[dict] = None
+    compute: ComputeArgs = field(default_factory=ComputeArgs)
 
 
 def sample_clients(seed: int, round_index: int, num_clients: int, clients_per_round: int) -> list[int]:

@@ -45,6 +45,7 @@ from fl_lightning.config import (
     ClientOptimizerArgs,
     ConfigError,
     DataArgs,
+    ComputeArgs,
     FabricArgs,
     FederationArgs,
     LoggerArgs,
@@ -82,6 +83,7 @@ def fit(
     server_optimizer: ServerOptimizer = lazy_instance(ServerSGD),
     constraint: Optional[Constraint] = None,
     fabric: FabricArgs = FabricArgs(),
+    compute: ComputeArgs = ComputeArgs(),
     logger: LoggerArgs = LoggerArgs(),
     checkpoint: CheckpointArgs = CheckpointArgs(),
     callbacks: Optional[list[Callback]] = None,
@@ -104,6 +106,7 @@ def fit(
         constraint: a constraint on local training composable with any local-update algorithm
             (CONST: FedCONST's per-channel linear constraints), or null.
         fabric: accelerator, ranks, nodes and precision.
+        compute: how a rank computes its clients (one by one or grouped); not part of the experiment.
         logger: Weights & Biases settings.
         checkpoint: checkpoint schedule.
         callbacks: your own callbacks (class_path/init_args), called after evaluation and before the
@@ -127,7 +130,7 @@ def fit(
     config = _as_config({
         "algorithm": algorithm, "model": model, "data": data, "federation": federation,
         "client_optimizer": client_optimizer, "server_optimizer": configured_server_optimizer,
-        "constraint": constraint, "fabric": fabric, "logger": logger, "checkpoint": checkpoint,
+        "constraint": constraint, "fabric": fabric, "compute": compute, "logger": logger, "checkpoint": checkpoint,
         "callbacks": list(callbacks or []), "seed": seed,
         "out_dir": None, "resume": None if resume is None else str(resume), "overwrite": overwrite,
     })
@@ -146,7 +149,7 @@ def fit(
         resume_state = _resume_state(resume, overwrite, out_dir, config, federation.rounds, launching)
         return _build_and_train(
             algorithm=algorithm, server_optimizer=server_optimizer, model=model, data=data, federation=federation,
-            client_optimizer=client_optimizer, constraint=constraint, fabric=fabric, logger=logger,
+            client_optimizer=client_optimizer, constraint=constraint, fabric=fabric, compute=compute, logger=logger,
             checkpoint=checkpoint, callbacks=list(callbacks or []), seed=seed, out_dir=out_dir, config=config,
             method=method, resume_state=resume_state, launching=launching,
         )
@@ -196,7 +199,7 @@ def _resume_state(resume, overwrite: bool, out_dir: Path, config: dict, rounds: 
 
 
 def _build_and_train(*, algorithm, server_optimizer, model, data, federation, client_optimizer, constraint, fabric,
-                     logger, checkpoint, callbacks, seed, out_dir, config, method, resume_state, launching
+                     compute, logger, checkpoint, callbacks, seed, out_dir, config, method, resume_state, launching
                      ) -> torch.Tensor:
     from fl_lightning.federation import FederatedRun  # imports Lightning, which the command line need not wait for
 
@@ -220,7 +223,7 @@ def _build_and_train(*, algorithm, server_optimizer, model, data, federation, cl
         algorithm=algorithm, server_optimizer=server_optimizer, module=module, train=train_set, test=test_set,
         partition=partition, federation=federation, data=data, client_optimizer=client_optimizer,
         checkpoint_keep=checkpoint.keep, seed=seed, out_dir=out_dir, run_id=identity.run_id,
-        hyperparameters=config, constraint=constraint, resume_state=resume_state,
+        hyperparameters=config, constraint=constraint, resume_state=resume_state, compute=compute,
     )
     engine = _build_fabric(fabric, _run_callbacks(federation, logger, checkpoint, callbacks, out_dir, identity))
     # Ranks return nothing: a spawned rank's return value travels through a pipe that a model

@@ -33,7 +33,7 @@ RUN_FILES = (CONFIG_FILE, "metrics.jsonl", "partition.json", "partition.png", "c
 SAFE_TO_CHANGE = (
     "federation.rounds", "federation.eval_every", "federation.eval_batch_size",
     "fabric.accelerator", "fabric.devices", "fabric.num_nodes", "fabric.strategy", "fabric.process_group_timeout_s",
-    "data.root", "data.download", "logger.", "checkpoint.", "callbacks", "out_dir", "resume", "overwrite",
+    "data.root", "data.download", "compute.", "logger.", "checkpoint.", "callbacks", "out_dir", "resume", "overwrite",
 )
 
 
