@@ -43,9 +43,9 @@ from fl_lightning.cluster import check_signal_name, check_slurm_allocation
 from fl_lightning.config import (
     CheckpointArgs,
     ClientOptimizerArgs,
+    ComputeArgs,
     ConfigError,
     DataArgs,
-    ComputeArgs,
     FabricArgs,
     FederationArgs,
     LoggerArgs,
