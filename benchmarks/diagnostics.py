@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Optional, Sequence
@@ -32,14 +33,24 @@ from fl_lightning.data.datasets import CIFAR10_MEAN, CIFAR10_STD
 from fl_lightning.diagnostics.ctpfl import DisplacementBias
 from fl_lightning.diagnostics.landscape import Landscape
 from fl_lightning.federation import FederatedLoop, FederatedRun
-from fl_lightning.models import create_model, registered_models
+from fl_lightning.models import create_model
 from fl_lightning.module import ClassificationModule
 from fl_lightning.server_optimizers import ServerSGD
 
-SAMPLES_PER_CLIENT = 500
-NUM_CLASSES = 10
-CHANNELS, IMAGE_SIZE = 3, 32
-SEED = 0
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py, also when loaded by path
+from common import (  # noqa: E402
+    CHANNELS,
+    IMAGE_SIZE,
+    NUM_CLASSES,
+    SAMPLES_PER_CLIENT,
+    SEED,
+    add_common_arguments,
+    apply_threads,
+    device_description,
+    random_images,
+    synchronise,
+)
+
 SERVER_LR = 0.01
 
 PLAIN = "plain round (no diagnostics)"
@@ -51,35 +62,21 @@ LANDSCAPE = "  Landscape (hessian/seconds)"
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="lenet5",
-                        help=f"{', '.join(registered_models())} or a timm model name (default: lenet5)")
-    parser.add_argument("--clients", type=int, default=5, help="clients per round, all trained every round")
-    parser.add_argument("--local-steps", type=int, default=10, help="mini-batches per client per round (K)")
-    parser.add_argument("--batch-size", type=int, default=50)
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--precision", choices=("32-true", "bf16-mixed"), default="32-true")
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="timed rounds of each kind (with and without diagnostics due); medians are reported")
+    add_common_arguments(parser, clients=5, local_steps=10,
+                         repeats_help="timed rounds of each kind (with and without diagnostics due); medians are "
+                                      "reported")
     parser.add_argument("--every", type=int, default=2, help="the diagnostics' schedule")
     parser.add_argument("--subset-size", type=int, default=500, help="Landscape: samples in its subset")
     parser.add_argument("--iterations", type=int, default=20, help="Landscape: Lanczos iterations")
     parser.add_argument("--probes", type=int, default=10, help="Landscape: Hutchinson probes")
     parser.add_argument("--hvp", choices=("jvp", "double_backward"), default="jvp")
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     return parser.parse_args(argv)
-
-
-def synchronise(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def federation(fabric: Fabric, network: torch.nn.Module, args: argparse.Namespace) -> FederatedLoop:
     """A CTP-FL loop set up as `federation.train` sets one up on one rank, on random data."""
-    generator = torch.Generator().manual_seed(SEED)
     total = args.clients * SAMPLES_PER_CLIENT
-    images = torch.randint(0, 256, (total, CHANNELS, IMAGE_SIZE, IMAGE_SIZE), dtype=torch.uint8, generator=generator)
-    labels = torch.randint(0, NUM_CLASSES, (total,), generator=generator)
+    images, labels = random_images(total)
     dataset = ImageDataset(images, labels, NUM_CLASSES, CIFAR10_MEAN, CIFAR10_STD)
     run = FederatedRun(
         algorithm=CTPFL(), server_optimizer=ServerSGD(lr=SERVER_LR),
@@ -107,8 +104,7 @@ def timed_round(fabric: Fabric, loop: FederatedLoop, round_index: int) -> tuple[
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, float]:
     """Print the settings and the table; return the median seconds by row."""
     args = parse_args(argv)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    apply_threads(args.threads)
     torch.manual_seed(SEED)
     network = create_model(args.model, NUM_CLASSES, CHANNELS, IMAGE_SIZE)
     diagnostics = [DisplacementBias(every=args.every),
@@ -139,12 +135,11 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, float]:
     medians = {name: statistics.median(values) for name, values in seconds.items() if values}
     baseline = medians[PLAIN]
     num_params = plain.global_model.params.numel()
-    device_name = f" ({torch.cuda.get_device_name(plain_fabric.device)})" if plain_fabric.device.type == "cuda" else ""
     print(f"model {args.model} ({num_params:,} parameters), CTP-FL, {args.clients} clients x {args.local_steps} "
           f"local steps x batch {args.batch_size} (random uint8 {CHANNELS}x{IMAGE_SIZE}x{IMAGE_SIZE})")
     print(f"diagnostics every {args.every} rounds: DisplacementBias; Landscape on {args.subset_size} samples, "
           f"{args.iterations} Lanczos iterations, {args.probes} Hutchinson probes, hvp {args.hvp}")
-    print(f"device {args.device}{device_name}, precision {args.precision}, torch {torch.__version__}, "
+    print(f"device {device_description(plain_fabric.device)}, precision {args.precision}, torch {torch.__version__}, "
           f"CPU threads: {torch.get_num_threads()}; {warm_up} warm-up rounds, then the median of "
           f"{len(seconds[PLAIN])} plain rounds, {len(seconds[UNMEASURED])} unmeasured and "
           f"{len(seconds[MEASURED])} measured rounds")

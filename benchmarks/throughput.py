@@ -1,23 +1,39 @@
-"""Client-samples per second of fl-lightning's client path, against two references measured in the
-same run: plain centralised training of the same model and batch (the ceiling), and a
-one-client-at-a-time loop with a model copy and a `torch.optim.SGD` per client (what most FL
-frameworks do).
+"""Client-samples per second of fl-lightning's client paths, against two references measured in the
+same run: centralised training of the same model on the round's concatenated batch (batch S * B:
+the ceiling, what one big batch gets out of the device), and a one-client-at-a-time loop with a
+model copy and a `torch.optim.SGD` per client (FedAvg as most FL frameworks run it).
 
-A client-sample is one sample in one local-training mini-batch; a round of C clients with K local
-steps of batch B processes C * K * B of them, and centralised training runs the same C * K steps.
-Every method reads the same random uint8 CIFAR-shaped images from the device through the same
-normalising transform, so only the training loops differ.
+A client-sample is one sample in one local-training mini-batch; a round of S clients with K local
+steps of batch B processes S * K * B of them, and centralised training takes K steps of batch
+S * B. fl-lightning runs each algorithm of `--algorithms` (FedAvg, SCAFFOLD, FedProx, CTP-FL) on
+both client paths of `ComputeArgs.client_path`: `loop` (one client after another) and `grouped`
+(a rank's clients computed together). Every method reads the same random uint8 images of the
+chosen shape from the device through the same normalising transform (no augmentation, no
+download), so only the training loops differ.
+
+Methods take turns within each repeat (after one warm-up round each), so a slowdown of a shared
+machine hits all of them alike; the median over the timed rounds is reported, with its ratio to
+the ceiling and to the naive loop, and on CUDA each method's peak memory
+(`torch.cuda.max_memory_allocated` over its timed rounds, reset before each round). `--json PATH`
+writes every setting and figure as one JSON file.
 
     python benchmarks/throughput.py
-    python benchmarks/throughput.py --model resnet18 --device cuda --precision bf16-mixed
+    python benchmarks/throughput.py --model resnet18 --num-classes 100 --device cuda --precision bf16-mixed \\
+        --clients 10 --local-steps 50 --batch-size 50 --json resnet18.json
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
+import platform
 import statistics
+import subprocess
+import sys
 import time
+import traceback
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -26,78 +42,110 @@ import torch.nn.functional as F
 from lightning.fabric import Fabric
 from torch import nn
 
-from fl_lightning.algorithms.ctpfl import CTPFL
-from fl_lightning.algorithms.fedavg import FedAvg
+from fl_lightning.algorithms import CTPFL, SCAFFOLD, FedAvg, FedProx
 from fl_lightning.client import CLIENT_STREAM, Batch, batch_positions, seeded_generator
-from fl_lightning.config import ClientOptimizerArgs, DataArgs, FederationArgs
+from fl_lightning.config import ClientOptimizerArgs, ComputeArgs, DataArgs, FederationArgs
 from fl_lightning.data import DeviceTransform, ImageDataset
-from fl_lightning.data.datasets import CIFAR10_MEAN, CIFAR10_STD
 from fl_lightning.federation import FederatedLoop, FederatedRun
-from fl_lightning.models import create_model, registered_models
+from fl_lightning.models import create_model
 from fl_lightning.module import ClassificationModule
 from fl_lightning.server_optimizers import ServerSGD
 
-SAMPLES_PER_CLIENT = 500
-NUM_CLASSES = 10
-CHANNELS, IMAGE_SIZE = 3, 32
-# Throughput does not depend on the learning rate or the seed; fixed so runs are comparable.
-LEARNING_RATE = 0.01
-SEED = 0
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py, also when loaded by path
+from common import (  # noqa: E402
+    CHANNELS,
+    IMAGE_SIZE,
+    NUM_CLASSES,
+    SAMPLES_PER_CLIENT,
+    SEED,
+    add_common_arguments,
+    apply_threads,
+    normalisation,
+    random_images,
+    synchronise,
+)
 
-CENTRALISED = "centralised"
-NAIVE_FEDERATED = "naive federated"
-FL_LIGHTNING_FEDAVG = "fl-lightning FedAvg"
-FL_LIGHTNING_CTPFL = "fl-lightning CTP-FL"
-FL_LIGHTNING_CTPFL_VECTORISED = "fl-lightning CTP-FL vmap"
+# Throughput does not depend on the learning rate; fixed so runs are comparable.
+LEARNING_RATE = 0.01
+
+CENTRALISED = "centralised (batch S*B)"
+NAIVE_FEDERATED = "naive loop (FedAvg)"
+CLIENT_PATHS = ("loop", "grouped")
+# Name on the command line -> (label, algorithm factory, server lr). Server lr 1 with FedAvg is plain
+# averaging, the same update as the naive loop's; CTP-FL's server lr is its step along the direction.
+ALGORITHMS = {
+    "fedavg": ("FedAvg", FedAvg, 1.0),
+    "scaffold": ("SCAFFOLD", SCAFFOLD, 1.0),
+    "fedprox": ("FedProx", FedProx, 1.0),
+    "ctpfl": ("CTP-FL", CTPFL, LEARNING_RATE),
+}
+WARM_UP_ROUNDS = 1
+
+
+def fl_lightning_name(algorithm: str, client_path: str) -> str:
+    """The method's name in the table and the JSON, e.g. `fl-lightning FedAvg loop`."""
+    return f"fl-lightning {ALGORITHMS[algorithm][0]} {client_path}"
+
+
+def algorithm_list(text: str) -> list[str]:
+    names = [name.strip().lower() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in ALGORITHMS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(ALGORITHMS)}, got {text!r}")
+    return list(dict.fromkeys(names))
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="lenet5",
-                        help=f"{', '.join(registered_models())} or a timm model name (default: lenet5)")
-    parser.add_argument("--clients", type=int, default=10, help="clients per round, all trained every round")
-    parser.add_argument("--local-steps", type=int, default=20, help="mini-batches per client per round (K)")
-    parser.add_argument("--batch-size", type=int, default=50)
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--precision", choices=("32-true", "bf16-mixed"), default="32-true")
-    parser.add_argument("--repeats", type=int, default=3, help="timed rounds per method; the median is reported")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="CPU threads for torch (default: torch's choice); on a CPU shared with other work, "
-                             "fewer threads than cores avoids threads waiting on a busy core")
+    add_common_arguments(parser, clients=10, local_steps=20,
+                         repeats_help="timed rounds per method after one warm-up round; the median is reported")
+    parser.add_argument("--channels", type=int, default=CHANNELS, help=f"image channels (default: {CHANNELS})")
+    parser.add_argument("--image-size", type=int, default=IMAGE_SIZE,
+                        help=f"side of the square images (default: {IMAGE_SIZE})")
+    parser.add_argument("--num-classes", type=int, default=NUM_CLASSES, help=f"classes (default: {NUM_CLASSES})")
+    parser.add_argument("--algorithms", type=algorithm_list, default=list(ALGORITHMS),
+                        help=f"comma-separated fl-lightning algorithms, each run on the loop and the grouped "
+                             f"client path (default: {','.join(ALGORITHMS)})")
+    parser.add_argument("--group-size", type=int, default=None,
+                        help="ComputeArgs.group_size of the grouped path (default: all of the rank's clients)")
+    parser.add_argument("--channels-last", action="store_true",
+                        help="images and every model in channels-last layout (ComputeArgs.channels_last for "
+                             "fl-lightning)")
+    parser.add_argument("--json", type=Path, default=None, help="write every setting and figure to this JSON file")
     return parser.parse_args(argv)
-
-
-def synchronise(device: torch.device) -> None:
-    """Wait for queued kernels, so the clock measures work done rather than work launched."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class Workload:
     """The clients' data on the device and the order in which each client reads it."""
 
-    def __init__(self, num_clients: int, local_steps: int, batch_size: int, device: torch.device):
-        generator = torch.Generator().manual_seed(SEED)
+    def __init__(self, num_clients: int, local_steps: int, batch_size: int, device: torch.device,
+                 channels: int = CHANNELS, image_size: int = IMAGE_SIZE, num_classes: int = NUM_CLASSES,
+                 channels_last: bool = False):
         total = num_clients * SAMPLES_PER_CLIENT
-        self.images = torch.randint(0, 256, (total, CHANNELS, IMAGE_SIZE, IMAGE_SIZE), dtype=torch.uint8,
-                                    generator=generator).to(device)
-        self.labels = torch.randint(0, NUM_CLASSES, (total,), generator=generator).to(device)
+        images, labels = random_images(total, channels, image_size, num_classes)
+        self.images, self.labels = images.to(device), labels.to(device)
         # Kept on the CPU, as federation.train() keeps the partition.
         self.client_indices = list(torch.arange(total).split(SAMPLES_PER_CLIENT))
+        self.mean, self.std = normalisation(channels)
         # No augmentation: the benchmark compares training loops, and every method normalises alike.
-        self.transform = DeviceTransform(CIFAR10_MEAN, CIFAR10_STD, augment=False)
+        self.transform = DeviceTransform(self.mean, self.std, augment=False)
         self.num_clients = num_clients
         self.local_steps = local_steps
         self.batch_size = batch_size
+        self.channels, self.image_size, self.num_classes = channels, image_size, num_classes
+        self.channels_last = channels_last
 
     @property
     def samples_per_round(self) -> int:
         return self.num_clients * self.local_steps * self.batch_size
 
     def batch(self, indices: torch.Tensor) -> Batch:
-        """What `LocalTrainer.make_batch` does without augmentation."""
+        """What `LocalTrainer.make_batch` does without augmentation (in the chosen memory layout)."""
         indices = indices.to(self.images.device)
-        return self.transform(self.images[indices]), self.labels[indices]
+        inputs = self.transform(self.images[indices])
+        if self.channels_last:
+            inputs = inputs.contiguous(memory_format=torch.channels_last)
+        return inputs, self.labels[indices]
 
     def client_positions(self, client_id: int, round_index: int) -> list[torch.Tensor]:
         """The batch order `LocalTrainer.client_run` draws for this client and round, so the naive loop
@@ -116,24 +164,30 @@ def sgd_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, f
     optimizer.step()
 
 
+def reference_model(network: nn.Module, workload: Workload, device: torch.device) -> nn.Module:
+    model = copy.deepcopy(network).to(device)
+    return model.to(memory_format=torch.channels_last) if workload.channels_last else model
+
+
 class Centralised:
-    """One model, one optimizer, as many steps as a federated round takes in total."""
+    """One model, one optimizer, K steps of the round's concatenated batch (S * B samples each): the
+    same client-samples as a round, in the fewest and largest steps."""
 
     name = CENTRALISED
 
     def __init__(self, fabric: Fabric, network: nn.Module, workload: Workload):
         self.fabric = fabric
         self.workload = workload
-        self.model = copy.deepcopy(network).to(fabric.device)
+        self.model = reference_model(network, workload, fabric.device)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=LEARNING_RATE)
         self.all_indices = torch.cat(workload.client_indices)
 
     def run_round(self, round_index: int) -> None:
         workload = self.workload
         generator = seeded_generator(SEED, round_index)
-        steps = workload.num_clients * workload.local_steps
+        big_batch = workload.num_clients * workload.batch_size
         self.model.train()
-        for positions in batch_positions(len(self.all_indices), workload.batch_size, steps, None, generator):
+        for positions in batch_positions(len(self.all_indices), big_batch, workload.local_steps, None, generator):
             sgd_step(self.model, self.optimizer, workload.batch(self.all_indices[positions]), self.fabric)
 
 
@@ -146,7 +200,7 @@ class NaiveFederated:
     def __init__(self, fabric: Fabric, network: nn.Module, workload: Workload):
         self.fabric = fabric
         self.workload = workload
-        self.global_model = copy.deepcopy(network).to(fabric.device)
+        self.global_model = reference_model(network, workload, fabric.device)
         sizes = [len(indices) for indices in workload.client_indices]
         self.weights = [size / sum(sizes) for size in sizes]
 
@@ -173,19 +227,22 @@ class FlLightning:
     """The product's round: a `FederatedLoop` set up as `federation.train()` sets it up on one rank,
     timed through its `run_round` (every client's update, the aggregation and the server step)."""
 
-    def __init__(self, name: str, fabric: Fabric, network: nn.Module, workload: Workload, algorithm,
-                 server_lr: float):
-        self.name = name
-        dataset = ImageDataset(workload.images, workload.labels, NUM_CLASSES, CIFAR10_MEAN, CIFAR10_STD)
+    def __init__(self, fabric: Fabric, network: nn.Module, workload: Workload, algorithm: str,
+                 compute: ComputeArgs):
+        self.name = fl_lightning_name(algorithm, compute.client_path)
+        self.algorithm, self.client_path = algorithm, compute.client_path
+        _, factory, server_lr = ALGORITHMS[algorithm]
+        dataset = ImageDataset(workload.images, workload.labels, workload.num_classes, workload.mean, workload.std)
         run = FederatedRun(
-            algorithm=algorithm, server_optimizer=ServerSGD(lr=server_lr),
-            module=ClassificationModule(copy.deepcopy(network), NUM_CLASSES), train=dataset, test=dataset,
+            algorithm=factory(), server_optimizer=ServerSGD(lr=server_lr),
+            module=ClassificationModule(copy.deepcopy(network), workload.num_classes), train=dataset, test=dataset,
             partition=[indices.numpy() for indices in workload.client_indices],
             federation=FederationArgs(rounds=10**6, num_clients=workload.num_clients,
                                       clients_per_round=workload.num_clients, local_steps=workload.local_steps,
                                       batch_size=workload.batch_size),
             data=DataArgs(augment=False), client_optimizer=ClientOptimizerArgs(lr=LEARNING_RATE),
             checkpoint_keep=1, seed=SEED, out_dir=Path("benchmark-run"), run_id="benchmark", hyperparameters={},
+            compute=compute,
         )
         self.loop = FederatedLoop(fabric, run)
         self.module = self.loop.module
@@ -194,65 +251,168 @@ class FlLightning:
         self.loop.run_round(round_index)
 
 
-def build_methods(fabric: Fabric, model_name: str,
-                  workload: Workload) -> list[Centralised | NaiveFederated | FlLightning]:
+Method = Centralised | NaiveFederated | FlLightning
+
+
+def build_methods(fabric: Fabric, model_name: str, workload: Workload, algorithms: Sequence[str] = tuple(ALGORITHMS),
+                  group_size: Optional[int] = None) -> list[Method]:
+    """The ceiling, the naive loop, then each algorithm on the loop and the grouped path, all from the
+    same initial model."""
     torch.manual_seed(SEED)
-    network = create_model(model_name, NUM_CLASSES, CHANNELS, IMAGE_SIZE)
-    return [
-        Centralised(fabric, network, workload),
-        NaiveFederated(fabric, network, workload),
-        # Server lr 1 is plain averaging, the same update as the naive loop's.
-        FlLightning(FL_LIGHTNING_FEDAVG, fabric, network, workload, FedAvg(), server_lr=1.0),
-        FlLightning(FL_LIGHTNING_CTPFL, fabric, network, workload, CTPFL(), server_lr=LEARNING_RATE),
-        FlLightning(FL_LIGHTNING_CTPFL_VECTORISED, fabric, network, workload, CTPFL(vectorise=True),
-                    server_lr=LEARNING_RATE),
-    ]
+    network = create_model(model_name, workload.num_classes, workload.channels, workload.image_size)
+    methods: list[Method] = [Centralised(fabric, network, workload), NaiveFederated(fabric, network, workload)]
+    for algorithm in algorithms:
+        for client_path in CLIENT_PATHS:
+            compute = ComputeArgs(client_path=client_path, group_size=group_size,
+                                  channels_last=workload.channels_last)
+            methods.append(FlLightning(fabric, network, workload, algorithm, compute))
+    return methods
 
 
-def timed_round(method, round_index: int, device: torch.device) -> float:
+def timed_round(method: Method, round_index: int, device: torch.device) -> tuple[float, Optional[int], Optional[int]]:
+    """Seconds of one round; on CUDA also its peak allocated bytes and the peak above what was
+    allocated when the round started (the round's own working memory)."""
+    cuda = device.type == "cuda"
     synchronise(device)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+        start_bytes = torch.cuda.memory_allocated(device)
     started = time.perf_counter()
     method.run_round(round_index)
     synchronise(device)
-    return time.perf_counter() - started
+    seconds = time.perf_counter() - started
+    if not cuda:
+        return seconds, None, None
+    peak = torch.cuda.max_memory_allocated(device)
+    return seconds, peak, peak - start_bytes
+
+
+def git_commit() -> Optional[str]:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, capture_output=True,
+                              text=True, check=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def settings_of(args: argparse.Namespace, fabric: Fabric, workload: Workload, num_params: int) -> dict:
+    device = fabric.device
+    return {
+        "model": args.model, "parameters": num_params,
+        "channels": args.channels, "image_size": args.image_size, "num_classes": args.num_classes,
+        "clients": args.clients, "local_steps": args.local_steps, "batch_size": args.batch_size,
+        "centralised_batch_size": args.clients * args.batch_size, "samples_per_client": SAMPLES_PER_CLIENT,
+        "client_samples_per_round": workload.samples_per_round,
+        "algorithms": list(args.algorithms), "client_paths": list(CLIENT_PATHS), "group_size": args.group_size,
+        "precision": args.precision, "channels_last": args.channels_last,
+        "warm_up_rounds": WARM_UP_ROUNDS, "timed_rounds": args.repeats, "client_lr": LEARNING_RATE,
+        "data": "random uint8, no augmentation",
+        "device": args.device, "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+        "cpu_threads": torch.get_num_threads(), "git_commit": git_commit(),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, float]:
-    """Print the settings and the table; return the median client-samples per second by method."""
+    """Print the settings and the table, write the JSON if asked; return the median client-samples
+    per second by method. A method that fails is reported (and recorded in the JSON) while the
+    others go on; then the script exits with status 1."""
     args = parse_args(argv)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    apply_threads(args.threads)
     fabric = Fabric(accelerator=args.device, devices=1, precision=args.precision)
     device = fabric.device
-    workload = Workload(args.clients, args.local_steps, args.batch_size, device)
-    methods = build_methods(fabric, args.model, workload)
+    workload = Workload(args.clients, args.local_steps, args.batch_size, device, args.channels, args.image_size,
+                        args.num_classes, args.channels_last)
+    methods = build_methods(fabric, args.model, workload, args.algorithms, args.group_size)
     num_params = sum(p.numel() for p in methods[0].model.parameters())
 
-    # Warm-up round: lazy initialisation, allocator growth and kernel selection stay out of the timing.
-    for method in methods:
-        method.run_round(0)
-    rates: dict[str, list[float]] = {method.name: [] for method in methods}
-    # Methods take turns within each repeat, so a slowdown of a shared machine hits all of them alike.
-    for repeat in range(args.repeats):
+    seconds: dict[str, list[float]] = {method.name: [] for method in methods}
+    peaks: dict[str, list[int]] = {method.name: [] for method in methods}
+    working: dict[str, list[int]] = {method.name: [] for method in methods}
+    errors: dict[str, str] = {}
+    # The warm-up round (lazy initialisation, allocator growth, kernel selection) is left out of the
+    # timing; methods take turns within each repeat, so a slowdown of a shared machine hits all alike.
+    for round_index in range(WARM_UP_ROUNDS + args.repeats):
         for method in methods:
-            seconds = timed_round(method, repeat + 1, device)
-            rates[method.name].append(workload.samples_per_round / seconds)
+            if method.name in errors:
+                continue
+            try:
+                round_seconds, peak, above_start = timed_round(method, round_index, device)
+            except Exception as error:  # an out-of-memory grouped path must not lose the other figures
+                errors[method.name] = f"round {round_index}: {type(error).__name__}: {error}"
+                traceback.print_exc()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                continue
+            if round_index < WARM_UP_ROUNDS:
+                continue
+            seconds[method.name].append(round_seconds)
+            if peak is not None:
+                peaks[method.name].append(peak)
+                working[method.name].append(above_start)
 
+    rates = {name: [workload.samples_per_round / s for s in values] for name, values in seconds.items()
+             if name not in errors}
     medians = {name: statistics.median(values) for name, values in rates.items()}
-    ceiling = medians[CENTRALISED]
-    device_name = f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""
-    print(f"model {args.model} ({num_params:,} parameters), "
-          f"{args.clients} clients x {args.local_steps} local steps x batch {args.batch_size} "
-          f"= {workload.samples_per_round:,} client-samples per round, {SAMPLES_PER_CLIENT} samples per client "
-          f"(random uint8 {CHANNELS}x{IMAGE_SIZE}x{IMAGE_SIZE}, {NUM_CLASSES} classes, no augmentation)")
-    print(f"device {args.device}{device_name}, precision {args.precision}, torch {torch.__version__}, "
-          f"CPU threads: {torch.get_num_threads()}; 1 warm-up round, then the median of {args.repeats} "
-          f"timed rounds per method")
-    print(f"{'method':<26}{'samples/s':>12}{'min':>12}{'max':>12}{'vs centralised':>16}")
-    for name, values in rates.items():
-        print(f"{name:<26}{medians[name]:>12.1f}{min(values):>12.1f}{max(values):>12.1f}"
-              f"{medians[name] / ceiling:>16.2f}")
+    ceiling, naive = medians.get(CENTRALISED), medians.get(NAIVE_FEDERATED)
+    results = []
+    for method in methods:
+        name = method.name
+        row = {"method": name, "algorithm": getattr(method, "algorithm", None),
+               "client_path": getattr(method, "client_path", None), "round_seconds": seconds[name],
+               "peak_memory_bytes": max(peaks[name]) if peaks[name] else None,
+               "round_memory_bytes": max(working[name]) if working[name] else None}
+        if name in errors:
+            row["error"] = errors[name]
+        else:
+            row.update({"samples_per_second": medians[name], "min_samples_per_second": min(rates[name]),
+                        "max_samples_per_second": max(rates[name]),
+                        "vs_centralised": medians[name] / ceiling if ceiling else None,
+                        "vs_naive_loop": medians[name] / naive if naive else None})
+        results.append(row)
+    settings = settings_of(args, fabric, workload, num_params)
+    print_table(settings, results)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"settings": settings, "results": results, "errors": errors}, indent=2)
+                             + "\n")
+        print(f"wrote {args.json}")
+    if errors:
+        for name, error in errors.items():
+            print(f"FAILED {name}: {error}", file=sys.stderr)
+        raise SystemExit(1)
     return medians
+
+
+def print_table(settings: dict, results: list[dict]) -> None:
+    shape = f"{settings['channels']}x{settings['image_size']}x{settings['image_size']}"
+    print(f"model {settings['model']} ({settings['parameters']:,} parameters), {settings['clients']} clients x "
+          f"{settings['local_steps']} local steps x batch {settings['batch_size']} "
+          f"= {settings['client_samples_per_round']:,} client-samples per round, {SAMPLES_PER_CLIENT} samples per "
+          f"client (random uint8 {shape}, {settings['num_classes']} classes, no augmentation); centralised: "
+          f"{settings['local_steps']} steps of batch {settings['centralised_batch_size']}")
+    device = settings["device"] + (f" ({settings['device_name']})" if settings["device_name"] else "")
+    print(f"device {device}, precision {settings['precision']}, channels-last {settings['channels_last']}, "
+          f"torch {settings['torch']}, CPU threads: {settings['cpu_threads']}; {WARM_UP_ROUNDS} warm-up round, "
+          f"then the median of {settings['timed_rounds']} timed rounds per method")
+    memory = settings["device"] == "cuda"
+    print(f"{'method':<32}{'samples/s':>12}{'min':>12}{'max':>12}{'vs centralised':>16}{'vs naive':>10}"
+          + (f"{'peak MiB':>10}{'round MiB':>10}" if memory else ""))
+    for row in results:
+        if "error" in row:
+            print(f"{row['method']:<32}  FAILED: {row['error']}")
+            continue
+        line = (f"{row['method']:<32}{row['samples_per_second']:>12.1f}{row['min_samples_per_second']:>12.1f}"
+                f"{row['max_samples_per_second']:>12.1f}{_ratio(row['vs_centralised']):>16}"
+                f"{_ratio(row['vs_naive_loop']):>10}")
+        if memory:
+            line += f"{row['peak_memory_bytes'] / 2**20:>10.0f}{row['round_memory_bytes'] / 2**20:>10.0f}"
+        print(line)
+
+
+def _ratio(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 if __name__ == "__main__":

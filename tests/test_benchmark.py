@@ -1,7 +1,9 @@
-"""The throughput benchmark runs end to end, and its fl-lightning FedAvg path computes the same round
-as its naive one-model-copy-per-client reference, so the speed comparison is like for like."""
+"""The throughput benchmark runs end to end (every method, its table and its JSON), and its
+fl-lightning FedAvg path computes the same round as its naive one-model-copy-per-client reference, so
+the speed comparison is like for like."""
 
 import importlib.util
+import json
 import re
 from pathlib import Path
 
@@ -20,19 +22,52 @@ def throughput():
     return module
 
 
+TINY = ["--model", "linear", "--clients", "2", "--local-steps", "2", "--batch-size", "8", "--repeats", "1"]
+
+
 def test_prints_every_method_with_a_positive_rate(throughput, capsys):
-    medians = throughput.main(["--model", "linear", "--clients", "2", "--local-steps", "2", "--batch-size", "8",
-                               "--repeats", "1"])
+    medians = throughput.main([*TINY, "--algorithms", "fedavg,ctpfl"])
     printed = capsys.readouterr().out
-    methods = [throughput.CENTRALISED, throughput.NAIVE_FEDERATED, throughput.FL_LIGHTNING_FEDAVG,
-               throughput.FL_LIGHTNING_CTPFL, throughput.FL_LIGHTNING_CTPFL_VECTORISED]
+    methods = [throughput.CENTRALISED, throughput.NAIVE_FEDERATED,
+               *(throughput.fl_lightning_name(algorithm, path)
+                 for algorithm in ("fedavg", "ctpfl") for path in ("loop", "grouped"))]
     assert list(medians) == methods
     for method in methods:
-        row = re.search(rf"^{re.escape(method)}\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$", printed, re.MULTILINE)
+        row = re.search(rf"^{re.escape(method)}\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$", printed,
+                        re.MULTILINE)
         assert row is not None, f"no row for {method!r} in:\n{printed}"
         assert all(float(value) > 0 for value in row.groups())
     assert "2 clients x 2 local steps x batch 8 = 32 client-samples per round" in printed
+    assert "centralised: 2 steps of batch 16" in printed
     assert "precision 32-true" in printed
+
+
+def test_json_holds_every_setting_and_method(throughput, tmp_path, capsys):
+    path = tmp_path / "out" / "throughput.json"
+    throughput.main([*TINY, "--channels", "1", "--image-size", "8", "--num-classes", "5", "--channels-last",
+                     "--json", str(path)])
+    assert f"wrote {path}" in capsys.readouterr().out
+    report = json.loads(path.read_text())
+    settings = report["settings"]
+    assert settings["algorithms"] == ["fedavg", "scaffold", "fedprox", "ctpfl"]
+    assert (settings["channels"], settings["image_size"], settings["num_classes"]) == (1, 8, 5)
+    assert settings["channels_last"] is True and settings["precision"] == "32-true"
+    assert settings["client_samples_per_round"] == 32 and settings["centralised_batch_size"] == 16
+    assert settings["torch"] == torch.__version__ and settings["device"] == "cpu"
+    expected = [throughput.CENTRALISED, throughput.NAIVE_FEDERATED,
+                *(throughput.fl_lightning_name(algorithm, path)
+                  for algorithm in ("fedavg", "scaffold", "fedprox", "ctpfl") for path in ("loop", "grouped"))]
+    assert [row["method"] for row in report["results"]] == expected
+    assert report["errors"] == {}
+    for row in report["results"]:
+        assert row["samples_per_second"] > 0 and len(row["round_seconds"]) == 1, row
+        assert row["vs_centralised"] > 0 and row["vs_naive_loop"] > 0, row
+        assert row["peak_memory_bytes"] is None  # CUDA only
+
+
+def test_algorithms_option_refuses_unknown_names(throughput):
+    with pytest.raises(SystemExit):
+        throughput.parse_args(["--algorithms", "fedavg,fedsgd"])
 
 
 # resnet18 adds BatchNorm statistics to the average. It takes one local step: its local SGD steps
@@ -42,9 +77,9 @@ def test_prints_every_method_with_a_positive_rate(throughput, capsys):
 def test_fedavg_round_matches_the_naive_loop(throughput, model_name, local_steps):
     fabric = Fabric(accelerator="cpu", devices=1, precision="32-true")
     workload = throughput.Workload(num_clients=2, local_steps=local_steps, batch_size=8, device=fabric.device)
-    methods = {method.name: method for method in throughput.build_methods(fabric, model_name, workload)}
+    methods = {method.name: method for method in throughput.build_methods(fabric, model_name, workload, ["fedavg"])}
     naive = methods[throughput.NAIVE_FEDERATED]
-    fedavg = methods[throughput.FL_LIGHTNING_FEDAVG]
+    fedavg = methods[throughput.fl_lightning_name("fedavg", "loop")]
     initial = {name: tensor.clone() for name, tensor in naive.global_model.state_dict().items()}
 
     naive.run_round(0)
