@@ -60,10 +60,11 @@ def batch_positions(
 
 
 def clip_to_norm(vector: torch.Tensor, max_norm: Optional[float]) -> torch.Tensor:
-    """`vector` scaled down to L2 norm `max_norm` if longer (unchanged when max_norm is None)."""
+    """`vector` scaled down to L2 norm `max_norm` if longer (unchanged when max_norm is None).
+    Tensor arithmetic throughout: no host synchronisation, and it runs per client under vmap."""
     if max_norm is None:
         return vector
-    return vector * min(1.0, max_norm / (vector.norm().item() + 1e-12))
+    return vector * (max_norm / (vector.norm() + 1e-12)).clamp(max=1.0)
 
 
 class LocalSGD:
@@ -71,32 +72,54 @@ class LocalSGD:
 
     `project` (optional) maps the direction after weight decay and before momentum; FedCONST's
     constraint projection plugs in here so that momentum only ever accumulates projected steps.
-    Momentum starts at zero every round, as in all reference code.
+    Momentum starts at zero every round, as in all reference code. `step` returns the new
+    parameters rather than updating them in place, so the same code steps one client or, under
+    vmap, each of a group. `active_steps` (one bool per step, grouped clients only) marks the
+    steps a client of a group takes; on the others its parameters and momentum stay as they are.
     """
 
-    def __init__(self, args: ClientOptimizerArgs, project: Optional[Callable[[torch.Tensor], torch.Tensor]] = None):
+    def __init__(self, args: ClientOptimizerArgs, project: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                 active_steps: Optional[torch.Tensor] = None):
         self.args = args
         self.project = project
+        self.active_steps = active_steps
         self.momentum_buffer: Optional[torch.Tensor] = None
+        self.steps_taken = 0
 
-    def step(self, params: torch.Tensor, gradient: torch.Tensor) -> None:
+    def step(self, params: torch.Tensor, gradient: torch.Tensor) -> torch.Tensor:
         args = self.args
         gradient = clip_to_norm(gradient, args.grad_clip_norm)
         direction = gradient + args.weight_decay * params if args.weight_decay else gradient
         if self.project is not None:
             direction = self.project(direction)
+        previous_momentum = self.momentum_buffer
         if args.momentum:
-            if self.momentum_buffer is None:
-                self.momentum_buffer = direction.clone()
-            else:
-                self.momentum_buffer.mul_(args.momentum).add_(direction)
+            self.momentum_buffer = direction if previous_momentum is None else (
+                previous_momentum * args.momentum + direction)
             direction = direction + args.momentum * self.momentum_buffer if args.nesterov else self.momentum_buffer
-        params.add_(direction, alpha=-args.lr)
+        new_params = params - args.lr * direction
+        if self.active_steps is not None and self.steps_taken > 0:  # every client takes step 0
+            active = self.active_steps[self.steps_taken]
+            new_params = torch.where(active, new_params, params)
+            if args.momentum:
+                self.momentum_buffer = torch.where(active, self.momentum_buffer, previous_momentum)
+        self.steps_taken += 1
+        return new_params
+
+
+PADDING_LABEL = -100
+"""The label of a padding sample in a grouped client's batch (a client's batch shorter than the
+group's): F.cross_entropy's default ignore_index, so losses average over the client's own samples."""
 
 
 @dataclass
 class ClientRun:
-    """One client's share of one round."""
+    """One client's share of one round.
+
+    Algorithms read and write it the same way whether it runs alone or, in the grouped path, as
+    one of a group under `torch.func.vmap` (`vectorised`): then every tensor below is one client's
+    slice of the group's, and the code must stay tensor arithmetic (no `.item()`, no branching on
+    values)."""
 
     client_id: int
     round: int
@@ -104,8 +127,8 @@ class ClientRun:
     global_params: torch.Tensor
     """The global model x as a flat vector (read only)."""
     buffers: torch.Tensor
-    """This client's copy of the model's float buffers (BatchNorm running stats); train-mode
-    forward passes update it, and it is averaged into the global buffers."""
+    """This client's copy of the model's float buffers (BatchNorm running stats); each training
+    pass replaces it with the updated statistics, and it is averaged into the global buffers."""
     state: dict[str, torch.Tensor]
     """Persistent per-client state of stateful algorithms, written back after the round."""
     optimizer_args: ClientOptimizerArgs
@@ -113,15 +136,22 @@ class ClientRun:
     """The round's constraint projection of local directions (FedCONST), or None."""
     trainer: "LocalTrainer"
     """The rank's trainer that built this run (shared by the round's clients on this rank)."""
+    num_steps: "int | torch.Tensor"
+    """Local steps this round: K_i (a tensor when grouped clients differ in it)."""
     _positions: list[torch.Tensor]
     _sample_indices: torch.Tensor
     _generator: torch.Generator
     losses: list[torch.Tensor] = field(default_factory=list)
+    vectorised: bool = False
+    _batches: Optional[list[Batch]] = None
+    _active_steps: Optional[torch.Tensor] = None
 
     def batches(self) -> Iterator[Batch]:
-        """The client's `num_steps` mini-batches, augmented and normalised on the device."""
-        for positions in self._positions:
-            yield self.trainer.make_batch(self._sample_indices[positions], self._generator)
+        """The client's `num_steps` mini-batches, augmented and normalised on the device; all made
+        on first use, so no step waits on a transfer from the host."""
+        if self._batches is None:
+            self._batches = self.trainer.make_batches(self._sample_indices, self._positions, self._generator)
+        return iter(self._batches)
 
     def replay_batches(self) -> Iterator[Batch]:
         """The same mini-batches as `batches()`, augmentation included, drawn again from a fresh
@@ -129,8 +159,7 @@ class ClientRun:
         own random stream."""
         generator = self.trainer.client_generator(self.client_id, self.round)
         self.trainer.batch_order(len(self._sample_indices), generator)  # as client_run drew it first
-        for positions in self._positions:
-            yield self.trainer.make_batch(self._sample_indices[positions], generator)
+        return iter(self.trainer.make_batches(self._sample_indices, self._positions, generator))
 
     def loss_and_grad(self, params: torch.Tensor, batch: Batch, training_pass: bool = True
                       ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,11 +167,15 @@ class ClientRun:
 
         A training pass updates this client's BatchNorm running statistics and counts towards its
         train loss; an extra evaluation on the same batch (FedSAM's ascent point) does neither."""
-        buffers = self.buffers if training_pass else self.buffers.clone()
-        loss, gradient = self.trainer.loss_and_grad(params, buffers, batch)
+        loss, gradient, buffers = self.trainer.loss_grad_and_buffers(params, self.buffers, batch, self.vectorised)
         if training_pass:
+            self.buffers = buffers
             self.losses.append(loss)
         return loss, gradient
+
+    def gradient(self, function: Callable[[torch.Tensor], torch.Tensor], params: torch.Tensor) -> torch.Tensor:
+        """The gradient of the scalar `function` at `params` (autograd alone, torch.func in a group)."""
+        return differentiate(function, params, self.vectorised)[0]
 
     def features(self, params: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
         """The network's `forward_features` at flat `params` on `inputs`, differentiable in `params`;
@@ -156,22 +189,27 @@ class ClientRun:
         with torch.no_grad():
             return self.trainer.features(params, buffers, inputs, training=False)
 
-    @property
-    def num_steps(self) -> int:
-        return len(self._positions)
-
-    @property
-    def batch_sizes(self) -> list[int]:
-        return [len(positions) for positions in self._positions]
-
     def local_sgd(self) -> LocalSGD:
         """A fresh local optimizer (momentum reset) that applies the round's constraint, if any."""
-        return LocalSGD(self.optimizer_args, self.projection)
+        return LocalSGD(self.optimizer_args, self.projection, self._active_steps)
 
     @property
     def mean_loss(self) -> float:
         # One host sync per client rather than one per step.
         return torch.stack(self.losses).mean().item() if self.losses else float("nan")
+
+
+def differentiate(function: Callable, params: torch.Tensor, functional: bool, has_aux: bool = False):
+    """(gradient of `function` at `params`, its value[, aux]): `torch.autograd.grad` for one client,
+    `torch.func.grad_and_value` under vmap, where autograd.grad cannot run (same numbers)."""
+    if functional:
+        gradient, value = torch.func.grad_and_value(function, has_aux=has_aux)(params)
+        return (gradient, *value) if has_aux else (gradient, value)
+    params = params.detach().requires_grad_(True)
+    value = function(params)
+    loss = value[0] if has_aux else value
+    (gradient,) = torch.autograd.grad(loss, params)
+    return (gradient, loss.detach(), *value[1:]) if has_aux else (gradient, loss.detach())
 
 
 class ForwardFeaturesCall(nn.Module):
@@ -187,31 +225,14 @@ class ForwardFeaturesCall(nn.Module):
         return self.module.network.forward_features(inputs)
 
 
-def vectorisable(clients: list[ClientRun]) -> bool:
-    """Whether these clients' gradients can be computed together by `group_loss_and_grads`: more
-    than one, a model without buffers (BatchNorm statistics must stay per client) and the same
-    sequence of batch sizes for all."""
-    trainer = clients[0].trainer if clients else None
-    return (len(clients) > 1 and trainer.buffer_layout.numel == 0 and not trainer.integer_buffers
-            and len({tuple(client.batch_sizes) for client in clients}) == 1)
-
-
-def group_loss_and_grads(clients: list[ClientRun], params: torch.Tensor, batches: list[Batch]) -> torch.Tensor:
-    """Every client's gradient at the same `params`, each on its own batch, in one vectorised pass
-    (rows in the clients' order); each client records its loss as `loss_and_grad` would."""
-    losses, gradients = clients[0].trainer.loss_and_grads_per_client(params, batches)
-    for client, loss in zip(clients, losses):
-        client.losses.append(loss)
-    return gradients
-
-
 class LocalTrainer:
     """Builds `ClientRun`s on one rank and evaluates the module's loss at arbitrary flat parameters."""
 
     def __init__(self, fabric, module: ClassificationModule, *, images: torch.Tensor, labels: torch.Tensor, transform,
                  param_layout: FlatLayout, buffer_layout: FlatLayout, global_params: torch.Tensor,
                  global_buffers: torch.Tensor, client_indices: list[torch.Tensor], seed: int,
-                 federation: FederationArgs, optimizer_args: ClientOptimizerArgs, constraint=None):
+                 federation: FederationArgs, optimizer_args: ClientOptimizerArgs, constraint=None,
+                 channels_last: bool = False):
         """Everything that stays the same for the whole run: the rank's copy of the training data,
         the global model (flat tensors the server updates in place), each client's sample indices
         and the local budget and optimizer."""
@@ -235,52 +256,68 @@ class LocalTrainer:
         self.constraint = constraint
         # Integer buffers (BatchNorm's num_batches_tracked) are not averaged; each client gets a copy.
         self.integer_buffers = {n: b for n, b in module.named_buffers() if not b.is_floating_point()}
+        self.channels_last = channels_last
 
     def make_batch(self, indices: torch.Tensor, generator: torch.Generator) -> Batch:
         indices = indices.to(self.train_images.device)
         return self.transform(self.train_images[indices], generator), self.train_labels[indices]
 
-    def _train_mode_call(self, call: nn.Module, params: torch.Tensor, buffers: torch.Tensor, argument,
-                         training: bool = True):
+    def make_batches(self, sample_indices: torch.Tensor, positions: list[torch.Tensor], generator: torch.Generator
+                     ) -> list[Batch]:
+        """All of a client's mini-batches (`positions` into `sample_indices`): the same batches and
+        augmentations as `make_batch` one after another from `generator`, with one transfer to the
+        device and one augmentation pass over them all."""
+        sizes = [len(batch) for batch in positions]
+        indices = sample_indices[torch.cat(positions)].to(self.train_images.device, non_blocking=True)
+        crops = None
+        if self.transform.augment:
+            per_batch = [self.transform.draw_crops(size, generator) for size in sizes]
+            crops = tuple(torch.cat(draws) for draws in zip(*per_batch))
+        inputs = self.transform(self.train_images[indices], crops=crops)
+        if self.channels_last and inputs.dim() == 4:
+            inputs = inputs.contiguous(memory_format=torch.channels_last)
+        return list(zip(inputs.split(sizes), self.train_labels[indices].split(sizes)))
+
+    def _call_with_buffers(self, call: nn.Module, params: torch.Tensor, buffers: torch.Tensor, argument,
+                           training: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """`call(argument)` in train mode (eval mode if not `training`) with the module's tensors
-        replaced by views of the flat `params` and `buffers` (which BatchNorm's running statistics
-        update in place in train mode)."""
+        replaced by views of the flat `params` and by copies of the flat `buffers`; returns the
+        output and the buffers as the call left them (BatchNorm updates its running statistics in
+        train mode). The copies are separate tensors because under vmap an in-place update through
+        a view of one flat tensor would be lost."""
         from fl_lightning.module import TrainingStepCall
 
-        tensors = {**self.param_layout.views(params), **self.buffer_layout.views(buffers)}
+        buffer_copies = {name: view.clone() for name, view in self.buffer_layout.views(buffers).items()}
+        tensors = {**self.param_layout.views(params), **buffer_copies}
         tensors.update({n: b.clone() for n, b in self.integer_buffers.items()})
         self.module.train(training)
         with self.fabric.autocast():
-            return functional_call(call, {TrainingStepCall.prefix + n: t for n, t in tensors.items()}, (argument,))
+            output = functional_call(call, {TrainingStepCall.prefix + n: t for n, t in tensors.items()}, (argument,))
+        updated = torch.cat([t.reshape(-1) for t in buffer_copies.values()]) if buffer_copies else buffers
+        return output, updated
+
+    def _train_mode_call(self, call: nn.Module, params: torch.Tensor, buffers: torch.Tensor, argument,
+                         training: bool = True) -> torch.Tensor:
+        return self._call_with_buffers(call, params, buffers, argument, training)[0]
+
+    def loss_grad_and_buffers(self, params: torch.Tensor, buffers: torch.Tensor, batch: Batch, functional: bool = False
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The training loss at flat `params` on `batch`, its gradient, and the float buffers after
+        the pass (`buffers` itself is left as it is); `functional` under vmap."""
+        gradient, loss, updated = differentiate(
+            lambda p: self._call_with_buffers(self.call, p, buffers, batch), params, functional, has_aux=True)
+        return loss.detach(), gradient, updated.detach()
 
     def loss_and_grad(self, params: torch.Tensor, buffers: torch.Tensor, batch: Batch
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        params = params.detach().requires_grad_(True)
-        loss = self._train_mode_call(self.call, params, buffers, batch)
-        (gradient,) = torch.autograd.grad(loss, params)
-        return loss.detach(), gradient
-
-    def loss_and_grads_per_client(self, params: torch.Tensor, batches: list[Batch]
-                                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each client's training loss at the same flat `params` on its own batch, and its gradient:
-        one vectorised forward/backward (`torch.func.vmap`) over the clients' stacked batches
-        instead of one per client. Only for models without buffers, whose per-client results do
-        not depend on batch statistics kept across calls."""
-        def loss_at(shared_params: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            return self._train_mode_call(self.call, shared_params, torch.zeros(0, device=shared_params.device),
-                                         (inputs, targets))
-
-        inputs = torch.stack([inputs for inputs, _ in batches])
-        targets = torch.stack([targets for _, targets in batches])
-        gradients, losses = torch.func.vmap(torch.func.grad_and_value(loss_at), in_dims=(None, 0, 0))(
-            params.detach(), inputs, targets)
-        return losses.detach(), gradients
+        """The training loss at flat `params` on `batch` and its gradient; `buffers` is read only."""
+        return self.loss_grad_and_buffers(params, buffers, batch)[:2]
 
     def features(self, params: torch.Tensor, buffers: torch.Tensor, inputs: torch.Tensor,
                  training: bool = True) -> torch.Tensor:
-        # A copy of the buffers: in train mode BatchNorm normalises with the batch's statistics, as
-        # in `loss_and_grad`, but its running statistics must not be updated a second time.
-        return self._train_mode_call(self.features_call, params, buffers.clone(), inputs, training).float()
+        # In train mode BatchNorm normalises with the batch's statistics, as in `loss_and_grad`; the
+        # running statistics it computes are dropped (the CE pass already counted this batch).
+        return self._train_mode_call(self.features_call, params, buffers, inputs, training).float()
 
     def client_generator(self, client_id: int, round_index: int) -> torch.Generator:
         """The stream of everything the client draws in the round: its batch order, then its
@@ -308,6 +345,7 @@ class LocalTrainer:
             optimizer_args=self.optimizer_args,
             projection=projection,
             trainer=self,
+            num_steps=len(positions),
             _positions=positions,
             _sample_indices=sample_indices,
             _generator=generator,

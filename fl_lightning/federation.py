@@ -19,6 +19,7 @@ import torch
 from fl_lightning.algorithms import Algorithm
 from fl_lightning.checkpoint import checkpoint_dir, numbered_checkpoints, save_checkpoint, save_client_shard
 from fl_lightning.client import SAMPLING_STREAM, LocalTrainer, seeded_generator
+from fl_lightning.client_groups import client_updates, uses_grouped_path
 from fl_lightning.config import ClientOptimizerArgs, ComputeArgs, DataArgs, FederationArgs
 from fl_lightning.constraints import Constraint
 from fl_lightning.data import DeviceTransform, ImageDataset
@@ -170,6 +171,7 @@ class FederatedLoop:
         self.client_states = ClientStates({c: s for c, s in saved_states.items()
                                            if c % fabric.world_size == fabric.global_rank})
         self.trainer = self._local_trainer(device)
+        self.grouped = uses_grouped_path(run.compute.client_path, device)
         self.test_images, self.test_labels = run.test.images.to(device), run.test.labels.to(device)
         self.test_transform = DeviceTransform(run.test.mean, run.test.std, augment=False)
         self.sizes = [len(p) for p in run.partition]
@@ -188,6 +190,7 @@ class FederatedLoop:
             global_params=global_model.params, global_buffers=global_model.buffers,
             client_indices=[torch.as_tensor(p, dtype=torch.long) for p in run.partition], seed=run.seed,
             federation=run.federation, optimizer_args=run.client_optimizer, constraint=run.constraint,
+            channels_last=run.compute.channels_last,
         )
 
     @property
@@ -213,7 +216,8 @@ class FederatedLoop:
         buffer = UploadBuffer(algorithm, self.global_model.param_layout.numel, self.global_model.buffer_layout.numel,
                               fabric.device)
         hooks_seconds = 0.0  # diagnostics' time on their rounds, left out of the round's own time
-        for client, uploads in algorithm.client_updates(self._client_runs(clients, round_index)):
+        runs = self._client_runs(clients, round_index)
+        for client, uploads in client_updates(algorithm, runs, self.grouped, self.run.compute.group_size):
             if self.stateful:
                 self.client_states.put(client.client_id, client.state)
             hook_started = time.perf_counter()

@@ -261,6 +261,15 @@ class NormalisedEncoder(FeatureClassifier):
         return torch.relu(self.norm(self.linear(x)))
 
 
+class UnchangedFeatures:
+    """The transform of data that needs none (feature vectors rather than images)."""
+
+    augment = False
+
+    def __call__(self, images, generator=None, crops=None):
+        return images
+
+
 def test_moon_represents_the_global_and_previous_models_in_eval_mode():
     """z_glob and z_prev use the running statistics of the global and of the previous model; the
     local model normalises with its batch statistics and updates its own running statistics."""
@@ -283,7 +292,7 @@ def test_moon_represents_the_global_and_previous_models_in_eval_mode():
 
     fabric = Fabric(accelerator="cpu", devices=1, precision="32-true")
     trainer = LocalTrainer(
-        fabric, module, images=inputs, labels=labels, transform=lambda images, generator: images,
+        fabric, module, images=inputs, labels=labels, transform=UnchangedFeatures(),
         param_layout=model.param_layout, buffer_layout=model.buffer_layout, global_params=model.params,
         global_buffers=model.buffers, client_indices=[torch.arange(num_samples)], seed=SEED,
         federation=FederationArgs(num_clients=1, clients_per_round=1, local_epochs=epochs, batch_size=num_samples),

@@ -24,7 +24,7 @@ def test_local_sgd_matches_torch_sgd_with_gradient_clipping(momentum, nesterov, 
     local_sgd = LocalSGD(args)
     for _ in range(5):
         gradient = torch.randn(6, generator=generator)
-        local_sgd.step(params, gradient)
+        params = local_sgd.step(params, gradient)
         reference.grad = gradient.clone()
         if clip is not None:
             torch.nn.utils.clip_grad_norm_([reference], clip)

@@ -58,7 +58,7 @@ def run_local_sgd(global_params, project, nesterov, steps=150):
     params = global_params.clone()
     for _ in range(steps):
         gradient = 0.01 * torch.randn(params.shape, generator=generator) + 0.02 * params
-        optimizer.step(params, gradient + correction)
+        params = optimizer.step(params, gradient + correction)
     return params
 
 

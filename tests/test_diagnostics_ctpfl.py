@@ -143,8 +143,9 @@ class NoBufferNet(nn.Module):
         return self.layers(x)
 
 
-@pytest.mark.parametrize("network, vectorise", [("batchnorm", False), ("no buffers", True)])
-def test_a_zero_span_measures_no_bias(network, vectorise):
+@pytest.mark.parametrize("network, client_path", [("batchnorm", "loop"), ("batchnorm", "grouped"),
+                                                  ("no buffers", "grouped")])
+def test_a_zero_span_measures_no_bias(network, client_path):
     """h = 0 puts every query point at x^r: the gradients at x^r on the replayed batches are the
     clients' own, so the bias is zero (BatchNorm's batch statistics and augmentation included)."""
     module, images, labels, partition, _ = tiny_network_problem()
@@ -152,8 +153,8 @@ def test_a_zero_span_measures_no_bias(network, vectorise):
         torch.manual_seed(0)
         module = ClassificationModule(NoBufferNet(), num_classes=3)
     diagnostic = DisplacementBias(every=1)
-    fabric, loop = federated_loop(module, images, labels, partition, CTPFL(span=0.0, vectorise=vectorise),
-                                  [diagnostic], local_steps=3, batch_size=4, augment=True, num_classes=3)
+    fabric, loop = federated_loop(module, images, labels, partition, CTPFL(span=0.0), [diagnostic],
+                                  local_steps=3, batch_size=4, augment=True, num_classes=3, client_path=client_path)
     for metrics in run_rounds(fabric, loop, 3):
         assert metrics["ctpfl/bias"] <= 1e-6 * metrics["ctpfl/gradient_norm"]
         assert metrics["ctpfl/cosine"] == pytest.approx(1.0, abs=1e-6)

@@ -16,7 +16,7 @@ from fl_lightning.algorithms import CTPFL, FedAvg
 from fl_lightning.checkpoint import checkpoint_dir
 from fl_lightning.cli import main
 from fl_lightning.client import seeded_generator
-from fl_lightning.config import ClientOptimizerArgs, ConfigError, DataArgs, FederationArgs
+from fl_lightning.config import ClientOptimizerArgs, ComputeArgs, ConfigError, DataArgs, FederationArgs
 from fl_lightning.data import ImageDataset
 from fl_lightning.diagnostics.landscape import (
     PROBE_STREAM,
@@ -67,8 +67,8 @@ class QuadraticModule(ClassificationModule):
 def federated_loop(module: ClassificationModule, images: torch.Tensor, labels: torch.Tensor,
                    partition: list[np.ndarray], algorithm, callbacks: list, *, local_steps: int = 2,
                    batch_size: int = 4, server_lr: float = 0.5, clients_per_round: int = None, augment: bool = False,
-                   seed: int = 0, num_classes: int = 2, rounds: int = 10**6, test: tuple = None
-                   ) -> tuple[Fabric, FederatedLoop]:
+                   seed: int = 0, num_classes: int = 2, rounds: int = 10**6, test: tuple = None,
+                   client_path: str = "loop") -> tuple[Fabric, FederatedLoop]:
     """A loop set up as `federation.train` sets one up on a single rank; the test split is the
     training data unless `test` gives (images, labels)."""
     channels = images.shape[1]
@@ -82,6 +82,7 @@ def federated_loop(module: ClassificationModule, images: torch.Tensor, labels: t
                                   batch_size=batch_size),
         data=DataArgs(augment=augment, crop_padding=1), client_optimizer=ClientOptimizerArgs(lr=0.1),
         checkpoint_keep=1, seed=seed, out_dir=Path("unused"), run_id="test", hyperparameters={},
+        compute=ComputeArgs(client_path=client_path),
     )
     fabric = Fabric(accelerator="cpu", devices=1, callbacks=callbacks)
     return fabric, FederatedLoop(fabric, run)

@@ -71,32 +71,3 @@ def test_ctpfl_with_zero_span_is_minibatch_sgd(cifar_root, tmp_path):
         clients = sampled(r, setup)
         x = x - 0.5 * sum(problem.grad(x, c) for c in clients) / len(clients)
     assert_close(final, x)
-
-
-@pytest.mark.parametrize("model_name, weight_decay, clip_norm", [("linear", 0.0, None), ("lenet5", 1e-3, 0.5)])
-def test_ctpfl_vectorised_clients_match_the_client_by_client_path(cifar_root, tmp_path, monkeypatch,
-                                                                   model_name, weight_decay, clip_norm):
-    """Mini-batches with augmentation, the same K for all: the one-pass-per-query-point path must
-    give the same model as evaluating every client separately."""
-    import fl_lightning.algorithms.ctpfl as ctpfl_module
-    from fl_lightning.config import DataArgs, FederationArgs, ModelArgs
-
-    passes = []
-    original = ctpfl_module.group_loss_and_grads
-    monkeypatch.setattr(ctpfl_module, "group_loss_and_grads",
-                        lambda clients, *args: passes.append(len(clients)) or original(clients, *args))
-
-    def run(vectorise, out_dir):
-        setup = small_setup(cifar_root, out_dir)
-        setup.update(model=ModelArgs(name=model_name, norm="none"),
-                     data=DataArgs(name="cifar10", root=cifar_root, alpha=1.0, min_samples=10),
-                     federation=FederationArgs(rounds=3, num_clients=5, clients_per_round=3, local_steps=4,
-                                               batch_size=16, eval_every=3))
-        algorithm = CTPFL(span=0.3, weight_decay=weight_decay, clip_norm=clip_norm, vectorise=vectorise)
-        return fit(algorithm=algorithm, server_optimizer=ServerSGD(lr=0.5), **setup)
-
-    one_by_one = run(False, tmp_path / "sequential")
-    assert passes == []
-    together = run(True, tmp_path / "vectorised")
-    assert passes == [3] * 3 * 4  # 3 rounds x K = 4 query points, all 3 clients in each pass
-    torch.testing.assert_close(together, one_by_one, rtol=1e-5, atol=1e-6)

@@ -6,7 +6,7 @@ Shared mechanics (sampling, weights, flattening, the all-reduce, checkpoints) li
 
 from __future__ import annotations
 
-from typing import Callable, ClassVar, Iterable, Iterator, Literal, Optional
+from typing import Callable, ClassVar, Literal, Optional
 
 import torch
 from torch import nn
@@ -74,13 +74,6 @@ class Algorithm(Configurable):
     def client_update(self, client: ClientRun) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
-    def client_updates(self, clients: Iterable[ClientRun]) -> Iterator[tuple[ClientRun, dict[str, torch.Tensor]]]:
-        """Each of one rank's clients this round with its uploads. One after another by default, so
-        that a client (and its state) is set up only when its turn comes; an algorithm may compute
-        them together instead (CTP-FL batches its shared query points)."""
-        for client in clients:
-            yield client, self.client_update(client)
-
     def server_update(self, params: torch.Tensor, aggregate: dict[str, torch.Tensor]) -> None:
         """Update the global parameters in place from the aggregated uploads (same on every rank)."""
         self.server_optimizer.step(params, aggregate[PSEUDO_GRADIENT])
@@ -111,11 +104,11 @@ def train_locally(client: ClientRun, direction: Optional[Direction] = None) -> t
     direction, FedSAM re-evaluates g at its ascent point. Weight decay and a constraint's projection
     are the optimizer's and come after.
     """
-    params = client.global_params.clone()
+    params = client.global_params
     optimizer = client.local_sgd()
     for batch in client.batches():
         _, gradient = client.loss_and_grad(params, batch)
         if direction is not None:
             gradient = direction(params, gradient, batch)
-        optimizer.step(params, gradient)
+        params = optimizer.step(params, gradient)
     return params

@@ -10,12 +10,12 @@ model is trained. h = 0 is synchronised mini-batch SGD.
 from __future__ import annotations
 
 import math
-from typing import Iterable, Iterator, Optional
+from typing import Optional
 
 import torch
 
 from fl_lightning.algorithms.base import PSEUDO_GRADIENT, Algorithm
-from fl_lightning.client import ClientRun, clip_to_norm, group_loss_and_grads, vectorisable
+from fl_lightning.client import ClientRun, clip_to_norm
 from fl_lightning.config import ConfigError, FederationArgs
 
 
@@ -24,17 +24,12 @@ class CTPFL(Algorithm):
     trains_locally = False
     default_weighting = "uniform"
 
-    def __init__(self, span: Optional[float] = None, weight_decay: float = 0.0, clip_norm: Optional[float] = None,
-                 vectorise: bool = False):
+    def __init__(self, span: Optional[float] = None, weight_decay: float = 0.0, clip_norm: Optional[float] = None):
         """
         Args:
             span: prediction span h >= 0; None uses h = gamma, the server lr (Theorem 4.3).
             weight_decay: adds weight_decay * z_k to each gradient.
             clip_norm: clips each client's u_i to this L2 norm.
-            vectorise: compute a rank's clients together at each query point (`torch.func.vmap`)
-                when the model has no buffers (no BatchNorm) and their batches line up
-                (local_steps); the same result as one by one. Off by default: on a 2-core CPU it
-                measured slower (benchmarks/throughput.py); meant for GPUs, where it is unmeasured.
         """
         if span is not None and span < 0:
             raise ConfigError("algorithm.init_args.span", "a value >= 0 (or null for h = server lr)", span)
@@ -45,7 +40,6 @@ class CTPFL(Algorithm):
         self.span = span
         self.weight_decay = weight_decay
         self.clip_norm = clip_norm
-        self.vectorise = vectorise
 
     def check_federation(self, federation: FederationArgs, client_sizes: list[int]) -> None:
         # local_epochs gives each client K_i = E * ceil(n_i / B) steps: unequal counts would give the
@@ -74,31 +68,16 @@ class CTPFL(Algorithm):
         return [k * self.effective_span / (num_steps - 1) for k in range(num_steps)]
 
     def client_update(self, client: ClientRun) -> dict[str, torch.Tensor]:
+        """The query points are the same for every client, so in the grouped path (`compute.client_path`)
+        the clients of a rank evaluate each of them in one pass over their concatenated batches,
+        each normalising with its own batch statistics."""
         direction = self.server_state["direction"]
-        mean_gradient = torch.zeros_like(client.global_params)
+        gradient_sum = 0.0
         for offset, batch in zip(self.query_offsets(client.num_steps), client.batches()):
             query = client.global_params - offset * direction
             _, gradient = client.loss_and_grad(query, batch)
-            mean_gradient += self.with_weight_decay(gradient, query)
-        return {PSEUDO_GRADIENT: clip_to_norm(mean_gradient / client.num_steps, self.clip_norm)}
-
-    def client_updates(self, clients: Iterable[ClientRun]) -> Iterator[tuple[ClientRun, dict[str, torch.Tensor]]]:
-        """All of a rank's clients query the same points, so when their batches line up the K
-        gradients of every client come from K vectorised passes rather than K per client; each
-        client still normalises and averages its own batches, so the uploads are the same."""
-        clients = list(clients)
-        if not self.vectorise or not vectorisable(clients):
-            yield from super().client_updates(clients)
-            return
-        direction, global_params = self.server_state["direction"], clients[0].global_params
-        streams = [client.batches() for client in clients]
-        mean_gradients = torch.zeros(len(clients), global_params.numel(), device=global_params.device)
-        for offset in self.query_offsets(clients[0].num_steps):
-            query = global_params - offset * direction
-            gradients = group_loss_and_grads(clients, query, [next(stream) for stream in streams])
-            mean_gradients += self.with_weight_decay(gradients, query)
-        for client, mean_gradient in zip(clients, mean_gradients / clients[0].num_steps):
-            yield client, {PSEUDO_GRADIENT: clip_to_norm(mean_gradient, self.clip_norm)}
+            gradient_sum = gradient_sum + self.with_weight_decay(gradient, query)
+        return {PSEUDO_GRADIENT: clip_to_norm(gradient_sum / client.num_steps, self.clip_norm)}
 
     def with_weight_decay(self, gradient: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
         return gradient + self.weight_decay * query if self.weight_decay else gradient

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fl_lightning.algorithms.base import PSEUDO_GRADIENT, Algorithm, train_locally
-from fl_lightning.client import Batch, ClientRun
+from fl_lightning.client import PADDING_LABEL, Batch, ClientRun
 from fl_lightning.config import ConfigError
 from fl_lightning.models import FeatureClassifier
 
@@ -100,7 +100,7 @@ class MOON(Algorithm):
         return ProjectedClassifier(network, self.projection_dim)
 
     def client_update(self, client: ClientRun) -> dict[str, torch.Tensor]:
-        # The buffers as received (training updates client.buffers in place): the global model's.
+        # The buffers as received (training replaces client.buffers): the global model's.
         global_model = (client.global_params, client.buffers.clone())
         previous_model = client.state.get(PREVIOUS_MODEL)
         contrastive = None
@@ -108,7 +108,7 @@ class MOON(Algorithm):
             previous_model = (previous_model, client.state.get(PREVIOUS_BUFFERS, global_model[1]))
 
             def contrastive(params: torch.Tensor, gradient: torch.Tensor, batch: Batch) -> torch.Tensor:
-                return gradient + self.contrastive_gradient(client, params, global_model, previous_model, batch[0])
+                return gradient + self.contrastive_gradient(client, params, global_model, previous_model, batch)
 
         local_params = train_locally(client, direction=contrastive)
         client.state[PREVIOUS_MODEL] = local_params
@@ -117,18 +117,22 @@ class MOON(Algorithm):
 
     def contrastive_gradient(self, client: ClientRun, params: torch.Tensor,
                              global_model: tuple[torch.Tensor, torch.Tensor],
-                             previous_model: tuple[torch.Tensor, torch.Tensor], inputs: torch.Tensor) -> torch.Tensor:
-        """The gradient of mu * the contrastive loss at `params` on `inputs`; `global_model` and
+                             previous_model: tuple[torch.Tensor, torch.Tensor], batch: Batch) -> torch.Tensor:
+        """The gradient of mu * the contrastive loss at `params` on `batch`'s images; `global_model` and
         `previous_model` are (flat parameters, flat float buffers), represented in eval mode."""
+        inputs, labels = batch
         global_features = client.frozen_features(*global_model, inputs)
         previous_features = client.frozen_features(*previous_model, inputs)
-        params = params.detach().requires_grad_(True)
-        features = client.features(params, inputs)
-        logits = torch.stack([
-            F.cosine_similarity(features, global_features, dim=1),
-            F.cosine_similarity(features, previous_features, dim=1),
-        ], dim=1) / self.tau
         # Target 0: the representation should agree with the global model's, not the stale one's.
-        targets = torch.zeros(len(inputs), dtype=torch.long, device=logits.device)
-        (gradient,) = torch.autograd.grad(self.mu * F.cross_entropy(logits, targets), params)
-        return gradient
+        # Padding samples of a grouped client's batch keep their label, so they count for nothing.
+        targets = torch.where(labels == PADDING_LABEL, PADDING_LABEL, 0)
+
+        def contrastive_loss(params: torch.Tensor) -> torch.Tensor:
+            features = client.features(params, inputs)
+            logits = torch.stack([
+                F.cosine_similarity(features, global_features, dim=1),
+                F.cosine_similarity(features, previous_features, dim=1),
+            ], dim=1) / self.tau
+            return self.mu * F.cross_entropy(logits, targets, ignore_index=PADDING_LABEL)
+
+        return client.gradient(contrastive_loss, params)

@@ -24,12 +24,12 @@ CONTROL = "control"
 CONTROL_DELTA = "control_delta"
 
 
-def momentum_steps(num_steps: int, momentum: float, nesterov: bool) -> float:
+def momentum_steps(num_steps: int | torch.Tensor, momentum: float, nesterov: bool) -> float | torch.Tensor:
     """How far `num_steps` local SGD steps (momentum reset at the start) move along a constant unit
     direction, in units of the lr: sum over steps m of (1 - beta^m) / (1 - beta) for heavy ball,
     plus one per step (the direction itself) for Nesterov; `num_steps` without momentum."""
     if not momentum:
-        return float(num_steps)
+        return num_steps
     heavy_ball = (num_steps - momentum * (1 - momentum**num_steps) / (1 - momentum)) / (1 - momentum)
     return num_steps + momentum * heavy_ball if nesterov else heavy_ball
 

@@ -27,16 +27,30 @@ class DeviceTransform:
         self.crop_padding = crop_padding
         self._scale_and_shift: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def __call__(self, images: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    def __call__(self, images: torch.Tensor, generator: torch.Generator | None = None,
+                 crops: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Normalised `images`, augmented with `crops` (from `draw_crops`) or with crops drawn from
+        `generator` (when augmenting)."""
         if images.dtype != torch.uint8 or images.dim() != 4 or images.shape[1] != len(self.mean):
             raise ValueError(
                 f"expected uint8 images [B, {len(self.mean)}, H, W], got {images.dtype} {tuple(images.shape)}"
             )
-        if self.augment and generator is not None:
-            images = self._crop_and_flip(images, generator)
+        if self.augment and crops is None and generator is not None:
+            crops = self.draw_crops(len(images), generator)
+        if self.augment and crops is not None:
+            images = self._crop_and_flip(images, crops)
         scale, shift = self._constants(images.device)
         # (x / 255 - mean) / std as one multiply-add.
         return torch.addcmul(shift, images.float(), scale)
+
+    def draw_crops(self, batch: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The random numbers of one batch's augmentation, on the CPU: row offsets, column offsets
+        and flips. Drawn in this order; the stream is part of a run's reproducibility."""
+        span = 2 * self.crop_padding + 1
+        row_offsets = torch.randint(0, span, (batch,), generator=generator)
+        column_offsets = torch.randint(0, span, (batch,), generator=generator)
+        flips = torch.rand(batch, generator=generator) < 0.5
+        return row_offsets, column_offsets, flips
 
     def _constants(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if device not in self._scale_and_shift:
@@ -47,19 +61,15 @@ class DeviceTransform:
             self._scale_and_shift[device] = (scale, shift)
         return self._scale_and_shift[device]
 
-    def _crop_and_flip(self, images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    def _crop_and_flip(self, images: torch.Tensor, crops: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+                       ) -> torch.Tensor:
         batch, channels, height, width = images.shape
         padding = self.crop_padding
-        # Drawn in this order (rows, columns, flips); the stream is part of a run's reproducibility.
-        row_offsets = torch.randint(0, 2 * padding + 1, (batch,), generator=generator)
-        column_offsets = torch.randint(0, 2 * padding + 1, (batch,), generator=generator)
-        flips = torch.rand(batch, generator=generator) < 0.5
-
+        row_offsets, column_offsets, flips = (draw.to(images.device, non_blocking=True) for draw in crops)
         device = images.device
-        rows = row_offsets[:, None] + torch.arange(height)
-        columns = column_offsets[:, None] + torch.arange(width)
+        rows = row_offsets[:, None] + torch.arange(height, device=device)
+        columns = column_offsets[:, None] + torch.arange(width, device=device)
         columns = torch.where(flips[:, None], columns.flip(1), columns)
-        rows, columns = rows.to(device), columns.to(device)
 
         padded = F.pad(images, (padding, padding, padding, padding))
         cropped_rows = padded.gather(2, rows[:, None, :, None].expand(batch, channels, height, width + 2 * padding))

@@ -1,0 +1,129 @@
+"""How a rank computes its clients' updates: one after another, or grouped.
+
+Grouped, a rank's clients advance in lockstep: the algorithm's own `client_update` runs once,
+under `torch.func.vmap`, on a `ClientRun` whose tensors are the group's stacked ones (buffers,
+state, batches); the global model and the server state stay shared. So a local-update method's
+forward and backward passes batch over the clients' parameters, and CTP-FL's, whose clients query
+the same points, become one pass over the concatenated batches. No algorithm has code of its own
+for this: what vmap cannot run (`.item()`, branching on values) has no place in a client rule.
+
+Clients in one group need batches of one shape at every step. Where the network normalises
+per sample (no BatchNorm), a shorter batch is padded with samples of label `PADDING_LABEL`,
+which the loss leaves out, and a client with fewer steps than the group's is masked on the rest
+(its parameters and momentum stay). With BatchNorm, padding would change the batch statistics:
+only clients with the same batch sizes share a group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Iterator, Optional
+
+import torch
+from torch import nn
+
+from fl_lightning.algorithms.base import Algorithm
+from fl_lightning.client import PADDING_LABEL, ClientRun
+
+Updates = Iterator[tuple[ClientRun, dict[str, torch.Tensor]]]
+
+
+def uses_grouped_path(client_path: str, device: torch.device) -> bool:
+    """`auto` groups on a GPU only: on the CPU, grouped convolutions measured slower than the loop
+    (docs/performance.md)."""
+    return client_path == "grouped" or (client_path == "auto" and device.type == "cuda")
+
+
+def client_updates(algorithm: Algorithm, clients: Iterable[ClientRun], grouped: bool,
+                   group_size: Optional[int] = None) -> Updates:
+    """Each of one rank's clients this round with its uploads, in the order given."""
+    if not grouped:
+        for client in clients:
+            yield client, algorithm.client_update(client)
+        return
+    for group in _groups(list(clients), group_size):
+        yield from _group_updates(algorithm, group)
+
+
+def _has_batch_statistics(module: nn.Module) -> bool:
+    return any(isinstance(layer, nn.modules.batchnorm._BatchNorm) for layer in module.modules())
+
+
+def _groups(clients: list[ClientRun], group_size: Optional[int]) -> list[list[ClientRun]]:
+    """Clients that can share a group, in chunks of at most `group_size`: the same state entries
+    (an algorithm may branch on whether a client has trained before), and with BatchNorm the same
+    batch sizes. Sorted by their number of steps, so that a chunk wastes few masked steps."""
+    if not clients:
+        return []
+    pad = not _has_batch_statistics(clients[0].trainer.module)
+    kinds: dict[tuple, list[ClientRun]] = {}
+    for client in sorted(clients, key=lambda c: -c.num_steps):
+        sizes = None if pad else tuple(len(p) for p in client._positions)
+        kinds.setdefault((tuple(sorted(client.state)), sizes), []).append(client)
+    size = group_size or len(clients)
+    return [kind[start:start + size] for kind in kinds.values() for start in range(0, len(kind), size)]
+
+
+def _group_updates(algorithm: Algorithm, group: list[ClientRun]) -> Updates:
+    if len(group) == 1:
+        yield group[0], algorithm.client_update(group[0])
+        return
+    try:
+        results = _run_group(algorithm, group)
+    except torch.cuda.OutOfMemoryError:
+        # Nothing was written back yet: the halves start from the same state.
+        torch.cuda.empty_cache()
+        middle = len(group) // 2
+        yield from _group_updates(algorithm, group[:middle])
+        yield from _group_updates(algorithm, group[middle:])
+        return
+    yield from results
+
+
+def _run_group(algorithm: Algorithm, group: list[ClientRun]) -> list[tuple[ClientRun, dict[str, torch.Tensor]]]:
+    """Every client of `group` updated together; writes each client's state, buffers and losses
+    back as if it had run alone, and returns its uploads."""
+    first = group[0]
+    steps = [client.num_steps for client in group]
+    inputs, labels = _stacked_batches(group, max(steps))
+    num_steps = steps[0] if len(set(steps)) == 1 else torch.tensor(steps, device=inputs.device)
+    active_steps = None
+    if not isinstance(num_steps, int):
+        active_steps = torch.arange(max(steps), device=inputs.device) < num_steps[:, None]
+    state = {name: torch.stack([client.state[name] for client in group]) for name in first.state}
+    buffers = torch.stack([client.buffers for client in group])
+
+    def one_client(inputs, labels, buffers, state, num_steps, active_steps):
+        client = dataclasses.replace(
+            first, buffers=buffers, state=dict(state), num_steps=num_steps, losses=[], vectorised=True,
+            _batches=list(zip(inputs, labels)), _active_steps=active_steps)
+        uploads = algorithm.client_update(client)
+        return uploads, client.state, client.buffers, torch.stack(client.losses)
+
+    per_client = (0, 0, 0, 0, None if isinstance(num_steps, int) else 0, None if active_steps is None else 0)
+    uploads, new_state, new_buffers, losses = torch.func.vmap(
+        one_client, in_dims=per_client, randomness="different")(inputs, labels, buffers, state, num_steps, active_steps)
+    results = []
+    for index, client in enumerate(group):
+        client.state.update({name: value[index] for name, value in new_state.items()})
+        client.buffers = new_buffers[index]
+        client.losses = list(losses[index, :client.num_steps])
+        results.append((client, {name: value[index] for name, value in uploads.items()}))
+    return results
+
+
+def _stacked_batches(group: list[ClientRun], steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[clients, steps, batch, ...] images and labels; a client's shorter batches are padded with
+    `PADDING_LABEL` samples, and its steps beyond its own repeat its first batch (masked)."""
+    batch_size = max(len(p) for client in group for p in client._positions)
+    stacked_inputs, stacked_labels = [], []
+    for client in group:
+        batches = list(client.batches())
+        batches += [batches[0]] * (steps - len(batches))
+        for inputs, labels in batches:
+            missing = batch_size - len(labels)
+            stacked_inputs.append(torch.cat([inputs, inputs.new_zeros((missing, *inputs.shape[1:]))]))
+            stacked_labels.append(torch.cat([labels, labels.new_full((missing,), PADDING_LABEL)]))
+    shape = (len(group), steps, batch_size)
+    return (torch.stack(stacked_inputs).view(*shape, *stacked_inputs[0].shape[1:]),
+            torch.stack(stacked_labels).view(shape))

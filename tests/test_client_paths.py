@@ -1,0 +1,174 @@
+"""The grouped path (clients trained together under torch.func.vmap) against the client-by-client
+loop, the reference: the same global model, buffers and train loss for every algorithm, with and
+without BatchNorm, under CONST, and with clients that take different numbers of steps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from lightning.fabric import Fabric
+from torch import nn
+
+import fl_lightning.client_groups as client_groups
+from fl_lightning.algorithms import (
+    CTPFL,
+    MOON,
+    SCAFFOLD,
+    FedAvg,
+    FedAvgM,
+    FedAvgMomentum,
+    FedCM,
+    FedDyn,
+    FedProx,
+    FedSAM,
+)
+from fl_lightning.client_groups import uses_grouped_path
+from fl_lightning.config import ClientOptimizerArgs, ComputeArgs, DataArgs, FederationArgs
+from fl_lightning.constraints import CONST
+from fl_lightning.data import ImageDataset
+from fl_lightning.federation import FederatedLoop, FederatedRun
+from fl_lightning.models import FeatureClassifier
+from fl_lightning.module import ClassificationModule
+from fl_lightning.server_optimizers import ServerSGD
+
+NUM_CLASSES = 3
+# Unequal clients: with batch 5 and 2 local epochs they take 6, 8, 4, 8 and 10 steps, most ending an
+# epoch on a shorter batch.
+CLIENT_SIZES = (13, 20, 7, 16, 24)
+
+
+class SmallConvNet(FeatureClassifier):
+    """conv -> (BatchNorm) -> ReLU -> pool -> linear features -> classifier."""
+
+    def __init__(self, batch_norm: bool, bias: bool = True):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1, bias=bias)
+        self.norm = nn.BatchNorm2d(4) if batch_norm else nn.Identity()
+        self.features = nn.Linear(4 * 4 * 4, 8, bias=bias)
+        self.feature_dim = 8
+        self.classifier = nn.Linear(8, NUM_CLASSES, bias=bias)
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        x = nn.functional.max_pool2d(torch.relu(self.norm(self.conv(x))), 2)
+        return torch.relu(self.features(x.flatten(1)))
+
+
+ALGORITHMS = {
+    "fedavg": FedAvg, "fedavgm": FedAvgM, "fedavg_m": FedAvgMomentum, "fedcm": FedCM, "scaffold": SCAFFOLD,
+    "fedprox": lambda: FedProx(mu=0.1), "feddyn": lambda: FedDyn(alpha=0.1), "fedsam": lambda: FedSAM(rho=0.05),
+    "moon": lambda: MOON(mu=1.0, projection_dim=6), "ctpfl": lambda: CTPFL(span=0.2, weight_decay=1e-3, clip_norm=5.0),
+}
+
+
+def federated_loop(algorithm_name: str, *, batch_norm: bool, client_path: str, local_epochs=None, local_steps=None,
+                   clients_per_round: int = 5, constraint=None, group_size=None) -> FederatedLoop:
+    algorithm = ALGORITHMS[algorithm_name]()
+    torch.manual_seed(0)
+    network = algorithm.prepare_model(SmallConvNet(batch_norm, bias=constraint is None))
+    if constraint is not None:
+        constraint.prepare_model(network)
+    generator = torch.Generator().manual_seed(1)
+    images = torch.randint(0, 256, (sum(CLIENT_SIZES), 3, 8, 8), dtype=torch.uint8, generator=generator)
+    labels = torch.randint(0, NUM_CLASSES, (sum(CLIENT_SIZES),), generator=generator)
+    dataset = ImageDataset(images, labels, NUM_CLASSES, (0.5,) * 3, (0.25,) * 3)
+    partition = np.split(np.arange(sum(CLIENT_SIZES)), np.cumsum(CLIENT_SIZES)[:-1])
+    server_lr = 0.5 if algorithm_name == "ctpfl" else 1.0
+    run = FederatedRun(
+        algorithm=algorithm, server_optimizer=algorithm.server_optimizer_for(ServerSGD(lr=server_lr)),
+        module=ClassificationModule(network, NUM_CLASSES), train=dataset, test=dataset, partition=partition,
+        federation=FederationArgs(rounds=10**6, num_clients=len(CLIENT_SIZES), clients_per_round=clients_per_round,
+                                  local_steps=local_steps, local_epochs=local_epochs, batch_size=5),
+        data=DataArgs(augment=True, crop_padding=1),
+        client_optimizer=ClientOptimizerArgs(lr=0.05, momentum=0.9, weight_decay=1e-3, grad_clip_norm=2.0),
+        checkpoint_keep=1, seed=0, out_dir=Path("unused"), run_id="test", hyperparameters={},
+        constraint=constraint, compute=ComputeArgs(client_path=client_path, group_size=group_size),
+    )
+    return FederatedLoop(Fabric(accelerator="cpu", devices=1), run)
+
+
+@pytest.fixture
+def group_sizes(monkeypatch) -> list[int]:
+    """The size of every group the grouped path computes together."""
+    sizes: list[int] = []
+    original = client_groups._run_group
+    monkeypatch.setattr(client_groups, "_run_group", lambda algorithm, group: sizes.append(len(group)) or
+                        original(algorithm, group))
+    return sizes
+
+
+def rounds_of(loop: FederatedLoop, rounds: int = 3) -> tuple[list[float], torch.Tensor, torch.Tensor]:
+    losses = [loop.run_round(round_index)["train_loss"] for round_index in range(rounds)]
+    return losses, loop.global_model.params.clone(), loop.global_model.buffers.clone()
+
+
+def assert_same_run(grouped, loop):
+    grouped_losses, grouped_params, grouped_buffers = grouped
+    loop_losses, loop_params, loop_buffers = loop
+    assert grouped_losses == pytest.approx(loop_losses, rel=1e-5)
+    torch.testing.assert_close(grouped_params, loop_params, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(grouped_buffers, loop_buffers, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("algorithm_name", sorted(ALGORITHMS))
+def test_batchnorm_clients_grouped_match_the_loop(algorithm_name, group_sizes):
+    """Equal steps (local_steps): every client of the round in one group, each with its own
+    BatchNorm statistics."""
+    settings = dict(algorithm_name=algorithm_name, batch_norm=True, local_steps=3)
+    grouped = rounds_of(federated_loop(**settings, client_path="grouped"))
+    assert group_sizes and max(group_sizes) == len(CLIENT_SIZES)
+    assert_same_run(grouped, rounds_of(federated_loop(**settings, client_path="loop")))
+
+
+@pytest.mark.parametrize("algorithm_name", sorted(set(ALGORITHMS) - {"ctpfl"}))
+def test_clients_with_fewer_steps_and_short_batches_are_masked_and_padded(algorithm_name, group_sizes):
+    """local_epochs over unequal clients, without BatchNorm: the group runs the most steps of its
+    clients, a client's shorter last batch of each epoch is padded, its missing steps masked.
+    (CTP-FL refuses unequal step counts.)"""
+    settings = dict(algorithm_name=algorithm_name, batch_norm=False, local_epochs=2)
+    grouped = rounds_of(federated_loop(**settings, client_path="grouped"))
+    assert max(group_sizes) == len(CLIENT_SIZES)
+    assert_same_run(grouped, rounds_of(federated_loop(**settings, client_path="loop")))
+
+
+@pytest.mark.parametrize("algorithm_name", ["fedavg", "scaffold", "fedsam"])
+def test_const_constrained_clients_grouped_match_the_loop(algorithm_name, group_sizes):
+    settings = dict(algorithm_name=algorithm_name, batch_norm=False, local_epochs=2)
+    grouped = rounds_of(federated_loop(**settings, client_path="grouped", constraint=CONST()))
+    assert max(group_sizes) == len(CLIENT_SIZES)
+    assert_same_run(grouped, rounds_of(federated_loop(**settings, client_path="loop", constraint=CONST())))
+
+
+def test_batchnorm_clients_group_only_with_clients_of_the_same_batch_sizes(group_sizes):
+    """Padding would change BatchNorm's batch statistics: unequal clients are not grouped."""
+    settings = dict(algorithm_name="fedavg", batch_norm=True, local_epochs=1)
+    grouped = rounds_of(federated_loop(**settings, client_path="grouped"))
+    # Sizes 13, 20, 7, 16 and 24 in batches of 5 end on different batches: 20 alone ends evenly,
+    # and no two clients share a sequence of batch sizes.
+    assert group_sizes == []
+    assert_same_run(grouped, rounds_of(federated_loop(**settings, client_path="loop")))
+
+
+def test_stateful_clients_group_with_clients_that_have_the_same_state(group_sizes):
+    """MOON branches on whether a client has a previous model: first-time and returning clients
+    of a round form separate groups, and the result is still the loop's."""
+    settings = dict(algorithm_name="moon", batch_norm=True, local_steps=2, clients_per_round=3)
+    grouped = rounds_of(federated_loop(**settings, client_path="grouped"), rounds=4)
+    assert sum(group_sizes) < 4 * 3  # some rounds mix new and returning clients
+    assert_same_run(grouped, rounds_of(federated_loop(**settings, client_path="loop"), rounds=4))
+
+
+def test_group_size_bounds_the_groups(group_sizes):
+    settings = dict(algorithm_name="scaffold", batch_norm=True, local_steps=2)
+    grouped = rounds_of(federated_loop(**settings, client_path="grouped", group_size=2))
+    assert group_sizes and max(group_sizes) == 2
+    assert_same_run(grouped, rounds_of(federated_loop(**settings, client_path="loop")))
+
+
+def test_auto_groups_on_a_gpu_and_loops_on_the_cpu():
+    assert uses_grouped_path("auto", torch.device("cuda", 0))
+    assert not uses_grouped_path("auto", torch.device("cpu"))
+    assert uses_grouped_path("grouped", torch.device("cpu"))
+    assert not uses_grouped_path("loop", torch.device("cuda", 0))
