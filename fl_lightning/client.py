@@ -194,9 +194,9 @@ class ClientRun:
         return LocalSGD(self.optimizer_args, self.projection, self._active_steps)
 
     @property
-    def mean_loss(self) -> float:
-        # One host sync per client rather than one per step.
-        return torch.stack(self.losses).mean().item() if self.losses else float("nan")
+    def mean_loss(self) -> torch.Tensor:
+        """The mean training loss of the client's steps, left on the device (no host sync)."""
+        return torch.stack(self.losses).mean()
 
 
 def differentiate(function: Callable, params: torch.Tensor, functional: bool, has_aux: bool = False):

@@ -224,7 +224,7 @@ class FederatedLoop:
             fabric.call("on_client_end", fabric, self, client, uploads, weights[client.client_id])
             hooks_seconds += time.perf_counter() - hook_started
             uploads["buffers"] = client.buffers
-            uploads["train_loss"] = torch.tensor([client.mean_loss], device=fabric.device)
+            uploads["train_loss"] = client.mean_loss.reshape(1)
             buffer.add(uploads, weights[client.client_id])
         one = torch.ones(1, device=fabric.device)
         buffer.add({**({STOP_REQUESTED: one} if self.stop_reasons else {}),

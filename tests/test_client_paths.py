@@ -64,7 +64,8 @@ ALGORITHMS = {
 
 
 def federated_loop(algorithm_name: str, *, batch_norm: bool, client_path: str, local_epochs=None, local_steps=None,
-                   clients_per_round: int = 5, constraint=None, group_size=None) -> FederatedLoop:
+                   clients_per_round: int = 5, constraint=None, group_size=None,
+                   channels_last: bool = False) -> FederatedLoop:
     algorithm = ALGORITHMS[algorithm_name]()
     torch.manual_seed(0)
     network = algorithm.prepare_model(SmallConvNet(batch_norm, bias=constraint is None))
@@ -84,7 +85,7 @@ def federated_loop(algorithm_name: str, *, batch_norm: bool, client_path: str, l
         data=DataArgs(augment=True, crop_padding=1),
         client_optimizer=ClientOptimizerArgs(lr=0.05, momentum=0.9, weight_decay=1e-3, grad_clip_norm=2.0),
         checkpoint_keep=1, seed=0, out_dir=Path("unused"), run_id="test", hyperparameters={},
-        constraint=constraint, compute=ComputeArgs(client_path=client_path, group_size=group_size),
+        constraint=constraint, compute=ComputeArgs(client_path=client_path, group_size=group_size, channels_last=channels_last),
     )
     return FederatedLoop(Fabric(accelerator="cpu", devices=1), run)
 
@@ -172,3 +173,13 @@ def test_auto_groups_on_a_gpu_and_loops_on_the_cpu():
     assert not uses_grouped_path("auto", torch.device("cpu"))
     assert uses_grouped_path("grouped", torch.device("cpu"))
     assert not uses_grouped_path("loop", torch.device("cuda", 0))
+
+
+def test_channels_last_images_give_the_same_model():
+    settings = dict(algorithm_name="fedavg", batch_norm=True, local_steps=2, client_path="loop")
+    plain = federated_loop(**settings)
+    channels_last = federated_loop(**settings, channels_last=True)
+    client = channels_last.trainer.client_run(0, 0, {})
+    inputs, _ = next(client.batches())
+    assert inputs.is_contiguous(memory_format=torch.channels_last) and not inputs.is_contiguous()
+    assert_same_run(rounds_of(channels_last), rounds_of(plain))
