@@ -85,7 +85,8 @@ def federated_loop(algorithm_name: str, *, batch_norm: bool, client_path: str, l
         data=DataArgs(augment=True, crop_padding=1),
         client_optimizer=ClientOptimizerArgs(lr=0.05, momentum=0.9, weight_decay=1e-3, grad_clip_norm=2.0),
         checkpoint_keep=1, seed=0, out_dir=Path("unused"), run_id="test", hyperparameters={},
-        constraint=constraint, compute=ComputeArgs(client_path=client_path, group_size=group_size, channels_last=channels_last),
+        constraint=constraint,
+        compute=ComputeArgs(client_path=client_path, group_size=group_size, channels_last=channels_last),
     )
     return FederatedLoop(Fabric(accelerator="cpu", devices=1), run)
 
