@@ -257,6 +257,10 @@ class LocalTrainer:
         # Integer buffers (BatchNorm's num_batches_tracked) are not averaged; each client gets a copy.
         self.integer_buffers = {n: b for n, b in module.named_buffers() if not b.is_floating_point()}
         self.channels_last = channels_last
+        # functional_call's search for tied weights costs a walk over the module per step: only
+        # where a tensor is registered under two names.
+        self.tied_weights = (len(list(module.named_parameters(remove_duplicate=False)))
+                             != len(list(module.named_parameters())))
 
     def make_batch(self, indices: torch.Tensor, generator: torch.Generator) -> Batch:
         indices = indices.to(self.train_images.device)
@@ -290,9 +294,11 @@ class LocalTrainer:
         buffer_copies = {name: view.clone() for name, view in self.buffer_layout.views(buffers).items()}
         tensors = {**self.param_layout.views(params), **buffer_copies}
         tensors.update({n: b.clone() for n, b in self.integer_buffers.items()})
-        self.module.train(training)
+        if self.module.training != training:
+            self.module.train(training)
         with self.fabric.autocast():
-            output = functional_call(call, {TrainingStepCall.prefix + n: t for n, t in tensors.items()}, (argument,))
+            output = functional_call(call, {TrainingStepCall.prefix + n: t for n, t in tensors.items()}, (argument,),
+                                     tie_weights=self.tied_weights)
         updated = torch.cat([t.reshape(-1) for t in buffer_copies.values()]) if buffer_copies else buffers
         return output, updated
 

@@ -25,11 +25,12 @@ from fl_lightning.algorithms import (
     FedProx,
     FedSAM,
 )
+from fl_lightning.client import LocalTrainer
 from fl_lightning.client_groups import uses_grouped_path
 from fl_lightning.config import ClientOptimizerArgs, ComputeArgs, DataArgs, FederationArgs
 from fl_lightning.constraints import CONST
 from fl_lightning.data import ImageDataset
-from fl_lightning.federation import FederatedLoop, FederatedRun
+from fl_lightning.federation import FederatedLoop, FederatedRun, FlatGlobalModel
 from fl_lightning.models import FeatureClassifier
 from fl_lightning.module import ClassificationModule
 from fl_lightning.server_optimizers import ServerSGD
@@ -184,3 +185,33 @@ def test_channels_last_images_give_the_same_model():
     inputs, _ = next(client.batches())
     assert inputs.is_contiguous(memory_format=torch.channels_last) and not inputs.is_contiguous()
     assert_same_run(rounds_of(channels_last), rounds_of(plain))
+
+
+class TiedNet(FeatureClassifier):
+    """Two layers that share one weight matrix (registered under both names)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(NUM_CLASSES, NUM_CLASSES)
+        self.second = nn.Linear(NUM_CLASSES, NUM_CLASSES)
+        self.second.weight = self.first.weight
+        self.feature_dim = NUM_CLASSES
+        self.classifier = nn.Identity()
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.tanh(self.first(x.flatten(1))))
+
+
+def test_a_tied_weight_gets_the_gradient_of_both_uses():
+    torch.manual_seed(0)
+    module = ClassificationModule(TiedNet(), NUM_CLASSES)
+    inputs, labels = torch.randn(6, NUM_CLASSES), torch.randint(0, NUM_CLASSES, (6,))
+    loss = module.training_step((inputs, labels))
+    expected = torch.autograd.grad(loss, list(module.parameters()))
+    model = FlatGlobalModel.bind(module, torch.device("cpu"))
+    trainer = LocalTrainer(Fabric(accelerator="cpu", devices=1), module, images=inputs, labels=labels, transform=None,
+                           param_layout=model.param_layout, buffer_layout=model.buffer_layout,
+                           global_params=model.params, global_buffers=model.buffers, client_indices=[], seed=0,
+                           federation=FederationArgs(), optimizer_args=ClientOptimizerArgs())
+    _, gradient = trainer.loss_and_grad(model.params, model.buffers, (inputs, labels))
+    torch.testing.assert_close(gradient, torch.cat([g.reshape(-1) for g in expected]))
