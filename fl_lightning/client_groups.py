@@ -45,6 +45,15 @@ def client_updates(algorithm: Algorithm, clients: Iterable[ClientRun], grouped: 
         yield from _group_updates(algorithm, group)
 
 
+def normalise_batches_in_float32(module: nn.Module) -> None:
+    """Make every BatchNorm layer of `module` take float32 inputs: under vmap, batch norm cannot mix
+    a bfloat16 or float16 input (mixed precision) with float32 statistics, as it does unbatched
+    (where it computes in float32 all the same)."""
+    for layer in module.modules():
+        if isinstance(layer, nn.modules.batchnorm._BatchNorm):
+            layer.register_forward_pre_hook(lambda _, inputs: tuple(x.float() for x in inputs))
+
+
 def _has_batch_statistics(module: nn.Module) -> bool:
     return any(isinstance(layer, nn.modules.batchnorm._BatchNorm) for layer in module.modules())
 

@@ -19,7 +19,7 @@ import torch
 from fl_lightning.algorithms import Algorithm
 from fl_lightning.checkpoint import checkpoint_dir, numbered_checkpoints, save_checkpoint, save_client_shard
 from fl_lightning.client import SAMPLING_STREAM, LocalTrainer, seeded_generator
-from fl_lightning.client_groups import client_updates, uses_grouped_path
+from fl_lightning.client_groups import client_updates, normalise_batches_in_float32, uses_grouped_path
 from fl_lightning.config import ClientOptimizerArgs, ComputeArgs, DataArgs, FederationArgs
 from fl_lightning.constraints import Constraint
 from fl_lightning.data import DeviceTransform, ImageDataset
@@ -172,6 +172,8 @@ class FederatedLoop:
                                            if c % fabric.world_size == fabric.global_rank})
         self.trainer = self._local_trainer(device)
         self.grouped = uses_grouped_path(run.compute.client_path, device)
+        if self.grouped:
+            normalise_batches_in_float32(self.module)
         self.test_images, self.test_labels = run.test.images.to(device), run.test.labels.to(device)
         self.test_transform = DeviceTransform(run.test.mean, run.test.std, augment=False)
         self.sizes = [len(p) for p in run.partition]

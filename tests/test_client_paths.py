@@ -66,7 +66,7 @@ ALGORITHMS = {
 
 def federated_loop(algorithm_name: str, *, batch_norm: bool, client_path: str, local_epochs=None, local_steps=None,
                    clients_per_round: int = 5, constraint=None, group_size=None,
-                   channels_last: bool = False) -> FederatedLoop:
+                   channels_last: bool = False, precision: str = "32-true") -> FederatedLoop:
     algorithm = ALGORITHMS[algorithm_name]()
     torch.manual_seed(0)
     network = algorithm.prepare_model(SmallConvNet(batch_norm, bias=constraint is None))
@@ -89,7 +89,7 @@ def federated_loop(algorithm_name: str, *, batch_norm: bool, client_path: str, l
         constraint=constraint,
         compute=ComputeArgs(client_path=client_path, group_size=group_size, channels_last=channels_last),
     )
-    return FederatedLoop(Fabric(accelerator="cpu", devices=1), run)
+    return FederatedLoop(Fabric(accelerator="cpu", devices=1, precision=precision), run)
 
 
 @pytest.fixture
@@ -175,6 +175,18 @@ def test_auto_groups_on_a_gpu_and_loops_on_the_cpu():
     assert not uses_grouped_path("auto", torch.device("cpu"))
     assert uses_grouped_path("grouped", torch.device("cpu"))
     assert not uses_grouped_path("loop", torch.device("cuda", 0))
+
+
+@pytest.mark.parametrize("algorithm_name", ["fedavg", "ctpfl"])
+def test_batchnorm_clients_grouped_in_bfloat16_match_the_loop_in_bfloat16(algorithm_name, group_sizes):
+    """Under vmap, batch norm cannot mix bfloat16 inputs with float32 statistics; the grouped path
+    feeds it float32, as it computes unbatched."""
+    settings = dict(algorithm_name=algorithm_name, batch_norm=True, local_steps=3, precision="bf16-mixed")
+    grouped_losses, grouped_params, _ = rounds_of(federated_loop(**settings, client_path="grouped"))
+    assert max(group_sizes) == len(CLIENT_SIZES)
+    loop_losses, loop_params, _ = rounds_of(federated_loop(**settings, client_path="loop"))
+    assert grouped_losses == pytest.approx(loop_losses, rel=1e-2)
+    torch.testing.assert_close(grouped_params, loop_params, rtol=0, atol=0.05)
 
 
 def test_channels_last_images_give_the_same_model():
