@@ -49,6 +49,51 @@ else
     JSON=benchmarks/gpu_check.json
 fi
 
+# Merges the shapes run so far into $JSON (after every shape, so that a run cut short by a time
+# limit still leaves the finished shapes' figures); with "table", also prints the summary.
+merge() {
+    "$PYTHON" - "$JSON" "$PARTS" "$((SECONDS - started))" "$1" "${runs[@]}" <<'EOF'
+"""Merge the shapes' JSON files into one and print the summary table."""
+import json
+import sys
+from pathlib import Path
+
+out, parts, total_seconds, table = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "table"
+runs = sys.argv[5:]
+shapes = []
+for run in runs:
+    model, code, seconds = run.rsplit(":", 2)
+    part = parts / f"{model}.json"
+    report = json.loads(part.read_text()) if part.is_file() else {}
+    shapes.append({"model": model, "exit_status": int(code), "wall_seconds": int(seconds), **report})
+first = next((shape["settings"] for shape in shapes if "settings" in shape), {})
+common = {key: first.get(key) for key in ("device", "device_name", "torch", "cuda", "python", "precision",
+                                          "channels_last", "clients", "local_steps", "batch_size", "algorithms",
+                                          "warm_up_rounds", "timed_rounds", "git_commit", "date")}
+failed = [shape["model"] for shape in shapes if shape["exit_status"] != 0]
+out.write_text(json.dumps({"settings": common, "wall_seconds": total_seconds, "failed": failed, "shapes": shapes},
+                          indent=2) + "\n")
+if not table:
+    sys.exit(0)
+print(f"\nsummary ({common.get('device_name') or common.get('device')}, torch {common.get('torch')}, "
+      f"{common.get('precision')}; {total_seconds} s in all)")
+print(f"{"model":<10}{"method":<32}{'samples/s':>12}{'vs ceiling':>12}{'vs naive':>10}{'peak MiB':>10}")
+for shape in shapes:
+    for row in shape.get("results", []):
+        if "error" in row:
+            print(f"{shape['model']:<9} {row['method']:<32}  FAILED: {row['error']}")
+            continue
+        peak = row.get("peak_memory_bytes")
+        print(f"{shape['model']:<9} {row['method']:<32}{row['samples_per_second']:>12.0f}"
+              f"{row['vs_centralised']:>12.2f}{row['vs_naive_loop']:>10.2f}"
+              f"{'-' if peak is None else f'{peak / 2**20:.0f}':>10}")
+    if "results" not in shape:
+        print(f"{shape['model']:<9} FAILED (exit status {shape['exit_status']}, no results)")
+print(f"wrote {out}")
+EOF
+}
+
+mkdir -p "$(dirname "$JSON")"
 PARTS=$(mktemp -d)
 trap 'rm -rf "$PARTS"' EXIT
 status=0
@@ -71,44 +116,9 @@ for shape in $SHAPES; do
     echo "== $model: exit status $code, $seconds s =="
     [[ $code -eq 0 ]] || status=1
     runs+=("$model:$code:$seconds")
+    merge quiet || status=1
 done
 
-mkdir -p "$(dirname "$JSON")"
-"$PYTHON" - "$JSON" "$PARTS" "$((SECONDS - started))" "${runs[@]}" <<'EOF' || status=1
-"""Merge the shapes' JSON files into one and print the summary table."""
-import json
-import sys
-from pathlib import Path
-
-out, parts, total_seconds, runs = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
-shapes = []
-for run in runs:
-    model, code, seconds = run.rsplit(":", 2)
-    part = parts / f"{model}.json"
-    report = json.loads(part.read_text()) if part.is_file() else {}
-    shapes.append({"model": model, "exit_status": int(code), "wall_seconds": int(seconds), **report})
-first = next((shape["settings"] for shape in shapes if "settings" in shape), {})
-common = {key: first.get(key) for key in ("device", "device_name", "torch", "cuda", "python", "precision",
-                                          "channels_last", "clients", "local_steps", "batch_size", "algorithms",
-                                          "warm_up_rounds", "timed_rounds", "git_commit", "date")}
-failed = [shape["model"] for shape in shapes if shape["exit_status"] != 0]
-out.write_text(json.dumps({"settings": common, "wall_seconds": total_seconds, "failed": failed, "shapes": shapes},
-                          indent=2) + "\n")
-print(f"\nsummary ({common.get('device_name') or common.get('device')}, torch {common.get('torch')}, "
-      f"{common.get('precision')}; {total_seconds} s in all)")
-print(f"{'model':<10}{'method':<32}{'samples/s':>12}{'vs ceiling':>12}{'vs naive':>10}{'peak MiB':>10}")
-for shape in shapes:
-    for row in shape.get("results", []):
-        if "error" in row:
-            print(f"{shape['model']:<10}{row['method']:<32}  FAILED: {row['error']}")
-            continue
-        peak = row.get("peak_memory_bytes")
-        print(f"{shape['model']:<10}{row['method']:<32}{row['samples_per_second']:>12.0f}"
-              f"{row['vs_centralised']:>12.2f}{row['vs_naive_loop']:>10.2f}"
-              f"{'-' if peak is None else f'{peak / 2**20:.0f}':>10}")
-    if "results" not in shape:
-        print(f"{shape['model']:<10}FAILED (exit status {shape['exit_status']}, no results)")
-print(f"wrote {out}")
-EOF
+merge table || status=1
 [[ $status -eq 0 ]] || echo "gpu_check: FAILED (see above)" >&2
 exit $status
