@@ -3,7 +3,7 @@ VENV ?= .venv
 PYTHON := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install quickstart test test-fast lint benchmark clean
+.PHONY: install quickstart test test-fast lint benchmark benchmark-cpu clean
 
 install: $(STAMP)
 
@@ -27,6 +27,9 @@ test-fast: $(STAMP)
 
 benchmark: $(STAMP)
 	$(PYTHON) benchmarks/throughput.py
+
+benchmark-cpu: $(STAMP)
+	$(PYTHON) benchmarks/cpu_rounds.py
 
 clean:
 	rm -rf $(VENV) runs

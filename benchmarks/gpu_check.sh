@@ -77,7 +77,7 @@ if not table:
     sys.exit(0)
 print(f"\nsummary ({common.get('device_name') or common.get('device')}, torch {common.get('torch')}, "
       f"{common.get('precision')}; {total_seconds} s in all)")
-print(f"{"model":<10}{"method":<32}{'samples/s':>12}{'vs ceiling':>12}{'vs naive':>10}{'peak MiB':>10}")
+print(f"{'model':<10}{'method':<32}{'samples/s':>12}{'vs ceiling':>12}{'vs naive':>10}{'peak MiB':>10}")
 for shape in shapes:
     for row in shape.get("results", []):
         if "error" in row:

@@ -4,7 +4,10 @@ the speed comparison is like for like."""
 
 import importlib.util
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -92,3 +95,21 @@ def test_fedavg_round_matches_the_naive_loop(throughput, model_name, local_steps
         torch.testing.assert_close(actual[name], expected[name], msg=f"{model_name}: {name} differs")
     # Both moved away from the shared start, so the match is not two untouched copies.
     assert any(not torch.equal(expected[name], initial[name]) for name in floating)
+
+
+def test_gpu_check_script_runs_tiny_on_the_cpu(tmp_path):
+    """benchmarks/gpu_check.sh with its settings overridden: one small shape, one algorithm, CPU."""
+    out = tmp_path / "check.json"
+    environment = {**os.environ, "GPU_CHECK_PYTHON": sys.executable, "GPU_CHECK_DEVICE": "cpu",
+                   "GPU_CHECK_PRECISION": "32-true", "GPU_CHECK_CLIENTS": "2", "GPU_CHECK_STEPS": "1",
+                   "GPU_CHECK_BATCH": "4", "GPU_CHECK_REPEATS": "1", "GPU_CHECK_ALGORITHMS": "fedavg",
+                   "GPU_CHECK_SHAPES": "linear:10", "GPU_CHECK_JSON": str(out)}
+    finished = subprocess.run(["bash", str(SCRIPT.with_name("gpu_check.sh"))], env=environment, capture_output=True,
+                              text=True, timeout=300)
+    assert finished.returncode == 0, finished.stdout + finished.stderr
+    assert "summary (cpu" in finished.stdout
+    report = json.loads(out.read_text())
+    assert report["failed"] == [] and report["settings"]["device"] == "cpu"
+    (shape,) = report["shapes"]
+    assert shape["model"] == "linear" and shape["exit_status"] == 0
+    assert len(shape["results"]) == 4 and all(row["samples_per_second"] > 0 for row in shape["results"])
