@@ -13,9 +13,11 @@ import re
 import signal
 import subprocess
 import threading
-from typing import Callable, Optional
+from dataclasses import dataclass
+from typing import Callable, Literal, Optional, Union
 
 from fl_lightning.config import ConfigError, FabricArgs
+from fl_lightning.run_dir import is_launching_process
 
 # Fabric's SLURMEnvironment.detect ignores allocations with these job names, so that processes can
 # be started by hand inside `salloc` or `srun --pty bash`; the allocation check follows it.
@@ -130,26 +132,97 @@ def slurm_job_id() -> Optional[str]:
     return job_id
 
 
+def slurm_tasks_per_node() -> Optional[int]:
+    """The tasks per node of the SLURM allocation this process runs in; None outside SLURM and in
+    an interactive allocation, where ranks are started by hand (as Fabric's detection assumes)."""
+    if "SLURM_NTASKS" not in os.environ or os.environ.get("SLURM_JOB_NAME") in INTERACTIVE_JOB_NAMES:
+        return None
+    # SLURM_NTASKS_PER_NODE is only set when the job asked for --ntasks-per-node.
+    tasks_per_node = os.environ.get("SLURM_NTASKS_PER_NODE")
+    return int(tasks_per_node) if tasks_per_node else int(os.environ["SLURM_NTASKS"]) // slurm_nodes()
+
+
+def slurm_nodes() -> int:
+    return int(os.environ.get("SLURM_NNODES", "1"))
+
+
 def check_slurm_allocation(fabric_args: FabricArgs) -> None:
     """Under SLURM every rank is a task started by srun, so Fabric's ranks per node and nodes must
-    be the allocation's. Fabric checks this too, but only after the data is loaded and with a
-    message that names no config field."""
-    if "SLURM_NTASKS" not in os.environ or os.environ.get("SLURM_JOB_NAME") in INTERACTIVE_JOB_NAMES:
+    be the allocation's (`devices: auto` is the allocation's tasks per node). Fabric checks this
+    too, but only after the data is loaded and with a message that names no config field."""
+    tasks = slurm_tasks_per_node()
+    if tasks is None:
         # Without SLURM or a launcher's rendezvous variables, the other nodes never join and the
         # process group would wait out its whole timeout.
         if fabric_args.num_nodes > 1 and not {"MASTER_ADDR", "NODE_RANK"} <= os.environ.keys():
             raise ConfigError("fabric.num_nodes", "1 outside SLURM (or every node started with MASTER_ADDR, "
                               "MASTER_PORT and NODE_RANK set)", fabric_args.num_nodes)
         return
-    nodes = int(os.environ.get("SLURM_NNODES", "1"))
-    # SLURM_NTASKS_PER_NODE is only set when the job asked for --ntasks-per-node.
-    tasks_per_node = os.environ.get("SLURM_NTASKS_PER_NODE")
-    tasks = int(tasks_per_node) if tasks_per_node else int(os.environ["SLURM_NTASKS"]) // nodes
-    if fabric_args.devices != tasks:
+    nodes = slurm_nodes()
+    if fabric_args.devices != "auto" and fabric_args.devices != tasks:
         raise ConfigError("fabric.devices", f"the tasks per node of the SLURM allocation ({tasks})",
                           fabric_args.devices)
     if fabric_args.num_nodes != nodes:
         raise ConfigError("fabric.num_nodes", f"the nodes of the SLURM allocation ({nodes})", fabric_args.num_nodes)
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """What `fabric.devices` comes to in this process."""
+
+    per_node: Union[int, Literal["auto"]]
+    """The devices Fabric is given: a number of ranks, or `auto` (Fabric's: every visible GPU)."""
+    one_thread: bool
+    """Whether each rank runs torch on one intra-op thread (set in the rank before it trains)."""
+
+
+def resolve_ranks(devices: Union[int, Literal["auto"]], *, on_cpu: bool, cores: int, slurm_tasks: Optional[int] = None,
+                  started_ranks: Optional[int] = None, interactive: bool = False) -> Ranks:
+    """The rule of `fabric.devices` (FabricArgs.devices), from what this process sees.
+
+    A number is kept, threads untouched. `auto`: under SLURM (`slurm_tasks`) the allocation's tasks
+    per node, threads untouched (--cpus-per-task sets them); on a GPU Fabric's `auto`; in an
+    interactive session 1 rank, threads untouched; else on the CPU one rank per core (`cores`) on
+    one thread each. A rank started by a launcher (`started_ranks`: the ranks per node its launcher
+    started) takes that number rather than counting cores again, so every rank agrees.
+    """
+    if devices != "auto":
+        return Ranks(int(devices), one_thread=False)
+    if slurm_tasks is not None:
+        return Ranks(slurm_tasks, one_thread=False)
+    if not on_cpu:
+        return Ranks("auto", one_thread=False)
+    if interactive:
+        return Ranks(1, one_thread=False)
+    return Ranks(started_ranks if started_ranks is not None else max(1, cores), one_thread=True)
+
+
+def available_cores() -> int:
+    """The CPU cores this process may run on: its affinity (a SLURM task's, a container's or
+    `taskset`'s share) where the platform reports one, else all of the machine's."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0)) or 1
+    return os.cpu_count() or 1
+
+
+def started_ranks_per_node(num_nodes: int) -> Optional[int]:
+    """The ranks per node that the launcher of this process started, or None in the process that
+    launches them. torchrun sets LOCAL_WORLD_SIZE in every rank; Fabric, which re-runs the command
+    for ranks 1.., sets WORLD_SIZE (ranks in all) and a LOCAL_RANK or NODE_RANK other than 0."""
+    if "LOCAL_WORLD_SIZE" in os.environ:
+        return int(os.environ["LOCAL_WORLD_SIZE"])
+    if is_launching_process() or "WORLD_SIZE" not in os.environ:
+        return None
+    return int(os.environ["WORLD_SIZE"]) // num_nodes
+
+
+def ranks_of(fabric_args: FabricArgs) -> Ranks:
+    """What `fabric.devices` comes to in this process (resolve_ranks), the same in every rank."""
+    from lightning.fabric.utilities.imports import _IS_INTERACTIVE
+
+    return resolve_ranks(fabric_args.devices, on_cpu=fabric_args.runs_on_cpu(), cores=available_cores(),
+                         slurm_tasks=slurm_tasks_per_node(),
+                         started_ranks=started_ranks_per_node(fabric_args.num_nodes), interactive=_IS_INTERACTIVE)
 
 
 def check_signal_name(signal_name: Optional[str]) -> None:

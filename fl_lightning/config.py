@@ -47,8 +47,13 @@ class FabricArgs:
 
     accelerator: Literal["auto", "cpu", "cuda", "gpu", "mps"] = "auto"
     """Hardware for the ranks; `auto` takes a GPU when torch sees one, else the CPU."""
-    devices: Union[PositiveInt, Literal["auto"]] = 1
-    """Ranks per node; under SLURM this must equal --ntasks-per-node."""
+    devices: Union[PositiveInt, Literal["auto"]] = "auto"
+    """Ranks per node. `auto`: on the CPU one rank per core this process may use (its CPU affinity),
+    each running torch on one thread (for small models faster than one rank on every core, and the
+    same model to float rounding); under SLURM the allocation's tasks per node; on GPUs every
+    visible GPU; in an interactive session (Jupyter), which Fabric cannot launch ranks from, 1. A
+    number: that many ranks, torch's threads left as they are; under SLURM it must equal
+    --ntasks-per-node."""
     num_nodes: PositiveInt = 1
     """Nodes; under SLURM this must equal --nodes."""
     precision: Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true", "64-true"] = "32-true"
@@ -71,13 +76,18 @@ class FabricArgs:
                               self.devices)
         if self.accelerator == "mps" and not torch.backends.mps.is_available():
             raise ConfigError("fabric.accelerator", "cpu or auto on a machine without Apple MPS", self.accelerator)
-        on_cpu = self.accelerator == "cpu" or (
-            self.accelerator == "auto" and not torch.cuda.is_available() and not torch.backends.mps.is_available()
-        )
-        if on_cpu and self.precision == "16-mixed":
+        if self.runs_on_cpu() and self.precision == "16-mixed":
             # Fabric would silently autocast to bf16 while the run records 16-mixed.
             raise ConfigError("fabric.precision", "32-true or bf16-mixed on the CPU (16-mixed needs a GPU)",
                               self.precision)
+
+    def runs_on_cpu(self) -> bool:
+        """Whether the ranks run on the CPU: accelerator `cpu`, or `auto` where torch sees no GPU."""
+        import torch
+
+        return self.accelerator == "cpu" or (
+            self.accelerator == "auto" and not torch.cuda.is_available() and not torch.backends.mps.is_available()
+        )
 
 
 CLIENT_PATHS = ("auto", "loop", "grouped")

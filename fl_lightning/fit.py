@@ -39,7 +39,7 @@ from fl_lightning.checkpoint import (
     remove_temporary_files,
     write_text_atomically,
 )
-from fl_lightning.cluster import check_signal_name, check_slurm_allocation
+from fl_lightning.cluster import Ranks, check_signal_name, check_slurm_allocation, ranks_of
 from fl_lightning.config import (
     CheckpointArgs,
     ClientOptimizerArgs,
@@ -301,9 +301,17 @@ def _complete_logs_of_finished_run(logger: LoggerArgs, out_dir: Path, identity: 
 def _train_and_record(fabric, run: FederatedRun) -> None:
     from fl_lightning.federation import train
 
-    if fabric.global_rank == 0:
-        _write_run_files(run)
-    return train(fabric, run)
+    # Each rank sets its own threads (a rank started by Fabric is a process of its own); rank 0 may
+    # be the caller's process, whose threads are put back afterwards.
+    threads = torch.get_num_threads()
+    if ranks_of(FabricArgs(**run.hyperparameters["fabric"])).one_thread:
+        torch.set_num_threads(1)
+    try:
+        if fabric.global_rank == 0:
+            _write_run_files(run)
+        return train(fabric, run)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _write_run_files(run: FederatedRun) -> None:
@@ -319,8 +327,8 @@ def _build_fabric(args: FabricArgs, callbacks: list[Callback]):
     from lightning.fabric import Fabric
     from lightning.fabric.strategies import DDPStrategy
 
-    ranks_per_node = args.devices if isinstance(args.devices, int) else None
-    multi_rank = args.num_nodes > 1 or ranks_per_node != 1 or args.strategy != "auto"
+    ranks = ranks_of(args)
+    multi_rank = args.num_nodes > 1 or _ranks_per_node(ranks) != 1 or args.strategy != "auto"
     strategy = "auto"
     if multi_rank:
         # No DDP wrapper is ever set up (clients differ per rank); DDPStrategy only gives the
@@ -332,8 +340,15 @@ def _build_fabric(args: FabricArgs, callbacks: list[Callback]):
     # Lightning hints at srun whenever an srun binary exists, also on a login node where the run is
     # meant to be local; under SLURM the allocation check has already matched the ranks to srun's.
     warnings.filterwarnings("ignore", message="The `srun` command is available on your system but is not used")
-    return Fabric(accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes,
+    return Fabric(accelerator=args.accelerator, devices=ranks.per_node, num_nodes=args.num_nodes,
                   precision=args.precision, strategy=strategy, callbacks=callbacks)
+
+
+def _ranks_per_node(ranks: Ranks) -> int:
+    """The number of ranks per node, counting what Fabric's `auto` takes on GPUs: every visible one."""
+    if isinstance(ranks.per_node, int):
+        return ranks.per_node
+    return torch.cuda.device_count() if torch.cuda.is_available() else 1
 
 
 def _materialise(default: ServerOptimizer) -> ServerOptimizer:

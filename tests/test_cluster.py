@@ -161,7 +161,6 @@ SLURM_TWO_NODES_OF_FOUR = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "fl", "SLUR
 
 @pytest.mark.parametrize("environment, fabric_args, field_name", [
     (SLURM_TWO_NODES_OF_FOUR, FabricArgs(devices=2, num_nodes=2), "fabric.devices"),
-    (SLURM_TWO_NODES_OF_FOUR, FabricArgs(devices="auto", num_nodes=2), "fabric.devices"),
     (SLURM_TWO_NODES_OF_FOUR, FabricArgs(devices=4, num_nodes=1), "fabric.num_nodes"),
     # Outside SLURM no other node would ever join: the process group would wait out its timeout.
     ({}, FabricArgs(devices=1, num_nodes=2), "fabric.num_nodes"),
@@ -183,6 +182,7 @@ def test_allocation_mismatch_names_the_field(environment, fabric_args, field_nam
     ({}, FabricArgs(devices=3, num_nodes=1)),  # not under SLURM
     ({"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "NODE_RANK": "1"}, FabricArgs(devices=3, num_nodes=5)),
     (SLURM_TWO_NODES_OF_FOUR, FabricArgs(devices=4, num_nodes=2)),
+    (SLURM_TWO_NODES_OF_FOUR, FabricArgs(devices="auto", num_nodes=2)),  # auto is the allocation's tasks per node
     ({"SLURM_JOB_NAME": "fl", "SLURM_NTASKS": "6", "SLURM_NNODES": "3"}, FabricArgs(devices=2, num_nodes=3)),
     # An interactive allocation, where ranks are started by hand: Fabric does not treat it as SLURM.
     ({**SLURM_TWO_NODES_OF_FOUR, "SLURM_JOB_NAME": "interactive"}, FabricArgs(devices=1, num_nodes=1)),
