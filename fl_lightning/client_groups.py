@@ -29,8 +29,8 @@ Updates = Iterator[tuple[ClientRun, dict[str, torch.Tensor]]]
 
 
 def uses_grouped_path(client_path: str, device: torch.device) -> bool:
-    """`auto` groups on a GPU only: on the CPU, grouped convolutions measured slower than the loop
-    (docs/performance.md)."""
+    """`auto` groups on a GPU only: on the CPU, batched convolutions over the clients' own weights
+    measured slower than the loop except for tiny models at tiny batches (docs/performance.md)."""
     return client_path == "grouped" or (client_path == "auto" and device.type == "cuda")
 
 

@@ -103,7 +103,7 @@ class ComputeArgs:
     vectorised computation (torch.func.vmap over their stacked parameters, optimizer state and
     BatchNorm statistics); CTP-FL's clients share each query point, so theirs is one pass over the
     concatenated batches. `auto`: grouped on a GPU, loop on the CPU, where grouping measured slower
-    (docs/performance.md)."""
+    except for LeNet-sized models at batch 10 (docs/performance.md)."""
     group_size: Optional[PositiveInt] = None
     """Most clients computed together in the grouped path; null: all of a rank's clients. On a GPU
     that runs out of memory, a group is split in halves and computed again."""
