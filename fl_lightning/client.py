@@ -232,7 +232,7 @@ class LocalTrainer:
                  param_layout: FlatLayout, buffer_layout: FlatLayout, global_params: torch.Tensor,
                  global_buffers: torch.Tensor, client_indices: list[torch.Tensor], seed: int,
                  federation: FederationArgs, optimizer_args: ClientOptimizerArgs, constraint=None,
-                 channels_last: bool = False):
+                 channels_last: bool = False, compile_steps: bool = False):
         """Everything that stays the same for the whole run: the rank's copy of the training data,
         the global model (flat tensors the server updates in place), each client's sample indices
         and the local budget and optimizer."""
@@ -257,6 +257,9 @@ class LocalTrainer:
         # Integer buffers (BatchNorm's num_batches_tracked) are not averaged; each client gets a copy.
         self.integer_buffers = {n: b for n, b in module.named_buffers() if not b.is_floating_point()}
         self.channels_last = channels_last
+        # The call of a client step outside vmap; under vmap (the grouped path) the eager call is
+        # used, as compiled code does not reach there.
+        self._loop_call = torch.compile(self._call_with_buffers) if compile_steps else self._call_with_buffers
         # functional_call's search for tied weights costs a walk over the module per step: only
         # where a tensor is registered under two names.
         self.tied_weights = (len(list(module.named_parameters(remove_duplicate=False)))
@@ -310,8 +313,9 @@ class LocalTrainer:
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The training loss at flat `params` on `batch`, its gradient, and the float buffers after
         the pass (`buffers` itself is left as it is); `functional` under vmap."""
+        call_with_buffers = self._call_with_buffers if functional else self._loop_call
         gradient, loss, updated = differentiate(
-            lambda p: self._call_with_buffers(self.call, p, buffers, batch), params, functional, has_aux=True)
+            lambda p: call_with_buffers(self.call, p, buffers, batch), params, functional, has_aux=True)
         return loss.detach(), gradient, updated.detach()
 
     def loss_and_grad(self, params: torch.Tensor, buffers: torch.Tensor, batch: Batch

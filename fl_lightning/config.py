@@ -108,8 +108,13 @@ class ComputeArgs:
     """Most clients computed together in the grouped path; null: all of a rank's clients. On a GPU
     that runs out of memory, a group is split in halves and computed again."""
     channels_last: bool = False
-    """Feed images to the network in channels-last memory layout (faster convolutions on recent
-    GPUs with bf16)."""
+    """Feed images to the network in channels-last memory layout in the loop path (faster
+    convolutions on recent GPUs with bf16)."""
+    compile: bool = False
+    """`torch.compile` a client step's forward pass and its backward in the loop path (the grouped
+    path runs under vmap, where it is not compiled). Compiling takes from seconds to minutes once
+    per process; measure before relying on it (on this project's 2-core CPU it made LeNet-5's
+    steps slower)."""
 
 
 @dataclass

@@ -192,7 +192,7 @@ class FederatedLoop:
             global_params=global_model.params, global_buffers=global_model.buffers,
             client_indices=[torch.as_tensor(p, dtype=torch.long) for p in run.partition], seed=run.seed,
             federation=run.federation, optimizer_args=run.client_optimizer, constraint=run.constraint,
-            channels_last=run.compute.channels_last,
+            channels_last=run.compute.channels_last, compile_steps=run.compute.compile,
         )
 
     @property

@@ -269,6 +269,12 @@ BAD_INPUTS: dict[str, tuple[list[str], str, str]] = {
         ["--overwrite", "true", "--resume", "auto"], "overwrite",
         "error: overwrite: expected false unless resume is null (overwrite replaces a run; resume continues it), "
         "got True"),
+    "unknown client path": (
+        ["--compute.client_path", "fast"], "compute.client_path",
+        "error: compute.client_path: expected one of auto, loop, grouped, got 'fast'"),
+    "zero group size": (
+        ["--compute.group_size", "0"], "compute.group_size",
+        "error: compute.group_size: expected an integer > 0 or null, got '0'"),
 }
 
 

@@ -66,7 +66,8 @@ ALGORITHMS = {
 
 def federated_loop(algorithm_name: str, *, batch_norm: bool, client_path: str, local_epochs=None, local_steps=None,
                    clients_per_round: int = 5, constraint=None, group_size=None,
-                   channels_last: bool = False, precision: str = "32-true") -> FederatedLoop:
+                   channels_last: bool = False, precision: str = "32-true", compile_steps: bool = False
+                   ) -> FederatedLoop:
     algorithm = ALGORITHMS[algorithm_name]()
     torch.manual_seed(0)
     network = algorithm.prepare_model(SmallConvNet(batch_norm, bias=constraint is None))
@@ -87,7 +88,8 @@ def federated_loop(algorithm_name: str, *, batch_norm: bool, client_path: str, l
         client_optimizer=ClientOptimizerArgs(lr=0.05, momentum=0.9, weight_decay=1e-3, grad_clip_norm=2.0),
         checkpoint_keep=1, seed=0, out_dir=Path("unused"), run_id="test", hyperparameters={},
         constraint=constraint,
-        compute=ComputeArgs(client_path=client_path, group_size=group_size, channels_last=channels_last),
+        compute=ComputeArgs(client_path=client_path, group_size=group_size, channels_last=channels_last,
+                            compile=compile_steps),
     )
     return FederatedLoop(Fabric(accelerator="cpu", devices=1, precision=precision), run)
 
@@ -187,6 +189,13 @@ def test_batchnorm_clients_grouped_in_bfloat16_match_the_loop_in_bfloat16(algori
     loop_losses, loop_params, _ = rounds_of(federated_loop(**settings, client_path="loop"))
     assert grouped_losses == pytest.approx(loop_losses, rel=1e-2)
     torch.testing.assert_close(grouped_params, loop_params, rtol=0, atol=0.05)
+
+
+def test_compiled_client_steps_give_the_same_model():
+    settings = dict(algorithm_name="scaffold", batch_norm=True, local_steps=2, client_path="loop")
+    compiled = federated_loop(**settings, compile_steps=True)
+    assert compiled.trainer._loop_call is not compiled.trainer._call_with_buffers
+    assert_same_run(rounds_of(compiled), rounds_of(federated_loop(**settings)))
 
 
 def test_channels_last_images_give_the_same_model():

@@ -91,6 +91,14 @@ def test_more_rounds_continue_the_run_and_fewer_are_refused(run_copy, capsys):
     assert [row["round"] for row in read_metrics(run_copy)] == [1, 2, 3, 4, 5, 6]
 
 
+def test_another_client_path_continues_the_run(run_copy, capsys):
+    """How a rank computes its clients is not part of the experiment: the paths agree to rounding."""
+    main([*BASE, "--federation.rounds", "5", "--resume", "auto", "--out_dir", str(run_copy),
+          "--compute.client_path", "grouped"])
+    assert "compute.client_path 'auto' -> 'grouped'" in capsys.readouterr().err
+    assert [row["round"] for row in read_metrics(run_copy)] == [1, 2, 3, 4, 5]
+
+
 def test_a_finished_run_trains_nothing_when_run_again(run_copy, capsys):
     before = folder_snapshot(run_copy)
     fit(run_copy)
