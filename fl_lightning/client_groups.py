@@ -59,9 +59,10 @@ def _has_batch_statistics(module: nn.Module) -> bool:
 
 
 def _groups(clients: list[ClientRun], group_size: Optional[int]) -> list[list[ClientRun]]:
-    """Clients that can share a group, in chunks of at most `group_size`: the same state entries
-    (an algorithm may branch on whether a client has trained before), and with BatchNorm the same
-    batch sizes. Sorted by their number of steps, so that a chunk wastes few masked steps."""
+    """Clients that can share a group: the same state entries (an algorithm may branch on whether a
+    client has trained before), and with BatchNorm the same batch sizes. Within that, a group holds
+    at most `group_size` clients, and none with fewer than half the steps of its longest, so at most
+    half of a group's steps are masked ones."""
     if not clients:
         return []
     pad = not _has_batch_statistics(clients[0].trainer.module)
@@ -70,7 +71,16 @@ def _groups(clients: list[ClientRun], group_size: Optional[int]) -> list[list[Cl
         sizes = None if pad else tuple(len(p) for p in client._positions)
         kinds.setdefault((tuple(sorted(client.state)), sizes), []).append(client)
     size = group_size or len(clients)
-    return [kind[start:start + size] for kind in kinds.values() for start in range(0, len(kind), size)]
+    groups: list[list[ClientRun]] = []
+    for kind in kinds.values():
+        groups.append([kind[0]])
+        for client in kind[1:]:
+            group = groups[-1]
+            if len(group) < size and 2 * client.num_steps >= group[0].num_steps:
+                group.append(client)
+            else:
+                groups.append([client])
+    return groups
 
 
 def _group_updates(algorithm: Algorithm, group: list[ClientRun]) -> Updates:
