@@ -59,6 +59,7 @@ class SmallConvNet(FeatureClassifier):
 
 ALGORITHMS = {
     "fedavg": FedAvg, "fedavgm": FedAvgM, "fedavg_m": FedAvgMomentum, "fedcm": FedCM, "scaffold": SCAFFOLD,
+    "scaffold_effective_steps": lambda: SCAFFOLD(effective_steps=True),
     "fedprox": lambda: FedProx(mu=0.1), "feddyn": lambda: FedDyn(alpha=0.1), "fedsam": lambda: FedSAM(rho=0.05),
     "moon": lambda: MOON(mu=1.0, projection_dim=6), "ctpfl": lambda: CTPFL(span=0.2, weight_decay=1e-3, clip_norm=5.0),
 }
