@@ -174,6 +174,25 @@ def test_group_size_bounds_the_groups(group_sizes):
     assert_same_run(grouped, rounds_of(federated_loop(**settings, client_path="loop")))
 
 
+def test_a_group_out_of_gpu_memory_is_computed_again_in_halves(monkeypatch):
+    """A group that does not fit is split until its halves do; they start from the same state, so
+    the round is the loop's."""
+    attempted: list[int] = []
+    original = client_groups._run_group
+
+    def run_group_fitting_two(algorithm, group):
+        attempted.append(len(group))
+        if len(group) > 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        return original(algorithm, group)
+
+    monkeypatch.setattr(client_groups, "_run_group", run_group_fitting_two)
+    settings = dict(algorithm_name="scaffold", batch_norm=True, local_steps=2)
+    grouped = rounds_of(federated_loop(**settings, client_path="grouped"))
+    assert attempted == [5, 2, 3, 2] * 3  # 5 -> 2 + 3, 3 -> 1 (alone) + 2, every round
+    assert_same_run(grouped, rounds_of(federated_loop(**settings, client_path="loop")))
+
+
 def test_auto_groups_on_a_gpu_and_loops_on_the_cpu():
     assert uses_grouped_path("auto", torch.device("cuda", 0))
     assert not uses_grouped_path("auto", torch.device("cpu"))
