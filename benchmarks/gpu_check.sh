@@ -14,7 +14,9 @@
 #
 # Writes $OUT/gpu_check.json when OUT is set, else benchmarks/gpu_check.json (GPU_CHECK_JSON
 # overrides both), prints each shape's table and a summary, and exits non-zero if any shape or
-# method failed (the figures of the others are still written). Every setting can be overridden
+# method failed (the figures of the others are still written). On CUDA it then counts the host
+# synchronisations of a round at K and 2K local steps (benchmarks/host_syncs.py, into the same JSON)
+# and fails if they grow with K. Every setting can be overridden
 # for a tiny CPU run of the same code, e.g.
 #
 #   GPU_CHECK_DEVICE=cpu GPU_CHECK_CLIENTS=2 GPU_CHECK_STEPS=2 GPU_CHECK_BATCH=4 GPU_CHECK_REPEATS=1 \
@@ -71,8 +73,10 @@ common = {key: first.get(key) for key in ("device", "device_name", "torch", "cud
                                           "channels_last", "clients", "local_steps", "batch_size", "algorithms",
                                           "warm_up_rounds", "timed_rounds", "git_commit", "date")}
 failed = [shape["model"] for shape in shapes if shape["exit_status"] != 0]
-out.write_text(json.dumps({"settings": common, "wall_seconds": total_seconds, "failed": failed, "shapes": shapes},
-                          indent=2) + "\n")
+report = {"settings": common, "wall_seconds": total_seconds, "failed": failed, "shapes": shapes}
+if (parts / "host_syncs.json").is_file():
+    report["host_syncs"] = json.loads((parts / "host_syncs.json").read_text())
+out.write_text(json.dumps(report, indent=2) + "\n")
 if not table:
     sys.exit(0)
 print(f"\nsummary ({common.get('device_name') or common.get('device')}, torch {common.get('torch')}, "
@@ -118,6 +122,13 @@ for shape in $SHAPES; do
     runs+=("$model:$code:$seconds")
     merge quiet || status=1
 done
+
+if [[ $DEVICE == cuda ]]; then
+    echo
+    echo "== host synchronisations per round, at K and 2K local steps =="
+    "$PYTHON" benchmarks/host_syncs.py --precision "$PRECISION" --algorithms "$ALGORITHMS" \
+        --json "$PARTS/host_syncs.json" || status=1
+fi
 
 merge table || status=1
 [[ $status -eq 0 ]] || echo "gpu_check: FAILED (see above)" >&2

@@ -113,3 +113,13 @@ def test_gpu_check_script_runs_tiny_on_the_cpu(tmp_path):
     (shape,) = report["shapes"]
     assert shape["model"] == "linear" and shape["exit_status"] == 0
     assert len(shape["results"]) == 4 and all(row["samples_per_second"] > 0 for row in shape["results"])
+
+
+def test_host_sync_count_refuses_a_machine_without_cuda(capsys):
+    spec = importlib.util.spec_from_file_location("host_syncs", SCRIPT.with_name("host_syncs.py"))
+    host_syncs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(host_syncs)
+    if torch.cuda.is_available():
+        pytest.skip("counts on CUDA instead")
+    assert host_syncs.main(["--clients", "2"]) == 2
+    assert "needs a CUDA device" in capsys.readouterr().err
