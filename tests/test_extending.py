@@ -189,6 +189,16 @@ def test_user_algorithm_clips_uploads_and_resumes(tmp_path, on_path):
     assert [row["round"] for row in rows] == [1, 2, 3]
 
 
+def test_user_algorithm_runs_grouped_as_it_runs_client_by_client(tmp_path, on_path):
+    """The client rule, written once, also runs under vmap in the grouped path."""
+    arguments = ["fit", "--config", QUICKSTART, "--algorithm", "my_algorithm.ClippedFedAvg",
+                 "--algorithm.clip_norm", "0.05"]
+    loop = run_fit([*arguments, "--compute.client_path", "loop"], tmp_path / "loop")
+    grouped = run_fit([*arguments, "--compute.client_path", "grouped"], tmp_path / "grouped")
+    for name in ("train_loss", "update_norm", "test_accuracy"):
+        assert [row[name] for row in grouped] == pytest.approx([row[name] for row in loop], rel=1e-5, abs=1e-7)
+
+
 def test_user_model_follows_the_interface(on_path):
     model = create_model("my_model.make_net", num_classes=4, in_channels=3, image_size=16, norm="gn", bias=False,
                          width=4)
