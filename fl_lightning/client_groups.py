@@ -96,6 +96,13 @@ def _group_updates(algorithm: Algorithm, group: list[ClientRun]) -> Updates:
         yield from _group_updates(algorithm, group[:middle])
         yield from _group_updates(algorithm, group[middle:])
         return
+    except RuntimeError as err:
+        if "vmap" not in str(err):
+            raise
+        raise RuntimeError(
+            f"{type(algorithm).__name__}.client_update cannot run grouped under torch.func.vmap: {err}\n"
+            "A client rule must be tensor arithmetic to run grouped (docs/extending.md); "
+            "compute.client_path: loop runs it client by client.") from err
     yield from results
 
 

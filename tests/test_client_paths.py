@@ -25,6 +25,7 @@ from fl_lightning.algorithms import (
     FedProx,
     FedSAM,
 )
+from fl_lightning.algorithms.base import PSEUDO_GRADIENT
 from fl_lightning.client import LocalTrainer
 from fl_lightning.client_groups import uses_grouped_path
 from fl_lightning.config import ClientOptimizerArgs, ComputeArgs, DataArgs, FederationArgs
@@ -191,6 +192,22 @@ def test_a_group_out_of_gpu_memory_is_computed_again_in_halves(monkeypatch):
     grouped = rounds_of(federated_loop(**settings, client_path="grouped"))
     assert attempted == [5, 2, 3, 2] * 3  # 5 -> 2 + 3, 3 -> 1 (alone) + 2, every round
     assert_same_run(grouped, rounds_of(federated_loop(**settings, client_path="loop")))
+
+
+class ReadsANumberPerClient(FedAvg):
+    """A client rule that moves a value to the host, which vmap cannot do."""
+
+    def client_update(self, client):
+        update = super().client_update(client)[PSEUDO_GRADIENT]
+        return {PSEUDO_GRADIENT: update * min(1.0, 1.0 / float(update.norm()))}
+
+
+def test_a_client_rule_that_cannot_run_grouped_names_the_setting_that_runs_it(monkeypatch):
+    monkeypatch.setitem(ALGORITHMS, "reads_a_number", ReadsANumberPerClient)
+    loop = federated_loop("reads_a_number", batch_norm=True, client_path="grouped", local_steps=2)
+    with pytest.raises(RuntimeError, match="ReadsANumberPerClient.client_update cannot run grouped under "
+                                           "torch.func.vmap(.|\n)*compute.client_path: loop"):
+        loop.run_round(0)
 
 
 def test_auto_groups_on_a_gpu_and_loops_on_the_cpu():
