@@ -189,6 +189,10 @@ class ClientRun:
         with torch.no_grad():
             return self.trainer.features(params, buffers, inputs, training=False)
 
+    @property
+    def batch_sizes(self) -> list[int]:
+        return [len(positions) for positions in self._positions]
+
     def local_sgd(self) -> LocalSGD:
         """A fresh local optimizer (momentum reset) that applies the round's constraint, if any."""
         return LocalSGD(self.optimizer_args, self.projection, self._active_steps)

@@ -36,7 +36,7 @@ def uses_grouped_path(client_path: str, device: torch.device) -> bool:
 
 def client_updates(algorithm: Algorithm, clients: Iterable[ClientRun], grouped: bool,
                    group_size: Optional[int] = None) -> Updates:
-    """Each of one rank's clients this round with its uploads, in the order given."""
+    """Each of one rank's clients this round with its uploads: in the order given, or group by group."""
     if not grouped:
         for client in clients:
             yield client, algorithm.client_update(client)
@@ -68,7 +68,7 @@ def _groups(clients: list[ClientRun], group_size: Optional[int]) -> list[list[Cl
     pad = not _has_batch_statistics(clients[0].trainer.module)
     kinds: dict[tuple, list[ClientRun]] = {}
     for client in sorted(clients, key=lambda c: -c.num_steps):
-        sizes = None if pad else tuple(len(p) for p in client._positions)
+        sizes = None if pad else tuple(client.batch_sizes)
         kinds.setdefault((tuple(sorted(client.state)), sizes), []).append(client)
     size = group_size or len(clients)
     groups: list[list[ClientRun]] = []
@@ -141,7 +141,7 @@ def _run_group(algorithm: Algorithm, group: list[ClientRun]) -> list[tuple[Clien
 def _stacked_batches(group: list[ClientRun], steps: int) -> tuple[torch.Tensor, torch.Tensor]:
     """[clients, steps, batch, ...] images and labels; a client's shorter batches are padded with
     `PADDING_LABEL` samples, and its steps beyond its own repeat its first batch (masked)."""
-    batch_size = max(len(p) for client in group for p in client._positions)
+    batch_size = max(size for client in group for size in client.batch_sizes)
     stacked_inputs, stacked_labels = [], []
     for client in group:
         batches = list(client.batches())
