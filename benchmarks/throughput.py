@@ -140,7 +140,8 @@ class Workload:
         return self.num_clients * self.local_steps * self.batch_size
 
     def batch(self, indices: torch.Tensor) -> Batch:
-        """What `LocalTrainer.make_batch` does without augmentation (in the chosen memory layout)."""
+        """What `LocalTrainer.make_batches` makes of one batch without augmentation (in the chosen
+        memory layout)."""
         indices = indices.to(self.images.device)
         inputs = self.transform(self.images[indices])
         if self.channels_last:

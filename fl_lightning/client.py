@@ -269,15 +269,11 @@ class LocalTrainer:
         self.tied_weights = (len(list(module.named_parameters(remove_duplicate=False)))
                              != len(list(module.named_parameters())))
 
-    def make_batch(self, indices: torch.Tensor, generator: torch.Generator) -> Batch:
-        indices = indices.to(self.train_images.device)
-        return self.transform(self.train_images[indices], generator), self.train_labels[indices]
-
     def make_batches(self, sample_indices: torch.Tensor, positions: list[torch.Tensor], generator: torch.Generator
                      ) -> list[Batch]:
-        """All of a client's mini-batches (`positions` into `sample_indices`): the same batches and
-        augmentations as `make_batch` one after another from `generator`, with one transfer to the
-        device and one augmentation pass over them all."""
+        """A client's mini-batches (`positions` into `sample_indices`), augmented from `generator`
+        batch after batch and normalised: all at once, with one transfer to the device and one
+        augmentation pass over them all."""
         sizes = [len(batch) for batch in positions]
         indices = sample_indices[torch.cat(positions)].to(self.train_images.device, non_blocking=True)
         crops = None

@@ -69,9 +69,13 @@ class StubTrainer:
         self.global_buffers = torch.zeros(2)
         self.batches: list[torch.Tensor] = []
 
-    def make_batch(self, indices, generator):
-        self.batches.append(indices.clone())
-        return self.samples[indices], indices
+    def make_batches(self, sample_indices, positions, generator):
+        batches = []
+        for batch_positions in positions:
+            indices = sample_indices[batch_positions]
+            self.batches.append(indices.clone())
+            batches.append((self.samples[indices], indices))
+        return batches
 
     def loss_and_grad(self, params, buffers, batch):
         torch.rand(3)  # as dropout would

@@ -55,9 +55,9 @@ def gradient_moments(client, num_batches: int, batch_size: int, stream: int, dty
     mean = torch.zeros(params.numel(), dtype=dtype, device=params.device)
     squared_deviations = torch.zeros_like(mean)
     cuda_devices = [params.device] if params.device.type == "cuda" else []
+    batches = trainer.make_batches(indices, list(positions.split(batch_size)), generator)
     with torch.random.fork_rng(devices=cuda_devices), torch.enable_grad():
-        for count, batch_positions in enumerate(positions.split(batch_size), start=1):
-            batch = trainer.make_batch(indices[batch_positions], generator)
+        for count, batch in enumerate(batches, start=1):
             _, gradient = trainer.loss_and_grad(params, buffers, batch)
             if project is not None:
                 gradient = project(gradient)
