@@ -26,6 +26,8 @@ from fl_lightning.algorithms import (
     FedSAM,
 )
 from fl_lightning.algorithms.base import PSEUDO_GRADIENT
+from fl_lightning.checkpoint import LAST, checkpoint_dir
+from fl_lightning.cli import main
 from fl_lightning.client import LocalTrainer
 from fl_lightning.client_groups import uses_grouped_path
 from fl_lightning.config import ClientOptimizerArgs, ComputeArgs, DataArgs, FederationArgs
@@ -36,6 +38,7 @@ from fl_lightning.models import FeatureClassifier
 from fl_lightning.module import ClassificationModule
 from fl_lightning.server_optimizers import ServerSGD
 
+QUICKSTART = str(Path(__file__).parent.parent / "configs" / "quickstart.yaml")
 NUM_CLASSES = 3
 # Unequal clients: with batch 5 and 2 local epochs they take 6, 8, 4, 8 and 10 steps, most ending an
 # epoch on a shorter batch.
@@ -274,3 +277,15 @@ def test_a_tied_weight_gets_the_gradient_of_both_uses():
                            federation=FederationArgs(), optimizer_args=ClientOptimizerArgs())
     _, gradient = trainer.loss_and_grad(model.params, model.buffers, (inputs, labels))
     torch.testing.assert_close(gradient, torch.cat([g.reshape(-1) for g in expected]))
+
+
+def test_a_grouped_run_resumed_ends_bitwise_where_an_uninterrupted_one_does(tmp_path):
+    """Grouping depends only on what a checkpoint restores (each client's state and steps)."""
+    arguments = ["fit", "--config", QUICKSTART, "--compute.client_path", "grouped", "--algorithm", "scaffold",
+                 "--federation.eval_every", "2", "--checkpoint.every", "1", "--logger.progress_bar", "false"]
+    main([*arguments, "--federation.rounds", "4", "--out_dir", str(tmp_path / "whole")])
+    main([*arguments, "--federation.rounds", "2", "--out_dir", str(tmp_path / "resumed")])
+    main([*arguments, "--federation.rounds", "4", "--out_dir", str(tmp_path / "resumed")])
+    whole, resumed = (torch.load(checkpoint_dir(tmp_path / name) / LAST, weights_only=False)["model"]
+                      for name in ("whole", "resumed"))
+    assert all(torch.equal(whole[name], resumed[name]) for name in whole)
