@@ -90,9 +90,6 @@ class FabricArgs:
         )
 
 
-CLIENT_PATHS = ("auto", "loop", "grouped")
-
-
 @dataclass
 class ComputeArgs:
     """How a rank computes its clients' updates: the same global model whichever is chosen, up to
