@@ -93,7 +93,8 @@ class FabricArgs:
 @dataclass
 class ComputeArgs:
     """How a rank computes its clients' updates: the same global model whichever is chosen, up to
-    float rounding (`loop` is the reference the others are tested against)."""
+    float rounding (`loop` is the reference the others are tested against; a network with dropout
+    draws other dropout masks when grouped)."""
 
     client_path: Literal["auto", "loop", "grouped"] = "auto"
     """`loop`: one client after another. `grouped`: a rank's clients advance in lockstep as one
