@@ -7,6 +7,10 @@ MEAN = (0.5, 0.4, 0.3)
 STD = (0.25, 0.2, 0.3)
 
 
+def crops(transform, images, seed):
+    return transform.draw_crops(len(images), torch.Generator().manual_seed(seed))
+
+
 def random_images(batch=16, height=6, width=10, seed=0):
     """Non-square, so a mix-up of rows and columns shows."""
     return torch.randint(0, 256, (batch, 3, height, width), dtype=torch.uint8,
@@ -24,32 +28,34 @@ def same_images(first, second):
     return torch.isclose(first, second, atol=1e-5).flatten(1).all(1)
 
 
-def test_without_generator_only_normalises():
+def test_without_crops_only_normalises():
     images = random_images()
     output = DeviceTransform(MEAN, STD, augment=True)(images)
     assert output.dtype == torch.float32 and output.shape == images.shape
     torch.testing.assert_close(output, normalise(images))
 
 
-def test_augment_off_ignores_the_generator():
+def test_augment_off_ignores_the_crops():
     images = random_images()
-    output = DeviceTransform(MEAN, STD, augment=False)(images, torch.Generator().manual_seed(0))
+    transform = DeviceTransform(MEAN, STD, augment=False)
+    output = transform(images, crops(transform, images, 0))
     torch.testing.assert_close(output, normalise(images))
 
 
 def test_same_seed_same_augmentation_other_seed_differs():
     images = random_images(batch=32)
     transform = DeviceTransform(MEAN, STD, augment=True)
-    first = transform(images, torch.Generator().manual_seed(3))
-    again = transform(images, torch.Generator().manual_seed(3))
-    other = transform(images, torch.Generator().manual_seed(4))
+    first = transform(images, crops(transform, images, 3))
+    again = transform(images, crops(transform, images, 3))
+    other = transform(images, crops(transform, images, 4))
     assert torch.equal(first, again)
     assert not torch.equal(first, other)
 
 
 def test_augmentation_changes_most_images():
     images = random_images(batch=64)
-    output = DeviceTransform(MEAN, STD, augment=True)(images, torch.Generator().manual_seed(0))
+    transform = DeviceTransform(MEAN, STD, augment=True)
+    output = transform(images, crops(transform, images, 0))
     unchanged = same_images(output, normalise(images))
     # unchanged only for the centre crop without flip: 1 in 2 * 9 * 9
     assert unchanged.sum() < 8
@@ -72,7 +78,7 @@ def test_crops_and_flips_match_a_per_image_reference():
     images = random_images(batch=96, seed=1)
     # mean 0 and std 1/255 leave pixel values as they are
     transform = DeviceTransform((0.0,) * 3, (1 / 255,) * 3, augment=True, crop_padding=padding)
-    output = transform(images, torch.Generator().manual_seed(11)).round().to(torch.uint8)
+    output = transform(images, crops(transform, images, 11)).round().to(torch.uint8)
 
     chosen = []
     for image, augmented in zip(images, output):
@@ -88,7 +94,8 @@ def test_crops_and_flips_match_a_per_image_reference():
 
 def test_zero_padding_only_flips():
     images = random_images(batch=32)
-    output = DeviceTransform(MEAN, STD, augment=True, crop_padding=0)(images, torch.Generator().manual_seed(0))
+    transform = DeviceTransform(MEAN, STD, augment=True, crop_padding=0)
+    output = transform(images, crops(transform, images, 0))
     plain, mirrored = normalise(images), normalise(images.flip(-1))
     is_plain = same_images(output, plain)
     is_mirrored = same_images(output, mirrored)

@@ -11,11 +11,11 @@ import torch.nn.functional as F
 class DeviceTransform:
     """uint8 images on the device -> normalised float batch; optional pad-crop and horizontal flip, batched.
 
-    With `augment` and a generator, each image is zero-padded by `crop_padding` on every side, a
-    window of the original size is cut at a random offset in [0, 2 * crop_padding] per axis, and
-    the window is mirrored left-right with probability 1/2. The random numbers are drawn on the CPU
-    from the generator, so a seed gives the same augmentations on any device. Without a generator
-    (evaluation) images are only normalised.
+    With `augment` and crops from `draw_crops`, each image is zero-padded by `crop_padding` on
+    every side, a window of the original size is cut at a random offset in [0, 2 * crop_padding]
+    per axis, and the window is mirrored left-right with probability 1/2. The random numbers are
+    drawn on the CPU from a generator, so a seed gives the same augmentations on any device.
+    Without crops (evaluation) images are only normalised.
     """
 
     def __init__(self, mean: Sequence[float], std: Sequence[float], augment: bool, crop_padding: int = 4):
@@ -27,16 +27,13 @@ class DeviceTransform:
         self.crop_padding = crop_padding
         self._scale_and_shift: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def __call__(self, images: torch.Tensor, generator: torch.Generator | None = None,
-                 crops: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """Normalised `images`, augmented with `crops` (from `draw_crops`) or with crops drawn from
-        `generator` (when augmenting)."""
+    def __call__(self, images: torch.Tensor, crops: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                 ) -> torch.Tensor:
+        """Normalised `images`, augmented with `crops` (from `draw_crops`) when augmenting."""
         if images.dtype != torch.uint8 or images.dim() != 4 or images.shape[1] != len(self.mean):
             raise ValueError(
                 f"expected uint8 images [B, {len(self.mean)}, H, W], got {images.dtype} {tuple(images.shape)}"
             )
-        if self.augment and crops is None and generator is not None:
-            crops = self.draw_crops(len(images), generator)
         if self.augment and crops is not None:
             images = self._crop_and_flip(images, crops)
         scale, shift = self._constants(images.device)
