@@ -96,6 +96,35 @@ def expand_short_names(argv: list[str]) -> list[str]:
     return expanded
 
 
+def expand_bare_flags(argv: list[str]) -> list[str]:
+    """`--dry_run` -> `--dry_run=true` for an on/off setting of the command given with no value (the
+    last argument, or one followed by another option), as flags read in any command line tool;
+    `--dry_run false` is unchanged."""
+    command = next((arg for arg in argv if arg in COMMANDS), None)
+    if command is None:
+        return argv
+    flags = _bool_options(COMMANDS[command])
+    return [f"{arg}=true" if arg in flags and (i + 1 == len(argv) or argv[i + 1].startswith("--")) else arg
+            for i, arg in enumerate(argv)]
+
+
+def _bool_options(command) -> set[str]:
+    """The options of `command` that take true or false: its own bool parameters and the bool fields of
+    its settings groups (`--data.augment`)."""
+    options = set()
+    for name, hint in typing.get_type_hints(command).items():
+        if dataclasses.is_dataclass(hint):
+            options |= {f"--{name}.{field}" for field, field_hint in typing.get_type_hints(hint).items()
+                        if _is_bool(field_hint)}
+        elif _is_bool(hint):
+            options.add(f"--{name}")
+    return options
+
+
+def _is_bool(hint) -> bool:
+    return hint is bool or hint == Optional[bool]
+
+
 def _class_path(short_name: str) -> str:
     cls = SHORT_NAMES[short_name]
     return f"{cls.__module__}.{cls.__qualname__}"
@@ -174,7 +203,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         parser = build_parser()
         check_config_files(argv)
         try:
-            config = parser.parse_args(expand_short_names(argv))
+            config = parser.parse_args(expand_bare_flags(expand_short_names(argv)))
         except ArgumentError as err:
             raise explain_parse_error(str(err), argv) from err
         command = config.subcommand

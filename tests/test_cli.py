@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from fl_lightning.algorithms import CTPFL, SHORT_NAMES, FedAvg
-from fl_lightning.cli import build_parser, expand_short_names, main
+from fl_lightning.cli import build_parser, expand_bare_flags, expand_short_names, main
 from fl_lightning.models import registered_models
 
 QUICKSTART = str(Path(__file__).parent.parent / "configs" / "quickstart.yaml")
@@ -191,6 +191,24 @@ def test_model_help_lists_a_models_options(capsys):
         main(["fit", "--model.help", "no_such_network"])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.startswith("error: model.name: expected one of linear, mlp")
+
+
+def test_an_on_off_setting_given_alone_means_true():
+    assert expand_bare_flags(["sweep", "--plan", "p.yaml", "--list", "--jobs", "2", "--dry_run"]) == [
+        "sweep", "--plan", "p.yaml", "--list=true", "--jobs", "2", "--dry_run=true"]
+    assert expand_bare_flags(["fit", "--data.augment", "--overwrite", "false", "--compute.compile"]) == [
+        "fit", "--data.augment=true", "--overwrite", "false", "--compute.compile=true"]
+    # Only the command's own flags: `table` has no --list, and --metric takes a value.
+    assert expand_bare_flags(["table", "--list", "--metric", "--percent"]) == ["table", "--list", "--metric",
+                                                                                "--percent=true"]
+
+
+def test_sweep_lists_with_a_bare_flag(tmp_path, capsys):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(f"name: demo\nconfigs: [{QUICKSTART}]\nmethods: {{FedAvg: [{{algorithm: fedavg}}]}}\n")
+    main(["sweep", str(plan), "--runs_root", str(tmp_path / "runs"), "--list"])
+    assert "not started" in capsys.readouterr().out
+    assert not (tmp_path / "runs").exists()
 
 
 def test_sweep_and_table_take_the_plan_as_their_first_argument(tmp_path, capsys):
