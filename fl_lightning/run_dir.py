@@ -36,6 +36,11 @@ SAFE_TO_CHANGE = (
     "data.root", "data.download", "compute.", "logger.", "checkpoint.", "callbacks", "out_dir", "resume", "overwrite",
 )
 
+# Settings that no longer exist and never changed a run's result: a run that recorded one continues.
+RETIRED_SETTINGS = (
+    "algorithm.init_args.vectorise",  # CTP-FL's choice of how to compute its gradients, now compute.client_path
+)
+
 
 def flatten(config: dict, prefix: str = "") -> dict[str, object]:
     """{"a": {"b": 1}} -> {"a.b": 1}; lists stay values."""
@@ -68,11 +73,12 @@ def default_out_dir(config: dict, name: str) -> Path:
 
 
 def changed_settings(recorded: dict, requested: dict) -> dict[str, tuple[object, object]]:
-    """name -> (recorded, requested) for every dotted setting that differs."""
+    """name -> (recorded, requested) for every dotted setting that differs (a retired setting that was
+    recorded does not)."""
     old, new = flatten(recorded), flatten(requested)
     missing = object()
     return {name: (old.get(name), new.get(name)) for name in sorted(old.keys() | new.keys())
-            if old.get(name, missing) != new.get(name, missing)}
+            if old.get(name, missing) != new.get(name, missing) and name not in RETIRED_SETTINGS}
 
 
 def check_same_experiment(recorded: dict, requested: dict, source: str, out_dir: Path) -> dict:

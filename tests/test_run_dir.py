@@ -12,7 +12,8 @@ import torch
 
 from fl_lightning.checkpoint import checkpoint_dir, load_checkpoint, numbered_checkpoints
 from fl_lightning.cli import main
-from fl_lightning.run_dir import default_out_dir
+from fl_lightning.config import ConfigError
+from fl_lightning.run_dir import check_same_experiment, default_out_dir
 from fl_lightning.run_logging import read_metrics
 
 QUICKSTART = str(Path(__file__).parent.parent / "configs" / "quickstart.yaml")
@@ -97,6 +98,17 @@ def test_another_client_path_continues_the_run(run_copy, capsys):
           "--compute.client_path", "grouped"])
     assert "compute.client_path 'auto' -> 'grouped'" in capsys.readouterr().err
     assert [row["round"] for row in read_metrics(run_copy)] == [1, 2, 3, 4, 5]
+
+
+def test_a_run_that_recorded_a_retired_setting_continues_and_other_removed_settings_are_refused():
+    """CTP-FL's `vectorise` chose how gradients were computed; runs that recorded it continue."""
+    requested = {"algorithm": {"class_path": "fl_lightning.algorithms.ctpfl.CTPFL", "init_args": {"span": None}}}
+    recorded = {"algorithm": {"class_path": "fl_lightning.algorithms.ctpfl.CTPFL",
+                              "init_args": {"span": None, "vectorise": False}}}
+    assert check_same_experiment(recorded, requested, "config.yaml", Path("runs/x")) == {}
+    recorded["algorithm"]["init_args"]["clip_norm"] = 1.0
+    with pytest.raises(ConfigError, match=r"algorithm.init_args.clip_norm: 1.0 -> None"):
+        check_same_experiment(recorded, requested, "config.yaml", Path("runs/x"))
 
 
 def test_a_finished_run_trains_nothing_when_run_again(run_copy, capsys):
