@@ -309,7 +309,11 @@ def _train_and_record(fabric, run: FederatedRun) -> None:
     try:
         if fabric.global_rank == 0:
             _write_run_files(run)
-        return train(fabric, run)
+        train(fabric, run)
+        # Lightning closes an NCCL process group when the process exits but leaves a gloo one to the
+        # interpreter's teardown, where its threads can abort a rank after the run has finished.
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
     finally:
         torch.set_num_threads(threads)
 
