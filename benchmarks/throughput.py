@@ -7,9 +7,9 @@ A client-sample is one sample in one local-training mini-batch; a round of S cli
 steps of batch B processes S * K * B of them, and centralised training takes K steps of batch
 S * B. fl-lightning runs each algorithm of `--algorithms` (FedAvg, SCAFFOLD, FedProx, CTP-FL) on
 both client paths of `ComputeArgs.client_path`: `loop` (one client after another) and `grouped`
-(a rank's clients computed together). Every method reads the same random uint8 images of the
-chosen shape from the device through the same normalising transform (no augmentation, no
-download), so only the training loops differ.
+(a rank's clients computed together; CTP-FL's fused, one backward pass per query point). Every
+method reads the same random uint8 images of the chosen shape from the device through the same
+normalising transform (no augmentation, no download), so only the training loops differ.
 
 Methods take turns within each repeat (after one warm-up round each), so a slowdown of a shared
 machine hits all of them alike; the median over the timed rounds is reported, with its ratio to

@@ -143,6 +143,11 @@ class ClientRun:
     _generator: torch.Generator
     losses: list[torch.Tensor] = field(default_factory=list)
     vectorised: bool = False
+    client_weights: Optional[torch.Tensor] = None
+    """Set when this run stands for a group of clients fused into one (`Algorithm.fuses_clients`):
+    their weights, summing to 1. Its buffers, batches and losses are then the group's, stacked per
+    client, and each gradient it takes is the weighted mean of the clients' gradients, each at the
+    same parameters on its own batch."""
     _batches: Optional[list[Batch]] = None
     _active_steps: Optional[torch.Tensor] = None
 
@@ -167,7 +172,8 @@ class ClientRun:
 
         A training pass updates this client's BatchNorm running statistics and counts towards its
         train loss; an extra evaluation on the same batch (FedSAM's ascent point) does neither."""
-        loss, gradient, buffers = self.trainer.loss_grad_and_buffers(params, self.buffers, batch, self.vectorised)
+        loss, gradient, buffers = self.trainer.loss_grad_and_buffers(params, self.buffers, batch, self.vectorised,
+                                                                     self.client_weights)
         if training_pass:
             self.buffers = buffers
             self.losses.append(loss)
@@ -309,10 +315,24 @@ class LocalTrainer:
                          training: bool = True) -> torch.Tensor:
         return self._call_with_buffers(call, params, buffers, argument, training)[0]
 
-    def loss_grad_and_buffers(self, params: torch.Tensor, buffers: torch.Tensor, batch: Batch, functional: bool = False
+    def loss_grad_and_buffers(self, params: torch.Tensor, buffers: torch.Tensor, batch: Batch, functional: bool = False,
+                              client_weights: Optional[torch.Tensor] = None
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The training loss at flat `params` on `batch`, its gradient, and the float buffers after
-        the pass (`buffers` itself is left as it is); `functional` under vmap."""
+        the pass (`buffers` itself is left as it is); `functional` under vmap.
+
+        With `client_weights`, `buffers` and `batch` are a fused group's, stacked per client: then
+        each client's loss on its own batch, the gradient of their weighted sum, and each client's
+        buffers. That is one forward and one backward pass over the concatenated batches, vmap
+        keeping the clients apart only where the network normalises by batch statistics."""
+        if client_weights is not None:
+            def weighted_loss(p):
+                losses, updated = torch.func.vmap(lambda b, inputs, labels: self._call_with_buffers(
+                    self.call, p, b, (inputs, labels)), randomness="different")(buffers, *batch)
+                return (client_weights * losses).sum(), (losses.detach(), updated.detach())
+
+            gradient, _, (losses, updated) = differentiate(weighted_loss, params, functional, has_aux=True)
+            return losses, gradient, updated
         call_with_buffers = self._call_with_buffers if functional else self._loop_call
         gradient, loss, updated = differentiate(
             lambda p: call_with_buffers(self.call, p, buffers, batch), params, functional, has_aux=True)

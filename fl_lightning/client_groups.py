@@ -7,6 +7,14 @@ forward and backward passes batch over the clients' parameters, and CTP-FL's, wh
 the same points, become one pass over the concatenated batches. No algorithm has code of its own
 for this: what vmap cannot run (`.item()`, branching on values) has no place in a client rule.
 
+Where the algorithm allows it (`Algorithm.fuses_clients`: CTP-FL), a group is fused: the rule runs
+once, without vmap around it, on a `ClientRun` whose every gradient is the weighted mean of the
+group's (`ClientRun.client_weights`), one backward pass over the concatenated batches. Each client
+of the group then contributes the group's mean upload, which the aggregation weighs with the
+client's weight, so the sum over the group is the same. A client's own upload is computed, alone on
+the same batches, only if a callback reads it (a diagnostic, on its rounds): training is the same
+with or without diagnostics.
+
 Clients in one group need batches of one shape at every step. Where the network normalises
 per sample (no BatchNorm), a shorter batch is padded with samples of label `PADDING_LABEL`,
 which the loss leaves out, and a client with fewer steps than the group's is masked on the rest
@@ -17,7 +25,9 @@ only clients with the same batch sizes share a group.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Iterator, Optional
+from collections.abc import Mapping
+from functools import partial
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -25,24 +35,33 @@ from torch import nn
 from fl_lightning.algorithms.base import Algorithm
 from fl_lightning.client import PADDING_LABEL, ClientRun
 
-Updates = Iterator[tuple[ClientRun, dict[str, torch.Tensor]]]
+Uploads = Mapping[str, torch.Tensor]
+Update = tuple[ClientRun, Uploads, Uploads]
+Updates = Iterator[Update]
+GroupRun = Callable[[Algorithm, list[ClientRun]], list[Update]]
 
 
-def uses_grouped_path(client_path: str, device: torch.device) -> bool:
-    """`auto` groups on a GPU only: on the CPU, batched convolutions over the clients' own weights
-    measured slower than the loop except for tiny models at tiny batches (docs/performance.md)."""
-    return client_path == "grouped" or (client_path == "auto" and device.type == "cuda")
+def uses_grouped_path(client_path: str, device: torch.device, fused: bool = False) -> bool:
+    """`auto` groups on a GPU, and on the CPU only clients that are `fused`: there, batched
+    convolutions over the clients' own weights measured slower than the loop except for tiny models
+    at tiny batches, while fused clients measured as fast or faster (docs/performance.md)."""
+    return client_path == "grouped" or (client_path == "auto" and (device.type == "cuda" or fused))
 
 
 def client_updates(algorithm: Algorithm, clients: Iterable[ClientRun], grouped: bool,
-                   group_size: Optional[int] = None) -> Updates:
-    """Each of one rank's clients this round with its uploads: in the order given, or group by group."""
+                   group_size: Optional[int] = None, fuse_with_weights: Optional[dict[int, float]] = None) -> Updates:
+    """Each of one rank's clients this round with what it contributes to the aggregation and its own
+    uploads (the same, unless fused): in the order given, or group by group; grouped and given the
+    clients' aggregation weights (by client id), each group fused (for an algorithm that
+    `fuses_clients`)."""
     if not grouped:
         for client in clients:
-            yield client, algorithm.client_update(client)
+            yield _alone(algorithm, client)
         return
-    for group in _groups(list(clients), group_size):
-        yield from _group_updates(algorithm, group)
+    fused = fuse_with_weights is not None
+    run_group = partial(_run_fused, weights=fuse_with_weights) if fused else _run_group
+    for group in _groups(list(clients), group_size, equal_steps=fused):
+        yield from _group_updates(algorithm, group, run_group)
 
 
 def normalise_batches_in_float32(module: nn.Module) -> None:
@@ -58,18 +77,20 @@ def _has_batch_statistics(module: nn.Module) -> bool:
     return any(isinstance(layer, nn.modules.batchnorm._BatchNorm) for layer in module.modules())
 
 
-def _groups(clients: list[ClientRun], group_size: Optional[int]) -> list[list[ClientRun]]:
+def _groups(clients: list[ClientRun], group_size: Optional[int], equal_steps: bool = False) -> list[list[ClientRun]]:
     """Clients that can share a group: the same state entries (an algorithm may branch on whether a
-    client has trained before), and with BatchNorm the same batch sizes. Within that, a group holds
-    at most `group_size` clients, and none with fewer than half the steps of its longest, so at most
-    half of a group's steps are masked ones."""
+    client has trained before), with BatchNorm the same batch sizes, and fused (`equal_steps`, where
+    no step can be masked) the same number of steps. Within that, a group holds at most `group_size`
+    clients, and none with fewer than half the steps of its longest, so at most half of a group's
+    steps are masked ones."""
     if not clients:
         return []
     pad = not _has_batch_statistics(clients[0].trainer.module)
     kinds: dict[tuple, list[ClientRun]] = {}
     for client in sorted(clients, key=lambda c: -c.num_steps):
         sizes = None if pad else tuple(client.batch_sizes)
-        kinds.setdefault((tuple(sorted(client.state)), sizes), []).append(client)
+        steps = client.num_steps if equal_steps else None
+        kinds.setdefault((tuple(sorted(client.state)), sizes, steps), []).append(client)
     size = group_size or len(clients)
     groups: list[list[ClientRun]] = []
     for kind in kinds.values():
@@ -83,18 +104,18 @@ def _groups(clients: list[ClientRun], group_size: Optional[int]) -> list[list[Cl
     return groups
 
 
-def _group_updates(algorithm: Algorithm, group: list[ClientRun]) -> Updates:
+def _group_updates(algorithm: Algorithm, group: list[ClientRun], run_group: GroupRun) -> Updates:
     if len(group) == 1:
-        yield group[0], algorithm.client_update(group[0])
+        yield _alone(algorithm, group[0])
         return
     try:
-        results = _run_group(algorithm, group)
+        results = run_group(algorithm, group)
     except torch.cuda.OutOfMemoryError:
         # Nothing was written back yet: the halves start from the same state.
         torch.cuda.empty_cache()
         middle = len(group) // 2
-        yield from _group_updates(algorithm, group[:middle])
-        yield from _group_updates(algorithm, group[middle:])
+        yield from _group_updates(algorithm, group[:middle], run_group)
+        yield from _group_updates(algorithm, group[middle:], run_group)
         return
     except RuntimeError as err:
         if "vmap" not in str(err):
@@ -106,7 +127,12 @@ def _group_updates(algorithm: Algorithm, group: list[ClientRun]) -> Updates:
     yield from results
 
 
-def _run_group(algorithm: Algorithm, group: list[ClientRun]) -> list[tuple[ClientRun, dict[str, torch.Tensor]]]:
+def _alone(algorithm: Algorithm, client: ClientRun) -> Update:
+    uploads = algorithm.client_update(client)
+    return client, uploads, uploads
+
+
+def _run_group(algorithm: Algorithm, group: list[ClientRun]) -> list[Update]:
     """Every client of `group` updated together; writes each client's state, buffers and losses
     back as if it had run alone, and returns its uploads."""
     first = group[0]
@@ -134,8 +160,53 @@ def _run_group(algorithm: Algorithm, group: list[ClientRun]) -> list[tuple[Clien
         client.state.update({name: value[index] for name, value in new_state.items()})
         client.buffers = new_buffers[index]
         client.losses = list(losses[index, :client.num_steps])
-        results.append((client, {name: value[index] for name, value in uploads.items()}))
+        own = {name: value[index] for name, value in uploads.items()}
+        results.append((client, own, own))
     return results
+
+
+def _run_fused(algorithm: Algorithm, group: list[ClientRun], weights: dict[int, float]) -> list[Update]:
+    """`group` as one fused client (equal steps, stateless): writes each client's buffers and losses
+    back as if it had run alone; each contributes the group's `weights`-weighted mean uploads."""
+    first = group[0]
+    inputs, labels = _stacked_batches(group, first.num_steps)
+    # As each client starts the round (its batches are made now): what its own uploads are computed from.
+    starts = [dataclasses.replace(client, losses=[]) for client in group]
+    group_weights = torch.tensor([weights[client.client_id] for client in group], device=inputs.device)
+    fused = dataclasses.replace(
+        first, buffers=torch.stack([client.buffers for client in group]), losses=[],
+        client_weights=group_weights / group_weights.sum(), _batches=list(zip(inputs.unbind(1), labels.unbind(1))))
+    uploads = algorithm.client_update(fused)
+    losses = torch.stack(fused.losses, dim=1)
+    for index, client in enumerate(group):
+        client.buffers = fused.buffers[index]
+        client.losses = list(losses[index])
+    return [(client, uploads, OwnUploads(algorithm, start)) for client, start in zip(group, starts)]
+
+
+class OwnUploads(Mapping):
+    """A fused client's own uploads, computed on first access: its rule run alone from its start of
+    the round on the same batches, leaving the global random stream as it was (dropout)."""
+
+    def __init__(self, algorithm: Algorithm, start: ClientRun):
+        self._algorithm, self._start = algorithm, start
+        self._uploads: Optional[dict[str, torch.Tensor]] = None
+
+    def _computed(self) -> dict[str, torch.Tensor]:
+        if self._uploads is None:
+            device = self._start.global_params.device
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                self._uploads = self._algorithm.client_update(self._start)
+        return self._uploads
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._computed()[name]
+
+    def __iter__(self):
+        return iter(self._computed())
+
+    def __len__(self) -> int:
+        return len(self._computed())
 
 
 def _stacked_batches(group: list[ClientRun], steps: int) -> tuple[torch.Tensor, torch.Tensor]:

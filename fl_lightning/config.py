@@ -100,8 +100,9 @@ class ComputeArgs:
     """`loop`: one client after another. `grouped`: a rank's clients advance in lockstep as one
     vectorised computation (torch.func.vmap over their stacked parameters, optimizer state and
     BatchNorm statistics); CTP-FL's clients share each query point, so theirs is one pass over the
-    concatenated batches. `auto`: grouped on a GPU, loop on the CPU, where grouping measured slower
-    except for LeNet-sized models at batch 10 (docs/performance.md)."""
+    concatenated batches, with one backward pass of their weighted losses unless its clip_norm is
+    set (fused). `auto`: grouped on a GPU; on the CPU, grouped for fused CTP-FL clients and the loop
+    otherwise, as measured fastest there (docs/performance.md)."""
     group_size: Optional[PositiveInt] = None
     """Most clients computed together in the grouped path; null: all of a rank's clients. On a GPU
     that runs out of memory, a group is split in halves and computed again."""

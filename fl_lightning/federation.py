@@ -171,7 +171,8 @@ class FederatedLoop:
         self.client_states = ClientStates({c: s for c, s in saved_states.items()
                                            if c % fabric.world_size == fabric.global_rank})
         self.trainer = self._local_trainer(device)
-        self.grouped = uses_grouped_path(run.compute.client_path, device)
+        self.fused = self.algorithm.fuses_clients
+        self.grouped = uses_grouped_path(run.compute.client_path, device, self.fused)
         if self.grouped:
             normalise_batches_in_float32(self.module)
         self.test_images, self.test_labels = run.test.images.to(device), run.test.labels.to(device)
@@ -219,15 +220,16 @@ class FederatedLoop:
                               fabric.device)
         hooks_seconds = 0.0  # diagnostics' time on their rounds, left out of the round's own time
         runs = self._client_runs(clients, round_index)
-        for client, uploads in client_updates(algorithm, runs, self.grouped, self.run.compute.group_size):
+        for client, contribution, uploads in client_updates(algorithm, runs, self.grouped, self.run.compute.group_size,
+                                                            weights if self.fused else None):
             if self.stateful:
                 self.client_states.put(client.client_id, client.state)
             hook_started = time.perf_counter()
+            # A fused client's own uploads are computed here, if a callback reads them: its cost.
             fabric.call("on_client_end", fabric, self, client, uploads, weights[client.client_id])
             hooks_seconds += time.perf_counter() - hook_started
-            uploads["buffers"] = client.buffers
-            uploads["train_loss"] = client.mean_loss.reshape(1)
-            buffer.add(uploads, weights[client.client_id])
+            buffer.add({**contribution, "buffers": client.buffers, "train_loss": client.mean_loss.reshape(1)},
+                       weights[client.client_id])
         one = torch.ones(1, device=fabric.device)
         buffer.add({**({STOP_REQUESTED: one} if self.stop_reasons else {}),
                     **({REQUEUE_REQUESTED: one} if self._requeue_requested else {})}, 1.0)

@@ -1,6 +1,8 @@
 """The grouped path (clients trained together under torch.func.vmap) against the client-by-client
 loop, the reference: the same global model, buffers and train loss for every algorithm, with and
-without BatchNorm, under CONST, and with clients that take different numbers of steps."""
+without BatchNorm, under CONST, and with clients that take different numbers of steps; and CTP-FL's
+fused groups (one backward pass per query point for a group), whose clients' own uploads a callback
+still reads."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from fl_lightning.algorithms import (
     FedSAM,
 )
 from fl_lightning.algorithms.base import PSEUDO_GRADIENT
+from fl_lightning.callbacks import Callback
 from fl_lightning.checkpoint import LAST, checkpoint_dir
 from fl_lightning.cli import main
 from fl_lightning.client import LocalTrainer
@@ -67,28 +70,31 @@ ALGORITHMS = {
     "fedprox": lambda: FedProx(mu=0.1), "feddyn": lambda: FedDyn(alpha=0.1), "fedsam": lambda: FedSAM(rho=0.05),
     "moon": lambda: MOON(mu=1.0, projection_dim=6), "ctpfl": lambda: CTPFL(span=0.2, weight_decay=1e-3, clip_norm=5.0),
 }
+# Without clip_norm, CTP-FL's grouped clients are fused.
+FUSED_CTPFL = "ctpfl_unclipped"
 
 
 def federated_loop(algorithm_name: str, *, batch_norm: bool, client_path: str, local_epochs=None, local_steps=None,
                    clients_per_round: int = 5, constraint=None, group_size=None,
-                   channels_last: bool = False, precision: str = "32-true", compile_steps: bool = False
-                   ) -> FederatedLoop:
+                   channels_last: bool = False, precision: str = "32-true", compile_steps: bool = False,
+                   client_sizes: tuple[int, ...] = CLIENT_SIZES, weighting=None, callbacks=None) -> FederatedLoop:
     algorithm = ALGORITHMS[algorithm_name]()
     torch.manual_seed(0)
     network = algorithm.prepare_model(SmallConvNet(batch_norm, bias=constraint is None))
     if constraint is not None:
         constraint.prepare_model(network)
     generator = torch.Generator().manual_seed(1)
-    images = torch.randint(0, 256, (sum(CLIENT_SIZES), 3, 8, 8), dtype=torch.uint8, generator=generator)
-    labels = torch.randint(0, NUM_CLASSES, (sum(CLIENT_SIZES),), generator=generator)
+    images = torch.randint(0, 256, (sum(client_sizes), 3, 8, 8), dtype=torch.uint8, generator=generator)
+    labels = torch.randint(0, NUM_CLASSES, (sum(client_sizes),), generator=generator)
     dataset = ImageDataset(images, labels, NUM_CLASSES, (0.5,) * 3, (0.25,) * 3)
-    partition = np.split(np.arange(sum(CLIENT_SIZES)), np.cumsum(CLIENT_SIZES)[:-1])
-    server_lr = 0.5 if algorithm_name == "ctpfl" else 1.0
+    partition = np.split(np.arange(sum(client_sizes)), np.cumsum(client_sizes)[:-1])
+    server_lr = 0.5 if algorithm_name.startswith("ctpfl") else 1.0
     run = FederatedRun(
         algorithm=algorithm, server_optimizer=algorithm.server_optimizer_for(ServerSGD(lr=server_lr)),
         module=ClassificationModule(network, NUM_CLASSES), train=dataset, test=dataset, partition=partition,
-        federation=FederationArgs(rounds=10**6, num_clients=len(CLIENT_SIZES), clients_per_round=clients_per_round,
-                                  local_steps=local_steps, local_epochs=local_epochs, batch_size=5),
+        federation=FederationArgs(rounds=10**6, num_clients=len(client_sizes), clients_per_round=clients_per_round,
+                                  local_steps=local_steps, local_epochs=local_epochs, batch_size=5,
+                                  weighting=weighting),
         data=DataArgs(augment=True, crop_padding=1),
         client_optimizer=ClientOptimizerArgs(lr=0.05, momentum=0.9, weight_decay=1e-3, grad_clip_norm=2.0),
         checkpoint_keep=1, seed=0, out_dir=Path("unused"), run_id="test", hyperparameters={},
@@ -96,7 +102,7 @@ def federated_loop(algorithm_name: str, *, batch_norm: bool, client_path: str, l
         compute=ComputeArgs(client_path=client_path, group_size=group_size, channels_last=channels_last,
                             compile=compile_steps),
     )
-    return FederatedLoop(Fabric(accelerator="cpu", devices=1, precision=precision), run)
+    return FederatedLoop(Fabric(accelerator="cpu", devices=1, precision=precision, callbacks=callbacks), run)
 
 
 @pytest.fixture
@@ -106,6 +112,17 @@ def group_sizes(monkeypatch) -> list[int]:
     original = client_groups._run_group
     monkeypatch.setattr(client_groups, "_run_group", lambda algorithm, group: sizes.append(len(group)) or
                         original(algorithm, group))
+    return sizes
+
+
+@pytest.fixture
+def fused_group_sizes(monkeypatch) -> list[int]:
+    """The size of every group computed fused; also makes FUSED_CTPFL an algorithm name."""
+    monkeypatch.setitem(ALGORITHMS, FUSED_CTPFL, lambda: CTPFL(span=0.2, weight_decay=1e-3))
+    sizes: list[int] = []
+    original = client_groups._run_fused
+    monkeypatch.setattr(client_groups, "_run_fused", lambda algorithm, group, weights: sizes.append(len(group)) or
+                        original(algorithm, group, weights))
     return sizes
 
 
@@ -162,6 +179,86 @@ def test_batchnorm_clients_group_only_with_clients_of_the_same_batch_sizes(group
     assert_same_run(grouped, rounds_of(federated_loop(**settings, client_path="loop")))
 
 
+@pytest.mark.parametrize("weighting", ["uniform", "num_samples"])
+def test_fused_ctpfl_clients_with_batchnorm_match_the_loop(weighting, fused_group_sizes, group_sizes):
+    """CTP-FL's clients share their query points: a group's weighted mean upload is one backward
+    pass of the weighted sum of their losses, each client normalising with its own batch statistics."""
+    settings = dict(algorithm_name=FUSED_CTPFL, batch_norm=True, local_steps=3, weighting=weighting)
+    fused = rounds_of(federated_loop(**settings, client_path="grouped"))
+    assert fused_group_sizes == [5, 5, 5] and group_sizes == []
+    assert_same_run(fused, rounds_of(federated_loop(**settings, client_path="loop")))
+
+
+def test_fused_ctpfl_clients_with_shorter_last_batches_are_padded(fused_group_sizes):
+    """Without BatchNorm, clients whose last batches differ share a group, padded to the longest."""
+    # One epoch in batches of 5: four steps each, the last of 1 to 5 samples.
+    settings = dict(algorithm_name=FUSED_CTPFL, batch_norm=False, local_epochs=1, client_sizes=(16, 20, 17, 19, 18),
+                    weighting="num_samples")
+    fused = rounds_of(federated_loop(**settings, client_path="grouped"))
+    assert fused_group_sizes == [5, 5, 5]
+    assert_same_run(fused, rounds_of(federated_loop(**settings, client_path="loop")))
+
+
+def test_fused_clients_share_a_group_only_with_clients_of_as_many_steps(fused_group_sizes):
+    """No step of a fused group can be masked: 13, 20, 7, 16 and 24 samples take 3, 4, 2, 4 and 5
+    steps of 5, and only the two of 4 steps share a group."""
+    settings = dict(algorithm_name=FUSED_CTPFL, batch_norm=False, local_epochs=1)
+    fused = rounds_of(federated_loop(**settings, client_path="grouped"))
+    assert fused_group_sizes == [2, 2, 2]
+    assert_same_run(fused, rounds_of(federated_loop(**settings, client_path="loop")))
+
+
+def test_fused_groups_are_bounded_by_group_size(fused_group_sizes):
+    settings = dict(algorithm_name=FUSED_CTPFL, batch_norm=True, local_steps=2)
+    fused = rounds_of(federated_loop(**settings, client_path="grouped", group_size=2))
+    assert fused_group_sizes == [2, 2] * 3  # and the fifth client alone
+    assert_same_run(fused, rounds_of(federated_loop(**settings, client_path="loop")))
+
+
+def test_fused_ctpfl_in_bfloat16_matches_the_loop_in_bfloat16(fused_group_sizes):
+    settings = dict(algorithm_name=FUSED_CTPFL, batch_norm=True, local_steps=3, precision="bf16-mixed")
+    fused_losses, fused_params, _ = rounds_of(federated_loop(**settings, client_path="grouped"))
+    assert fused_group_sizes == [5, 5, 5]
+    loop_losses, loop_params, _ = rounds_of(federated_loop(**settings, client_path="loop"))
+    assert fused_losses == pytest.approx(loop_losses, rel=1e-2)
+    torch.testing.assert_close(fused_params, loop_params, rtol=0, atol=0.05)
+
+
+def test_clipped_ctpfl_clients_are_grouped_but_not_fused(fused_group_sizes, group_sizes):
+    """Clipping each client's upload is not affine: every client's upload is computed."""
+    rounds_of(federated_loop("ctpfl", batch_norm=True, local_steps=2, client_path="grouped"))
+    assert fused_group_sizes == [] and group_sizes == [5, 5, 5]
+
+
+class RecordsUploads(Callback):
+    def __init__(self):
+        self.uploads: dict[tuple[int, int], torch.Tensor] = {}
+
+    def on_client_end(self, fabric, loop, client, uploads, weight) -> None:
+        self.uploads[client.round, client.client_id] = uploads[PSEUDO_GRADIENT].clone()
+
+
+def test_a_callback_reads_each_fused_clients_own_upload_and_training_stays_the_same(fused_group_sizes, monkeypatch):
+    """A fused client's own upload is computed, alone, only when a callback reads it; the model
+    trained is bitwise the one trained without the callback."""
+    settings = dict(algorithm_name=FUSED_CTPFL, batch_norm=True, local_steps=2)
+    calls: list[bool] = []
+    original = CTPFL.client_update
+    monkeypatch.setattr(CTPFL, "client_update", lambda self, client: calls.append(
+        client.client_weights is not None) or original(self, client))
+    plain = rounds_of(federated_loop(**settings, client_path="grouped"))
+    assert calls == [True] * 3  # one fused update per round, nothing else
+    calls.clear()
+    fused_recorder, loop_recorder = RecordsUploads(), RecordsUploads()
+    recorded = rounds_of(federated_loop(**settings, client_path="grouped", callbacks=[fused_recorder]))
+    assert calls == ([True] + [False] * 5) * 3
+    assert plain[0] == recorded[0] and all(torch.equal(a, b) for a, b in zip(plain[1:], recorded[1:]))
+    rounds_of(federated_loop(**settings, client_path="loop", callbacks=[loop_recorder]))
+    assert fused_recorder.uploads.keys() == loop_recorder.uploads.keys()
+    for key, upload in loop_recorder.uploads.items():
+        torch.testing.assert_close(fused_recorder.uploads[key], upload, rtol=1e-4, atol=1e-6)
+
+
 def test_stateful_clients_group_with_clients_that_have_the_same_state(group_sizes):
     """MOON branches on whether a client has a previous model: first-time and returning clients
     of a round form separate groups, and the result is still the loop's."""
@@ -213,9 +310,12 @@ def test_a_client_rule_that_cannot_run_grouped_names_the_setting_that_runs_it(mo
         loop.run_round(0)
 
 
-def test_auto_groups_on_a_gpu_and_loops_on_the_cpu():
+def test_auto_groups_on_a_gpu_and_loops_on_the_cpu_unless_the_clients_are_fused(fused_group_sizes):
     assert uses_grouped_path("auto", torch.device("cuda", 0))
     assert not uses_grouped_path("auto", torch.device("cpu"))
+    assert uses_grouped_path("auto", torch.device("cpu"), fused=True)
+    assert federated_loop(FUSED_CTPFL, batch_norm=True, local_steps=2, client_path="auto").grouped
+    assert not federated_loop("ctpfl", batch_norm=True, local_steps=2, client_path="auto").grouped
     assert uses_grouped_path("grouped", torch.device("cpu"))
     assert not uses_grouped_path("loop", torch.device("cuda", 0))
 

@@ -71,6 +71,16 @@ class Algorithm(Configurable):
     def initial_server_state(self, num_params: int, device: torch.device) -> dict[str, torch.Tensor]:
         return {}
 
+    @property
+    def fuses_clients(self) -> bool:
+        """Whether the grouped path may compute a group of clients as one (`ClientRun.client_weights`),
+        each gradient the group's weighted mean: right for a stateless rule whose clients all take
+        their gradients at the same points and whose uploads are affine in those gradients, so that
+        the fused run's uploads are the group's weighted mean uploads (CTP-FL). One backward pass
+        then serves the whole group; a client's own uploads are computed again, alone, only for a
+        callback that reads them (`on_client_end`)."""
+        return False
+
     def client_update(self, client: ClientRun) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 

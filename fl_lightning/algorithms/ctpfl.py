@@ -67,10 +67,16 @@ class CTPFL(Algorithm):
             return [0.0]
         return [k * self.effective_span / (num_steps - 1) for k in range(num_steps)]
 
+    @property
+    def fuses_clients(self) -> bool:
+        # u_i is affine in the client's gradients at points all clients share; clipping is not.
+        return self.clip_norm is None
+
     def client_update(self, client: ClientRun) -> dict[str, torch.Tensor]:
         """The query points are the same for every client, so in the grouped path (`compute.client_path`)
         the clients of a rank evaluate each of them in one pass over their concatenated batches,
-        each normalising with its own batch statistics."""
+        each normalising with its own batch statistics; fused (`fuses_clients`), that pass has one
+        backward, of the weighted sum of their losses."""
         direction = self.server_state["direction"]
         gradient_sum = 0.0
         for offset, batch in zip(self.query_offsets(client.num_steps), client.batches()):
