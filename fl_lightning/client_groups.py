@@ -48,6 +48,19 @@ def uses_grouped_path(client_path: str, device: torch.device, fused: bool = Fals
     return client_path == "grouped" or (client_path == "auto" and (device.type == "cuda" or fused))
 
 
+CPU_FUSED_SAMPLES = 512
+"""The most samples one fused pass takes on the CPU unless `compute.group_size` says otherwise."""
+
+
+def group_size_for(group_size: Optional[int], device: torch.device, fused: bool, batch_size: int) -> Optional[int]:
+    """`group_size`, or if null: all of a rank's clients, except fused clients on the CPU, grouped to
+    passes of at most `CPU_FUSED_SAMPLES` samples: there larger passes measured slower, down to
+    slower than the loop, and smaller ones little faster (docs/performance.md)."""
+    if group_size is None and fused and device.type == "cpu":
+        return max(1, CPU_FUSED_SAMPLES // batch_size)
+    return group_size
+
+
 def client_updates(algorithm: Algorithm, clients: Iterable[ClientRun], grouped: bool,
                    group_size: Optional[int] = None, fuse_with_weights: Optional[dict[int, float]] = None) -> Updates:
     """Each of one rank's clients this round with what it contributes to the aggregation and its own

@@ -104,7 +104,8 @@ class ComputeArgs:
     set (fused). `auto`: grouped on a GPU; on the CPU, grouped for fused CTP-FL clients and the loop
     otherwise, as measured fastest there (docs/performance.md)."""
     group_size: Optional[PositiveInt] = None
-    """Most clients computed together in the grouped path; null: all of a rank's clients. On a GPU
+    """Most clients computed together in the grouped path; null: all of a rank's clients (on the CPU,
+    fused CTP-FL clients of at most 512 samples per pass, which measured fastest there). On a GPU
     that runs out of memory, a group is split in halves and computed again."""
     channels_last: bool = False
     """Feed images to the network in channels-last memory layout in the loop path (faster

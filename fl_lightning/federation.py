@@ -19,7 +19,7 @@ import torch
 from fl_lightning.algorithms import Algorithm
 from fl_lightning.checkpoint import checkpoint_dir, numbered_checkpoints, save_checkpoint, save_client_shard
 from fl_lightning.client import SAMPLING_STREAM, LocalTrainer, seeded_generator
-from fl_lightning.client_groups import client_updates, normalise_batches_in_float32, uses_grouped_path
+from fl_lightning.client_groups import client_updates, group_size_for, normalise_batches_in_float32, uses_grouped_path
 from fl_lightning.config import ClientOptimizerArgs, ComputeArgs, DataArgs, FederationArgs
 from fl_lightning.constraints import Constraint
 from fl_lightning.data import DeviceTransform, ImageDataset
@@ -173,6 +173,7 @@ class FederatedLoop:
         self.trainer = self._local_trainer(device)
         self.fused = self.algorithm.fuses_clients
         self.grouped = uses_grouped_path(run.compute.client_path, device, self.fused)
+        self.group_size = group_size_for(run.compute.group_size, device, self.fused, run.federation.batch_size)
         if self.grouped:
             normalise_batches_in_float32(self.module)
         self.test_images, self.test_labels = run.test.images.to(device), run.test.labels.to(device)
@@ -220,7 +221,7 @@ class FederatedLoop:
                               fabric.device)
         hooks_seconds = 0.0  # diagnostics' time on their rounds, left out of the round's own time
         runs = self._client_runs(clients, round_index)
-        for client, contribution, uploads in client_updates(algorithm, runs, self.grouped, self.run.compute.group_size,
+        for client, contribution, uploads in client_updates(algorithm, runs, self.grouped, self.group_size,
                                                             weights if self.fused else None):
             if self.stateful:
                 self.client_states.put(client.client_id, client.state)

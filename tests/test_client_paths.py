@@ -32,7 +32,7 @@ from fl_lightning.callbacks import Callback
 from fl_lightning.checkpoint import LAST, checkpoint_dir
 from fl_lightning.cli import main
 from fl_lightning.client import LocalTrainer
-from fl_lightning.client_groups import uses_grouped_path
+from fl_lightning.client_groups import group_size_for, uses_grouped_path
 from fl_lightning.config import ClientOptimizerArgs, ComputeArgs, DataArgs, FederationArgs
 from fl_lightning.constraints import CONST
 from fl_lightning.data import ImageDataset
@@ -213,6 +213,17 @@ def test_fused_groups_are_bounded_by_group_size(fused_group_sizes):
     fused = rounds_of(federated_loop(**settings, client_path="grouped", group_size=2))
     assert fused_group_sizes == [2, 2] * 3  # and the fifth client alone
     assert_same_run(fused, rounds_of(federated_loop(**settings, client_path="loop")))
+
+
+def test_fused_groups_on_the_cpu_take_at_most_512_samples_per_pass_unless_group_size_is_set(monkeypatch,
+                                                                                         fused_group_sizes):
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert [group_size_for(None, cpu, True, batch_size) for batch_size in (10, 50, 600)] == [51, 10, 1]
+    assert group_size_for(None, cpu, False, 50) is None and group_size_for(None, gpu, True, 50) is None
+    assert group_size_for(3, cpu, True, 50) == 3
+    monkeypatch.setattr(client_groups, "CPU_FUSED_SAMPLES", 10)  # two clients' batches of 5
+    rounds_of(federated_loop(FUSED_CTPFL, batch_norm=True, local_steps=2, client_path="auto"), rounds=1)
+    assert fused_group_sizes == [2, 2]
 
 
 def test_fused_ctpfl_in_bfloat16_matches_the_loop_in_bfloat16(fused_group_sizes):

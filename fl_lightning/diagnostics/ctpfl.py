@@ -54,7 +54,8 @@ class DisplacementBias(Diagnostic):
     - `ctpfl/bias_curvature`: 2 ctpfl/bias / (h |v^r|), a lower bound on the smoothness constant L
       of eq. 13 along the path (|H v| / |v| on a quadratic); absent while h |v^r| = 0;
     - `ctpfl/seconds`: this rank's time for the extra gradients (K per client, as many again as
-      the round's own).
+      the round's own; twice that where the clients were fused, whose own uploads u_i are then
+      computed too).
 
     Each rank sums its clients' parts; one sum over ranks on measured rounds aggregates them.
     """
