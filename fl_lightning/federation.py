@@ -172,6 +172,9 @@ class FederatedLoop:
                                            if c % fabric.world_size == fabric.global_rank})
         self.trainer = self._local_trainer(device)
         self.fused = self.algorithm.fuses_clients
+        if self.fused and self.stateful:
+            raise TypeError(f"{type(self.algorithm).__name__}.fuses_clients is true, but a fused group keeps no "
+                            f"client state ({', '.join(self.algorithm.client_state)}): it must be false")
         self.grouped = uses_grouped_path(run.compute.client_path, device, self.fused)
         self.group_size = group_size_for(run.compute.group_size, device, self.fused, run.federation.batch_size)
         if self.grouped:

@@ -235,6 +235,17 @@ def test_fused_ctpfl_in_bfloat16_matches_the_loop_in_bfloat16(fused_group_sizes)
     torch.testing.assert_close(fused_params, loop_params, rtol=0, atol=0.05)
 
 
+class FusedWithState(CTPFL):
+    client_state = ("last_upload",)
+
+
+def test_an_algorithm_with_client_state_cannot_fuse_its_clients(monkeypatch):
+    monkeypatch.setitem(ALGORITHMS, "fused_with_state", FusedWithState)
+    with pytest.raises(TypeError, match="FusedWithState.fuses_clients is true, but a fused group keeps no client "
+                                        "state \\(last_upload\\)"):
+        federated_loop("fused_with_state", batch_norm=True, local_steps=2, client_path="grouped")
+
+
 def test_clipped_ctpfl_clients_are_grouped_but_not_fused(fused_group_sizes, group_sizes):
     """Clipping each client's upload is not affine: every client's upload is computed."""
     rounds_of(federated_loop("ctpfl", batch_norm=True, local_steps=2, client_path="grouped"))
