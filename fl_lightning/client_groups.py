@@ -54,8 +54,8 @@ CPU_FUSED_SAMPLES = 512
 
 def group_size_for(group_size: Optional[int], device: torch.device, fused: bool, batch_size: int) -> Optional[int]:
     """`group_size`, or if null: all of a rank's clients, except fused clients on the CPU, grouped to
-    passes of at most `CPU_FUSED_SAMPLES` samples: there larger passes measured slower, down to
-    slower than the loop, and smaller ones little faster (docs/performance.md)."""
+    passes of at most `CPU_FUSED_SAMPLES` samples: there larger passes measured slower (down to
+    slower than the loop), and smaller ones faster than the loop but less so (docs/performance.md)."""
     if group_size is None and fused and device.type == "cpu":
         return max(1, CPU_FUSED_SAMPLES // batch_size)
     return group_size
