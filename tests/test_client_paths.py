@@ -297,20 +297,22 @@ def test_group_size_bounds_the_groups(group_sizes):
     assert_same_run(grouped, rounds_of(federated_loop(**settings, client_path="loop")))
 
 
-def test_a_group_out_of_gpu_memory_is_computed_again_in_halves(monkeypatch):
+@pytest.mark.parametrize("algorithm_name, group_run", [("scaffold", "_run_group"), (FUSED_CTPFL, "_run_fused")])
+def test_a_group_out_of_gpu_memory_is_computed_again_in_halves(algorithm_name, group_run, monkeypatch):
     """A group that does not fit is split until its halves do; they start from the same state, so
     the round is the loop's."""
+    monkeypatch.setitem(ALGORITHMS, FUSED_CTPFL, lambda: CTPFL(span=0.2, weight_decay=1e-3))
     attempted: list[int] = []
-    original = client_groups._run_group
+    original = getattr(client_groups, group_run)
 
-    def run_group_fitting_two(algorithm, group):
+    def run_group_fitting_two(algorithm, group, **weights):
         attempted.append(len(group))
         if len(group) > 2:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory")
-        return original(algorithm, group)
+        return original(algorithm, group, **weights)
 
-    monkeypatch.setattr(client_groups, "_run_group", run_group_fitting_two)
-    settings = dict(algorithm_name="scaffold", batch_norm=True, local_steps=2)
+    monkeypatch.setattr(client_groups, group_run, run_group_fitting_two)
+    settings = dict(algorithm_name=algorithm_name, batch_norm=True, local_steps=2)
     grouped = rounds_of(federated_loop(**settings, client_path="grouped"))
     assert attempted == [5, 2, 3, 2] * 3  # 5 -> 2 + 3, 3 -> 1 (alone) + 2, every round
     assert_same_run(grouped, rounds_of(federated_loop(**settings, client_path="loop")))
