@@ -126,7 +126,7 @@ def fit(
     configured_server_optimizer = _materialise(server_optimizer)
     server_optimizer = algorithm.server_optimizer_for(configured_server_optimizer)
     _validate_settings(algorithm, federation, client_optimizer, fabric, checkpoint, resume, overwrite)
-    method = _short_name(algorithm) + ("+const" if constraint is not None else "")
+    method = algorithm.method_name() + ("+const" if constraint is not None else "")
     config = _as_config({
         "algorithm": algorithm, "model": model, "data": data, "federation": federation,
         "client_optimizer": client_optimizer, "server_optimizer": configured_server_optimizer,
@@ -374,10 +374,6 @@ def _check_writable(out_dir: Path) -> None:
         probe.unlink()
     except OSError as err:
         raise ConfigError("out_dir", "a folder that can be created and written", f"{out_dir} ({err.strerror})") from err
-
-
-def _short_name(algorithm: Algorithm) -> str:
-    return algorithm.short_name or type(algorithm).__name__
 
 
 def _as_config(value):

@@ -14,7 +14,7 @@ import torch
 import yaml
 from torch import nn
 
-from fl_lightning.algorithms import SHORT_NAMES
+from fl_lightning.algorithms import SHORT_NAMES, FedAvg
 from fl_lightning.cli import main
 from fl_lightning.config import ConfigError, DataArgs, ModelArgs
 from fl_lightning.data import DATASET_NAMES, load_dataset
@@ -187,6 +187,14 @@ def test_user_algorithm_clips_uploads_and_resumes(tmp_path, on_path):
     main([*arguments, *TINY, "--federation.rounds", "3", "--out_dir", str(out_dir)])
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["round"] for row in rows] == [1, 2, 3]
+
+
+def test_a_variant_of_a_built_in_algorithm_neither_takes_its_short_name_nor_its_runs_name():
+    class SlowerFedAvg(FedAvg):
+        pass
+
+    assert SHORT_NAMES["fedavg"] is FedAvg
+    assert (FedAvg.method_name(), SlowerFedAvg.method_name()) == ("fedavg", "SlowerFedAvg")
 
 
 def test_user_algorithm_runs_grouped_as_it_runs_client_by_client(tmp_path, on_path):

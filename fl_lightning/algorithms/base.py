@@ -30,7 +30,8 @@ class Algorithm(Configurable):
     """
 
     short_name: ClassVar[str] = ""
-    """The name `--algorithm` accepts on the command line (e.g. fedavg)."""
+    """The name `--algorithm` accepts on the command line (e.g. fedavg), and that its runs go by; a
+    class's own: a subclass without one of its own is neither (a variant of FedAvg is not FedAvg)."""
     trains_locally: ClassVar[bool] = True
     """Whether clients run local SGD (so a constraint such as CONST applies to them)."""
     default_weighting: ClassVar[Literal["num_samples", "uniform"]] = "num_samples"
@@ -44,8 +45,13 @@ class Algorithm(Configurable):
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        if cls.short_name:
+        if cls.__dict__.get("short_name"):
             SHORT_NAMES[cls.short_name] = cls
+
+    @classmethod
+    def method_name(cls) -> str:
+        """What the runs of this class are named and grouped by: its own short name, else its class name."""
+        return cls.__dict__.get("short_name") or cls.__name__
 
     def prepare_model(self, network: nn.Module) -> nn.Module:
         """Adapt the freshly initialised network before training (e.g. MOON adds a projection
