@@ -201,7 +201,8 @@ def test_fused_ctpfl_clients_with_shorter_last_batches_are_padded(fused_group_si
 
 def test_fused_clients_share_a_group_only_with_clients_of_as_many_steps(fused_group_sizes):
     """No step of a fused group can be masked: 13, 20, 7, 16 and 24 samples take 3, 4, 2, 4 and 5
-    steps of 5, and only the two of 4 steps share a group."""
+    steps of 5, and only the two of 4 steps share a group. (A CTP-FL run refuses such clients in
+    `check_federation`, which this loop, built directly, skips; the rule is for any fusing rule.)"""
     settings = dict(algorithm_name=FUSED_CTPFL, batch_norm=False, local_epochs=1)
     fused = rounds_of(federated_loop(**settings, client_path="grouped"))
     assert fused_group_sizes == [2, 2, 2]
