@@ -8,7 +8,8 @@
 # each with S=10 clients per round, K=50 local steps, batch B=50, bf16-mixed, on one CUDA device:
 # centralised training at batch S*B (the ceiling), the naive client-by-client FedAvg loop, and
 # fl-lightning FedAvg, SCAFFOLD, FedProx and CTP-FL on the loop and the grouped client path; one
-# warm-up round, then the median of 2 timed rounds per method, and each method's peak CUDA memory.
+# warm-up round, then the median of 2 timed rounds per method, each method's peak CUDA memory, and
+# for fl-lightning the share of its last timed round spent outside its clients' updates.
 #
 #   bash benchmarks/gpu_check.sh          # from the repository root; the venv active or at .venv
 #
@@ -81,15 +82,17 @@ if not table:
     sys.exit(0)
 print(f"\nsummary ({common.get('device_name') or common.get('device')}, torch {common.get('torch')}, "
       f"{common.get('precision')}; {total_seconds} s in all)")
-print(f"{'model':<10}{'method':<32}{'samples/s':>12}{'vs ceiling':>12}{'vs naive':>10}{'peak MiB':>10}")
+print(f"{'model':<10}{'method':<32}{'samples/s':>12}{'vs ceiling':>12}{'vs naive':>10}{'outside':>9}"
+      f"{'peak MiB':>10}")
 for shape in shapes:
     for row in shape.get("results", []):
         if "error" in row:
             print(f"{shape['model']:<9} {row['method']:<32}  FAILED: {row['error']}")
             continue
-        peak = row.get("peak_memory_bytes")
+        peak, outside = row.get("peak_memory_bytes"), row.get("outside_clients")
         print(f"{shape['model']:<9} {row['method']:<32}{row['samples_per_second']:>12.0f}"
               f"{row['vs_centralised']:>12.2f}{row['vs_naive_loop']:>10.2f}"
+              f"{'-' if outside is None else f'{100 * outside:.1f}%':>9}"
               f"{'-' if peak is None else f'{peak / 2**20:.0f}':>10}")
     if "results" not in shape:
         print(f"{shape['model']:<9} FAILED (exit status {shape['exit_status']}, no results)")

@@ -11,6 +11,12 @@ both client paths of `ComputeArgs.client_path`: `loop` (one client after another
 method reads the same random uint8 images of the chosen shape from the device through the same
 normalising transform (no augmentation, no download), so only the training loops differ.
 
+For each fl-lightning method the last timed round also measures the share of the round spent
+outside the clients' updates (`outside clients`): sampling, the aggregation and its all-reduce, the
+server step and the checks, against the time spent producing the clients' updates (setting up each
+client, its batches and its update), timed with the device synchronised at both ends of every
+update (one synchronisation per client or group, which costs the round next to nothing).
+
 Methods take turns within each repeat (after one warm-up round each), so a slowdown of a shared
 machine hits all of them alike; the median over the timed rounds is reported, with its ratio to
 the ceiling and to the naive loop, and on CUDA each method's peak memory
@@ -25,6 +31,7 @@ writes every setting and figure as one JSON file.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import platform
@@ -35,13 +42,15 @@ import time
 import traceback
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
 from lightning.fabric import Fabric
 from torch import nn
 
+import fl_lightning.federation
 from fl_lightning.algorithms import CTPFL, SCAFFOLD, FedAvg, FedProx
 from fl_lightning.client import CLIENT_STREAM, Batch, batch_positions, seeded_generator
 from fl_lightning.config import ClientOptimizerArgs, ComputeArgs, DataArgs, FederationArgs
@@ -251,6 +260,29 @@ class FlLightning:
     def run_round(self, round_index: int) -> None:
         self.loop.run_round(round_index)
 
+    @contextlib.contextmanager
+    def timing_client_updates(self) -> Iterator[list[float]]:
+        """Within: the seconds spent producing each client's (or group's) update, appended to the list
+        yielded."""
+        device = self.loop.fabric.device
+        seconds: list[float] = []
+        client_updates = fl_lightning.federation.client_updates
+
+        def timed_client_updates(*args, **kwargs):
+            updates = client_updates(*args, **kwargs)
+            while True:
+                synchronise(device)
+                started = time.perf_counter()
+                update = next(updates, None)
+                synchronise(device)
+                seconds.append(time.perf_counter() - started)
+                if update is None:
+                    return
+                yield update
+
+        with mock.patch.object(fl_lightning.federation, "client_updates", timed_client_updates):
+            yield seconds
+
 
 Method = Centralised | NaiveFederated | FlLightning
 
@@ -332,6 +364,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, float]:
     peaks: dict[str, list[int]] = {method.name: [] for method in methods}
     working: dict[str, list[int]] = {method.name: [] for method in methods}
     errors: dict[str, str] = {}
+    outside_clients: dict[str, float] = {}
+    last_round = WARM_UP_ROUNDS + args.repeats - 1
     # The warm-up round (lazy initialisation, allocator growth, kernel selection) is left out of the
     # timing; methods take turns within each repeat, so a slowdown of a shared machine hits all alike.
     for round_index in range(WARM_UP_ROUNDS + args.repeats):
@@ -339,7 +373,12 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, float]:
             if method.name in errors:
                 continue
             try:
-                round_seconds, peak, above_start = timed_round(method, round_index, device)
+                timing = method.timing_client_updates() if isinstance(method, FlLightning) and \
+                    round_index == last_round else contextlib.nullcontext()
+                with timing as inside_seconds:
+                    round_seconds, peak, above_start = timed_round(method, round_index, device)
+                if inside_seconds is not None:
+                    outside_clients[method.name] = 1 - sum(inside_seconds) / round_seconds
             except Exception as error:  # an out-of-memory grouped path must not lose the other figures
                 errors[method.name] = f"round {round_index}: {type(error).__name__}: {error}"
                 traceback.print_exc()
@@ -363,7 +402,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, float]:
         row = {"method": name, "algorithm": getattr(method, "algorithm", None),
                "client_path": getattr(method, "client_path", None), "round_seconds": seconds[name],
                "peak_memory_bytes": max(peaks[name]) if peaks[name] else None,
-               "round_memory_bytes": max(working[name]) if working[name] else None}
+               "round_memory_bytes": max(working[name]) if working[name] else None,
+               "outside_clients": outside_clients.get(name)}
         if name in errors:
             row["error"] = errors[name]
         else:
@@ -399,14 +439,14 @@ def print_table(settings: dict, results: list[dict]) -> None:
           f"then the median of {settings['timed_rounds']} timed rounds per method")
     memory = settings["device"] == "cuda"
     print(f"{'method':<32}{'samples/s':>12}{'min':>12}{'max':>12}{'vs centralised':>16}{'vs naive':>10}"
-          + (f"{'peak MiB':>10}{'round MiB':>10}" if memory else ""))
+          f"{'outside clients':>17}" + (f"{'peak MiB':>10}{'round MiB':>10}" if memory else ""))
     for row in results:
         if "error" in row:
             print(f"{row['method']:<32}  FAILED: {row['error']}")
             continue
         line = (f"{row['method']:<32}{row['samples_per_second']:>12.1f}{row['min_samples_per_second']:>12.1f}"
                 f"{row['max_samples_per_second']:>12.1f}{_ratio(row['vs_centralised']):>16}"
-                f"{_ratio(row['vs_naive_loop']):>10}")
+                f"{_ratio(row['vs_naive_loop']):>10}{_percent(row['outside_clients']):>17}")
         if memory:
             line += f"{row['peak_memory_bytes'] / 2**20:>10.0f}{row['round_memory_bytes'] / 2**20:>10.0f}"
         print(line)
@@ -414,6 +454,10 @@ def print_table(settings: dict, results: list[dict]) -> None:
 
 def _ratio(value: Optional[float]) -> str:
     return "-" if value is None else f"{value:.2f}"
+
+
+def _percent(value: Optional[float]) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
 
 
 if __name__ == "__main__":

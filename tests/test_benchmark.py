@@ -36,10 +36,15 @@ def test_prints_every_method_with_a_positive_rate(throughput, capsys):
                  for algorithm in ("fedavg", "ctpfl") for path in ("loop", "grouped"))]
     assert list(medians) == methods
     for method in methods:
-        row = re.search(rf"^{re.escape(method)}\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$", printed,
-                        re.MULTILINE)
+        row = re.search(rf"^{re.escape(method)}\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(\S+)$",
+                        printed, re.MULTILINE)
         assert row is not None, f"no row for {method!r} in:\n{printed}"
-        assert all(float(value) > 0 for value in row.groups())
+        *rates, outside_clients = row.groups()
+        assert all(float(value) > 0 for value in rates)
+        if method.startswith("fl-lightning"):
+            assert outside_clients.endswith("%") and 0 <= float(outside_clients[:-1]) < 100
+        else:
+            assert outside_clients == "-"
     assert "2 clients x 2 local steps x batch 8 = 32 client-samples per round" in printed
     assert "centralised: 2 steps of batch 16" in printed
     assert "precision 32-true" in printed
@@ -66,6 +71,10 @@ def test_json_holds_every_setting_and_method(throughput, tmp_path, capsys):
         assert row["samples_per_second"] > 0 and len(row["round_seconds"]) == 1, row
         assert row["vs_centralised"] > 0 and row["vs_naive_loop"] > 0, row
         assert row["peak_memory_bytes"] is None  # CUDA only
+        if row["method"].startswith("fl-lightning"):
+            assert 0 <= row["outside_clients"] < 1, row
+        else:
+            assert row["outside_clients"] is None
 
 
 def test_algorithms_option_refuses_unknown_names(throughput):
