@@ -153,18 +153,11 @@ class ClientRun:
 
     def batches(self) -> Iterator[Batch]:
         """The client's `num_steps` mini-batches, augmented and normalised on the device; all made
-        on first use, so no step waits on a transfer from the host."""
+        on first use, so no step waits on a transfer from the host, and kept: a diagnostic that
+        looks at them after the update gets the very batches it trained on, drawing nothing."""
         if self._batches is None:
             self._batches = self.trainer.make_batches(self._sample_indices, self._positions, self._generator)
         return iter(self._batches)
-
-    def replay_batches(self) -> Iterator[Batch]:
-        """The same mini-batches as `batches()`, augmentation included, drawn again from a fresh
-        generator seeded as this client's: what a diagnostic recomputes without moving the run's
-        own random stream."""
-        generator = self.trainer.client_generator(self.client_id, self.round)
-        self.trainer.batch_order(len(self._sample_indices), generator)  # as client_run drew it first
-        return iter(self.trainer.make_batches(self._sample_indices, self._positions, generator))
 
     def loss_and_grad(self, params: torch.Tensor, batch: Batch, training_pass: bool = True
                       ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""CTP-FL's displacement-bias diagnostic: the replayed batches are the client's own; on a quadratic
+"""CTP-FL's displacement-bias diagnostic: the batches it looks at are the client's own; on a quadratic
 with full participation the direction is unbiased for the path-averaged gradient (eq. 12) and the
 measured bias is -(h/2) H v^r (eq. 14); a zero span measures no bias on a BatchNorm network with
 augmentation; and a run with the diagnostics on trains bitwise the same model, on one rank and two."""
@@ -57,14 +57,14 @@ def global_gradient(z: torch.Tensor, mean_centre: torch.Tensor, weight_decay: fl
     return HESSIAN @ (z.double() - mean_centre) + weight_decay * z.double()
 
 
-def test_replayed_batches_are_the_clients_own_and_leave_its_generator_alone():
+def test_batches_looked_at_again_are_the_clients_own_and_leave_its_generator_alone():
     module, images, labels, partition, _ = tiny_network_problem()
     fabric, loop = federated_loop(module, images, labels, partition, CTPFL(), [], local_steps=5, batch_size=4,
                                   augment=True, num_classes=3)
     client = loop.trainer.client_run(2, 7, {})
     trained = list(client.batches())
     state = client._generator.get_state()
-    replayed = list(client.replay_batches())
+    replayed = list(client.batches())
     assert torch.equal(client._generator.get_state(), state)
     assert len(replayed) == len(trained) == 5
     for (inputs, targets), (again, again_targets) in zip(trained, replayed):
@@ -146,7 +146,7 @@ class NoBufferNet(nn.Module):
 @pytest.mark.parametrize("network, client_path", [("batchnorm", "loop"), ("batchnorm", "grouped"),
                                                   ("no buffers", "grouped")])
 def test_a_zero_span_measures_no_bias(network, client_path):
-    """h = 0 puts every query point at x^r: the gradients at x^r on the replayed batches are the
+    """h = 0 puts every query point at x^r: the gradients at x^r on the client's own batches are the
     clients' own, so the bias is zero (BatchNorm's batch statistics and augmentation included)."""
     module, images, labels, partition, _ = tiny_network_problem()
     if network == "no buffers":

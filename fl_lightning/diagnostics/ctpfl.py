@@ -36,7 +36,7 @@ def gradient_at_global_model(client: ClientRun, algorithm: CTPFL) -> torch.Tenso
     trainer, params = client.trainer, client.global_params
     buffers = trainer.global_buffers.clone()
     total = torch.zeros_like(params)
-    for batch in client.replay_batches():
+    for batch in client.batches():
         _, gradient = trainer.loss_and_grad(params, buffers, batch)
         total += algorithm.with_weight_decay(gradient, params)
     return total / client.num_steps
