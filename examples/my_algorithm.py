@@ -9,7 +9,7 @@ import torch
 
 from fl_lightning.algorithms.base import PSEUDO_GRADIENT, Algorithm, train_locally
 from fl_lightning.client import ClientRun, clip_to_norm
-from fl_lightning.config import ConfigError
+from fl_lightning.errors import ConfigError
 
 
 class ClippedFedAvg(Algorithm):

@@ -22,7 +22,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from fl_lightning.config import ConfigError
+from fl_lightning.errors import ConfigError
 
 LAST = "last.ckpt"
 DIGEST = "sha256"

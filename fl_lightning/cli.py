@@ -26,7 +26,8 @@ from jsonargparse import ActionConfigFile, ArgumentParser, get_loader, set_loade
 from fl_lightning.algorithms import SHORT_NAMES, Algorithm
 from fl_lightning.cluster import RequeueFailed
 from fl_lightning.compare import compare
-from fl_lightning.config import TYPE_DESCRIPTIONS, ConfigError
+from fl_lightning.config import TYPE_DESCRIPTIONS
+from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.sweep import sweep
 from fl_lightning.experiments.table import table
 from fl_lightning.fit import fit
@@ -201,11 +202,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             print(model_help(model))
             return
         parser = build_parser()
-        check_config_files(argv)
-        try:
-            config = parser.parse_args(expand_bare_flags(expand_short_names(argv)))
-        except ArgumentError as err:
-            raise explain_parse_error(str(err), argv) from err
+        config = parse_command_line(argv, parser)
         command = config.subcommand
         arguments = parser.instantiate(config)[command]
         arguments.pop("config", None)
@@ -216,6 +213,18 @@ def main(argv: Optional[list[str]] = None) -> None:
     except (FloatingPointError, RequeueFailed) as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(1) from err
+
+
+def parse_command_line(argv: list[str], parser: Optional[ArgumentParser] = None):
+    """The one way a command line becomes settings (for `fl-lightning` and for each grid point of a
+    sweep): config files checked, algorithm short names and bare flags expanded, and any parse error
+    restated as a ConfigError naming the field. Returns the parsed, not yet instantiated, namespace."""
+    parser = parser or build_parser()
+    check_config_files(argv)
+    try:
+        return parser.parse_args(expand_bare_flags(expand_short_names(argv)))
+    except ArgumentError as err:
+        raise explain_parse_error(str(err), argv) from err
 
 
 def _model_asked_about(argv: list[str]) -> Optional[str]:

@@ -16,7 +16,8 @@ import threading
 from dataclasses import dataclass
 from typing import Callable, Literal, Optional, Union
 
-from fl_lightning.config import ConfigError, FabricArgs
+from fl_lightning.config import FabricArgs
+from fl_lightning.errors import ConfigError
 from fl_lightning.run_dir import is_launching_process
 
 # Fabric's SLURMEnvironment.detect ignores allocations with these job names, so that processes can

@@ -15,6 +15,8 @@ from typing import Literal, Optional, Union
 
 from jsonargparse.typing import NonNegativeInt, PositiveInt, restricted_number_type
 
+from fl_lightning.errors import ConfigError
+
 # Rates and coefficients must be finite: jsonargparse's PositiveFloat accepts inf (and an
 # overflowing 1e999 parses as inf), which would turn the first step into nan.
 FinitePositiveFloat = restricted_number_type(
@@ -31,14 +33,6 @@ TYPE_DESCRIPTIONS = {
     FinitePositiveFloat: "a finite number > 0",
     FiniteNonNegativeFloat: "a finite number >= 0",
 }
-
-
-class ConfigError(ValueError):
-    """A setting that cannot work; the message names the field and what was expected."""
-
-    def __init__(self, field_name: str, expected: str, got: object):
-        super().__init__(f"{field_name}: expected {expected}, got {got!r}")
-        self.field_name = field_name
 
 
 @dataclass

@@ -7,8 +7,8 @@ from typing import Callable, Literal
 import torch
 from torch import nn
 
-from fl_lightning.config import ConfigError
 from fl_lightning.configurable import Configurable
+from fl_lightning.errors import ConfigError
 from fl_lightning.flat import FlatLayout
 
 GRANULARITIES = ("channel", "layer", "model")

@@ -44,7 +44,6 @@ from fl_lightning.config import (
     CheckpointArgs,
     ClientOptimizerArgs,
     ComputeArgs,
-    ConfigError,
     DataArgs,
     FabricArgs,
     FederationArgs,
@@ -54,6 +53,7 @@ from fl_lightning.config import (
 from fl_lightning.configurable import Configurable
 from fl_lightning.constraints import Constraint
 from fl_lightning.data import class_histogram, load_dataset, partition_indices, plot_partition
+from fl_lightning.errors import ConfigError
 from fl_lightning.flat import FlatLayout
 from fl_lightning.models import create_model
 from fl_lightning.run_dir import (

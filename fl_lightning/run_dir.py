@@ -23,7 +23,7 @@ from typing import Optional
 
 import yaml
 
-from fl_lightning.config import ConfigError
+from fl_lightning.errors import ConfigError
 
 CONFIG_FILE = "config.yaml"
 LOCK_FILE = ".lock"

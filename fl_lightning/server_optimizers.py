@@ -11,8 +11,8 @@ import math
 
 import torch
 
-from fl_lightning.config import ConfigError
 from fl_lightning.configurable import Configurable
+from fl_lightning.errors import ConfigError
 
 
 class ServerOptimizer(Configurable):

@@ -15,7 +15,8 @@ from fl_lightning.algorithms.moon import MOON
 from fl_lightning.algorithms.scaffold import SCAFFOLD
 from fl_lightning.checkpoint import load_checkpoint
 from fl_lightning.client import CLIENT_STREAM, LocalTrainer, batch_positions, seeded_generator
-from fl_lightning.config import ClientOptimizerArgs, ConfigError, FabricArgs, FederationArgs, ModelArgs
+from fl_lightning.config import ClientOptimizerArgs, FabricArgs, FederationArgs, ModelArgs
+from fl_lightning.errors import ConfigError
 from fl_lightning.federation import FlatGlobalModel, sample_clients
 from fl_lightning.fit import fit
 from fl_lightning.models import FeatureClassifier, create_model

@@ -12,7 +12,8 @@ from fl_lightning.algorithms.fedcm import FedCM
 from fl_lightning.algorithms.fedprox import FedProx
 from fl_lightning.algorithms.fedsam import FedSAM
 from fl_lightning.client import CLIENT_STREAM, batch_positions, seeded_generator
-from fl_lightning.config import ClientOptimizerArgs, ConfigError
+from fl_lightning.config import ClientOptimizerArgs
+from fl_lightning.errors import ConfigError
 from fl_lightning.federation import sample_clients
 from fl_lightning.fit import fit
 from fl_lightning.run_logging import read_metrics

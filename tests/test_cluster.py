@@ -11,7 +11,8 @@ from fl_lightning.cluster import (
     check_slurm_allocation,
     requeue_after_stop,
 )
-from fl_lightning.config import ConfigError, FabricArgs
+from fl_lightning.config import FabricArgs
+from fl_lightning.errors import ConfigError
 
 
 @pytest.fixture(autouse=True)

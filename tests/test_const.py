@@ -8,8 +8,9 @@ from fl_lightning.algorithms import FedAvg
 from fl_lightning.algorithms.moon import MOON
 from fl_lightning.algorithms.scaffold import SCAFFOLD
 from fl_lightning.client import LocalSGD
-from fl_lightning.config import ClientOptimizerArgs, ConfigError, ModelArgs
+from fl_lightning.config import ClientOptimizerArgs, ModelArgs
 from fl_lightning.constraints import CONST
+from fl_lightning.errors import ConfigError
 from fl_lightning.fit import fit
 from fl_lightning.flat import FlatLayout
 from fl_lightning.models import create_model

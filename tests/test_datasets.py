@@ -6,9 +6,9 @@ import pytest
 import torch
 from PIL import Image
 
-from fl_lightning.config import ConfigError
 from fl_lightning.data import DATASET_NAMES, load_dataset
 from fl_lightning.data.generate import write_cifar, write_tiny_imagenet
+from fl_lightning.errors import ConfigError
 
 
 def read_raw_batches(paths):

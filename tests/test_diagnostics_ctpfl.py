@@ -26,8 +26,8 @@ from torch import nn
 
 from fl_lightning.algorithms import CTPFL, FedAvg
 from fl_lightning.cli import main
-from fl_lightning.config import ConfigError
 from fl_lightning.diagnostics.ctpfl import DisplacementBias
+from fl_lightning.errors import ConfigError
 from fl_lightning.module import ClassificationModule
 from fl_lightning.run_logging import read_metrics
 

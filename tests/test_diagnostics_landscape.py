@@ -16,7 +16,7 @@ from fl_lightning.algorithms import CTPFL, FedAvg
 from fl_lightning.checkpoint import checkpoint_dir
 from fl_lightning.cli import main
 from fl_lightning.client import seeded_generator
-from fl_lightning.config import ClientOptimizerArgs, ComputeArgs, ConfigError, DataArgs, FederationArgs
+from fl_lightning.config import ClientOptimizerArgs, ComputeArgs, DataArgs, FederationArgs
 from fl_lightning.data import ImageDataset
 from fl_lightning.diagnostics.landscape import (
     PROBE_STREAM,
@@ -25,6 +25,7 @@ from fl_lightning.diagnostics.landscape import (
     lanczos_extremes,
     power_extremes,
 )
+from fl_lightning.errors import ConfigError
 from fl_lightning.federation import FederatedLoop, FederatedRun
 from fl_lightning.module import ClassificationModule
 from fl_lightning.run_logging import read_metrics

@@ -15,9 +15,9 @@ import yaml
 from fl_lightning.algorithms.base import PSEUDO_GRADIENT
 from fl_lightning.checkpoint import checkpoint_dir
 from fl_lightning.cli import main
-from fl_lightning.config import ConfigError
 from fl_lightning.diagnostics.gsnr import GSNR, GradientVariance, WeightNorms
 from fl_lightning.diagnostics.local_updates import ClientConsistency, ClientDrift, DriftDiversity, UpdateCosine
+from fl_lightning.errors import ConfigError
 from fl_lightning.flat import FlatLayout
 from fl_lightning.run_logging import read_metrics
 

@@ -16,8 +16,9 @@ from torch import nn
 
 from fl_lightning.algorithms import SHORT_NAMES, FedAvg
 from fl_lightning.cli import main
-from fl_lightning.config import ConfigError, DataArgs, ModelArgs
+from fl_lightning.config import DataArgs, ModelArgs
 from fl_lightning.data import DATASET_NAMES, load_dataset
+from fl_lightning.errors import ConfigError
 from fl_lightning.models import create_model
 from fl_lightning.models.registry import check_model_settings
 

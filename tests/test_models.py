@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch import nn
 
-from fl_lightning.config import ConfigError
+from fl_lightning.errors import ConfigError
 from fl_lightning.models import FeatureClassifier, create_model, registered_models
 
 # Inputs whose features every model must produce: CIFAR-like and 8x8 single-channel digits.

@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from fl_lightning.config import ConfigError
 from fl_lightning.data import class_histogram, partition_indices, plot_partition
+from fl_lightning.errors import ConfigError
 
 
 @pytest.fixture

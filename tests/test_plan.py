@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from fl_lightning.cli import build_parser, expand_short_names
-from fl_lightning.config import ConfigError
+from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.plan import load_plan, slug
 
 QUICKSTART = str(Path(__file__).parent.parent / "configs" / "quickstart.yaml")

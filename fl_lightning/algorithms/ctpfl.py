@@ -16,7 +16,8 @@ import torch
 
 from fl_lightning.algorithms.base import PSEUDO_GRADIENT, Algorithm
 from fl_lightning.client import ClientRun, clip_to_norm
-from fl_lightning.config import ConfigError, FederationArgs
+from fl_lightning.config import FederationArgs
+from fl_lightning.errors import ConfigError
 
 
 class CTPFL(Algorithm):

@@ -17,7 +17,7 @@ import torch
 
 from fl_lightning.algorithms.base import PSEUDO_GRADIENT, Algorithm, train_locally
 from fl_lightning.client import ClientRun
-from fl_lightning.config import ConfigError
+from fl_lightning.errors import ConfigError
 
 MEAN_LOCAL_STEP = "mean_local_step"
 """A client's (x - y_i) / (lr K_i): its average local step direction."""

@@ -8,7 +8,7 @@ The momentum is the server optimizer's (ServerSGD); FedAvgM only fixes it, so th
 from __future__ import annotations
 
 from fl_lightning.algorithms.fedavg import FedAvg
-from fl_lightning.config import ConfigError
+from fl_lightning.errors import ConfigError
 from fl_lightning.server_optimizers import ServerOptimizer, ServerSGD
 
 

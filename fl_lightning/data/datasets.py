@@ -37,7 +37,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from fl_lightning.config import ConfigError
+from fl_lightning.errors import ConfigError
 
 
 @dataclass

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fl_lightning.config import ConfigError
+from fl_lightning.errors import ConfigError
 
 PARTITION_SCHEMES = ("dirichlet", "iid", "shards")
 

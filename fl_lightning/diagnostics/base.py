@@ -12,7 +12,7 @@ class Diagnostic(Callback):
 
     def __init__(self, every: int = 1):
         if every < 1:
-            from fl_lightning.config import ConfigError
+            from fl_lightning.errors import ConfigError
 
             raise ConfigError(f"callbacks.{type(self).__name__}.every", "an integer >= 1", every)
         self.every = every

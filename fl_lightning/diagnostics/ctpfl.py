@@ -25,8 +25,8 @@ import torch
 from fl_lightning.algorithms.base import PSEUDO_GRADIENT
 from fl_lightning.algorithms.ctpfl import CTPFL
 from fl_lightning.client import ClientRun
-from fl_lightning.config import ConfigError
 from fl_lightning.diagnostics.base import Diagnostic
+from fl_lightning.errors import ConfigError
 
 
 def gradient_at_global_model(client: ClientRun, algorithm: CTPFL) -> torch.Tensor:

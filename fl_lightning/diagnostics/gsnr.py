@@ -22,9 +22,9 @@ import torch
 
 from fl_lightning.algorithms.base import PSEUDO_GRADIENT
 from fl_lightning.client import seeded_generator
-from fl_lightning.config import ConfigError
 from fl_lightning.diagnostics.base import Diagnostic
 from fl_lightning.diagnostics.local_updates import RoundSums, accumulation_dtype
+from fl_lightning.errors import ConfigError
 
 # Random streams of the diagnostics' own samples; training uses streams 0 (client sampling) and 1
 # (each client's batches), see fl_lightning.client.

@@ -25,8 +25,8 @@ from typing import Callable, Literal
 import torch
 
 from fl_lightning.client import seeded_generator
-from fl_lightning.config import ConfigError
 from fl_lightning.diagnostics.base import Diagnostic
+from fl_lightning.errors import ConfigError
 
 HVP = Callable[[torch.Tensor], torch.Tensor]
 

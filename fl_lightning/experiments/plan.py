@@ -29,7 +29,7 @@ from typing import Optional, Union
 
 import yaml
 
-from fl_lightning.config import ConfigError
+from fl_lightning.errors import ConfigError
 
 Part = Union[str, dict]
 """A config fragment's path, or a mapping of dotted settings."""

@@ -29,7 +29,6 @@ import signal
 import subprocess
 import sys
 import time
-from argparse import ArgumentError
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -38,7 +37,7 @@ from typing import Optional, Union
 from jsonargparse.typing import NonNegativeInt, PositiveInt
 
 from fl_lightning.checkpoint import load_checkpoint, resume_candidates, write_text_atomically
-from fl_lightning.config import ConfigError
+from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.plan import GridPoint, load_plan
 from fl_lightning.run_dir import CONFIG_FILE
 
@@ -184,13 +183,8 @@ def planned_rounds(points: list[GridPoint]) -> dict[int, Union[int, str]]:
     parser = cli.build_parser()
     rounds: dict[int, Union[int, str]] = {}
     for point in points:
-        arguments = point.fit_arguments()
         try:
-            cli.check_config_files(arguments)
-            try:
-                config = parser.parse_args(cli.expand_short_names(arguments))
-            except ArgumentError as err:
-                raise cli.explain_parse_error(str(err), arguments) from err
+            config = cli.parse_command_line(point.fit_arguments(), parser)
             rounds[point.index] = int(config.fit.federation.rounds)
         except ConfigError as err:
             rounds[point.index] = str(err)

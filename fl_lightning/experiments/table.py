@@ -69,7 +69,7 @@ from typing import Literal, Optional, Union
 
 import yaml
 
-from fl_lightning.config import ConfigError
+from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.plan import load_plan, slug
 from fl_lightning.run_logging import METRICS_FILE, read_metrics
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fl_lightning.config import ConfigError
+from fl_lightning.errors import ConfigError
 from fl_lightning.models.registry import FeatureClassifier, register_model
 
 KERNEL_SIZE = 5

@@ -37,7 +37,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from fl_lightning.config import ConfigError
+from fl_lightning.errors import ConfigError
 
 NORMS = ("bn", "gn", "none")
 FACTORY_ARGUMENTS = ("num_classes", "in_channels", "image_size", "norm", "bias")

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from fl_lightning.config import ConfigError
+from fl_lightning.errors import ConfigError
 from fl_lightning.models.registry import FeatureClassifier, register_model, require_positive_int
 
 # Fixed by the data or by the no-download rule; options must not override them.
