@@ -1,7 +1,7 @@
 """The shipped sweep plans (configs/plans/) expand to the papers' grids, and their reference CSVs
 (configs/references/) hold the papers' numbers under the plans' method and setting names.
 
-The expected grids below are written from the papers (../shared/papers/), not from the plans:
+The expected grids below are written from the papers (cited in the README), not from the plans:
 
 - CTP-FL, Table 1 and section 5 ("Experimental setup", "Baselines and comparison budget"): CIFAR-100
   and Tiny-ImageNet, each with ResNet-18 and ViT-Tiny, Dirichlet 0.1 and 0.05; N = 100 clients, S = 10

@@ -1,0 +1,30 @@
+"""The repository stands alone: what a user reads or runs names no file outside a clone of it."""
+
+import re
+from pathlib import Path
+
+REPOSITORY = Path(__file__).resolve().parents[1]
+# What a user reads or runs; tests/ is left out, since this file has to spell the pattern out.
+READ_BY_USERS = ["README.md", "CONTRIBUTING.md", "docs", "configs", "fl_lightning", "benchmarks", "examples", "slurm"]
+# A folder beside the checkout (`../shared/...`) or an absolute path on the machine it was made on.
+OUTSIDE = re.compile(r"shared/|/work/")
+
+
+def text_files(path: Path) -> list[Path]:
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    return [file for file in files if "__pycache__" not in file.parts and file.suffix not in (".png", ".pyc")]
+
+
+def test_no_file_points_outside_the_repository():
+    found = [f"{file.relative_to(REPOSITORY)}:{number}: {line.strip()}"
+             for entry in READ_BY_USERS for file in text_files(REPOSITORY / entry)
+             for number, line in enumerate(file.read_text(errors="replace").splitlines(), start=1)
+             if OUTSIDE.search(line)]
+    assert found == []
+
+
+def test_the_pattern_finds_a_pointer_outside_and_nothing_else():
+    """The check above can fail: a line as the docs once had it is found, the word "shared" alone is not."""
+    line = "python ../shared/tools/make_data.py --out data/"
+    assert OUTSIDE.search(line)
+    assert not OUTSIDE.search("Clients are shared over ranks; see docs/cluster.md")
