@@ -154,8 +154,9 @@ def check_slurm_allocation(fabric_args: FabricArgs) -> None:
     tasks = slurm_tasks_per_node()
     if tasks is None:
         # Without SLURM or a launcher's rendezvous variables, the other nodes never join and the
-        # process group would wait out its whole timeout.
-        if fabric_args.num_nodes > 1 and not {"MASTER_ADDR", "NODE_RANK"} <= os.environ.keys():
+        # process group would wait out its whole timeout. MASTER_PORT too: without it Lightning
+        # picks a free port on each node, so the nodes would wait on different ports.
+        if fabric_args.num_nodes > 1 and not {"MASTER_ADDR", "MASTER_PORT", "NODE_RANK"} <= os.environ.keys():
             raise ConfigError("fabric.num_nodes", "1 outside SLURM (or every node started with MASTER_ADDR, "
                               "MASTER_PORT and NODE_RANK set)", fabric_args.num_nodes)
         return
