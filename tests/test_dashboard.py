@@ -151,11 +151,25 @@ def test_the_diagnostics_a_plan_turns_on_get_their_panel_groups(tmp_path):
                                                     "gradient_variance/*"]
     for panel in panels:
         assert (panel["groupby"], panel["x"]) == ("config.method", "Step")
-    from fl_lightning.diagnostics.landscape import METRICS
-
-    assert all(re.match(panels[0]["metric_regex"], name) for name in METRICS)
+    assert re.match(panels[0]["metric_regex"], "hessian/lambda_max")
     assert not re.match(panels[3]["metric_regex"], "gradient_variance")  # its own panel, panels[2]
     assert panels[2]["y"] == ["gradient_variance"]
+
+
+def test_what_the_diagnostics_log_falls_in_their_panel_groups():
+    """Every metric name the diagnostics' own tests see them log is drawn by a panel of its diagnostic."""
+    from test_diagnostics_local import by_hand
+
+    from fl_lightning.diagnostics.landscape import METRICS
+
+    def drawn(name: str, metrics: list[str]) -> bool:
+        return name in metrics or any(metric.endswith("/") and name.startswith(metric) for metric in metrics)
+
+    local = [path for path in DIAGNOSTIC_METRICS if ".local_updates." in path or ".gsnr." in path]
+    assert all(drawn(name, diagnostic_metrics(local)) for name in by_hand())
+    landscape = diagnostic_metrics(["fl_lightning.diagnostics.landscape.Landscape"])
+    assert all(drawn(name, landscape) for name in METRICS)
+    assert not drawn("test_accuracy", diagnostic_metrics(list(DIAGNOSTIC_METRICS)))
 
 
 class DriftVariant(ClientDrift):
