@@ -3,6 +3,8 @@
 import re
 from pathlib import Path
 
+import yaml
+
 REPOSITORY = Path(__file__).resolve().parents[1]
 # What a user reads or runs; tests/ is left out, since this file has to spell the pattern out.
 READ_BY_USERS = ["README.md", "CONTRIBUTING.md", "docs", "configs", "fl_lightning", "benchmarks", "examples", "slurm"]
@@ -28,3 +30,14 @@ def test_the_pattern_finds_a_pointer_outside_and_nothing_else():
     line = "python ../shared/tools/make_data.py --out data/"
     assert OUTSIDE.search(line)
     assert not OUTSIDE.search("Clients are shared over ranks; see docs/cluster.md")
+
+
+def test_pre_commit_runs_the_ruff_of_make_lint():
+    """The same ruff versions as the `test` extra, with the arguments of `make lint`."""
+    (hook,) = [hook for repo in yaml.safe_load((REPOSITORY / ".pre-commit-config.yaml").read_text())["repos"]
+               for hook in repo["hooks"]]
+    (test_extra,) = re.findall(r"(?m)^test = \[(.*)\]$", (REPOSITORY / "pyproject.toml").read_text())
+    assert hook["additional_dependencies"] == re.findall(r'"(ruff\b[^"]*)"', test_extra)
+    (lint,) = re.findall(r"(?m)^lint:.*\n\t\$\(VENV\)/bin/(.+)$", (REPOSITORY / "Makefile").read_text())
+    assert hook["entry"] == lint
+    assert hook["pass_filenames"] is False  # ruff checks the folders, as make lint does
