@@ -3,7 +3,15 @@
 Fabric has no requeue logic (only the Trainer does), and the default action of SIGUSR1 kills the
 process. So the run installs its own handler: it only records the request; the round loop turns
 it into a checkpoint at the next round boundary, agreed on by every rank, after which rank 0
-requeues the job and all ranks exit cleanly.
+requeues the job (or not, see requeue_after_stop) and all ranks exit cleanly.
+
+The protocol: the requeue signal (`checkpoint.requeue_signal`, SIGUSR1 in the batch scripts: what
+`sbatch --signal` sends ahead of the time limit, and `scancel -s USR1` by hand) means "checkpoint
+and come back"; SIGTERM is sent by `scancel` (stop for good), by a preemption's grace time and by
+Slurm's own requeue. Whatever the signal, the job is requeued only while Slurm still reports it
+RUNNING: `scancel`, the time limit and Slurm's own requeue move it out of RUNNING (CANCELLED,
+COMPLETING, TIMEOUT, PENDING, ...) before they signal its steps, while a preemption's grace time
+leaves it RUNNING.
 """
 
 from __future__ import annotations
@@ -31,9 +39,14 @@ class StopSignals:
     """Records that the job was asked to stop: by `signal_name` (what `sbatch --signal` sends
     ahead of the time limit) or by SIGTERM (what SLURM sends on scancel, preemption and timeout).
 
-    Installed as early as possible (the command line does it before its heavy imports, since
-    Slurm's early signal may arrive during start-up) and kept until the process exits: a signal
-    after the last round or during teardown is recorded and ignored, never fatal to a finished run.
+    The command line installs it as early as possible (`hold_until_exit`, before its heavy imports,
+    since Slurm's early signal may arrive during start-up) and never gives the signals back: once
+    its command is done they are ignored until the process exits (`ignore_until_exit`). Python
+    puts back the default action of every signal it handles while the interpreter shuts down, and
+    that action kills: a time limit's signal just after the last round, the SIGTERM of the job's
+    own requeue, or a second signal, would otherwise end a finished run with 138 or 143.
+    `fit` called from Python installs and uninstalls it around the run, leaving the caller's
+    handlers as it found them.
     """
 
     def __init__(self):
@@ -41,6 +54,7 @@ class StopSignals:
         self.listener: Optional[Callable[[signal.Signals], None]] = None
         """Told of each signal as it arrives (the running loop's stop request)."""
         self._previous_handlers: dict[signal.Signals, object] = {}
+        self._held_until_exit = False
 
     @property
     def requested(self) -> bool:
@@ -65,11 +79,25 @@ class StopSignals:
 
     def uninstall(self, signums: list[signal.Signals]) -> None:
         """Put back the handlers that were there before `install` returned `signums` (for `fit`
-        called from Python, which must leave the caller's handlers as it found them)."""
+        called from Python, which must leave the caller's handlers as it found them); in the
+        command line's process, ignore those signals instead, until it exits."""
         for signum in signums:
-            signal.signal(signum, self._previous_handlers.pop(signum))
+            previous = self._previous_handlers.pop(signum)
+            signal.signal(signum, signal.SIG_IGN if self._held_until_exit else previous)
         if not self._previous_handlers:
             self.received.clear()
+
+    def hold_until_exit(self, signal_name: Optional[str] = "SIGUSR1") -> None:
+        """Start recording SIGTERM and `signal_name` for a process that ends with its command (the
+        command line's): a signal the run installs later is ignored, not given back, when it ends."""
+        self._held_until_exit = True
+        self.install(signal_name)
+
+    def ignore_until_exit(self) -> None:
+        """Ignore the signals recorded so far from now until the process exits (its command is done;
+        SIG_IGN, unlike a Python handler, lasts through the interpreter's shutdown)."""
+        for signum in self._previous_handlers:
+            signal.signal(signum, signal.SIG_IGN)
 
 
 STOP_SIGNALS = StopSignals()
@@ -79,45 +107,67 @@ class RequeueFailed(RuntimeError):
     """The checkpoint is saved but the job could not be put back in the queue."""
 
 
+# States of a job that Slurm has put back in the queue itself (a preemption without grace time).
+QUEUED_STATES = ("PENDING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD")
+# What `scontrol requeue` answers for a job Slurm has already requeued.
+ALREADY_QUEUED_ERROR = "pending execution"
+
+
 def requeue_after_stop(signal_name: Optional[str], received: set[signal.Signals]) -> None:
     """Put this SLURM job back in the queue after a stop (rank 0 calls it once the checkpoint and
-    the logs are closed: `scontrol requeue` makes Slurm kill the job's steps at once). Outside
-    SLURM nothing happens: the run has ended cleanly and the same command resumes it.
+    the logs are closed: `scontrol requeue` makes Slurm kill the job's steps at once), if it is
+    still RUNNING (the module's protocol). Outside SLURM nothing happens: the run has ended cleanly
+    and the same command resumes it.
 
-    SIGTERM is sent both by `scancel` (which must not bring the job back) and by a preemption or
-    the time limit (which must): the job's state tells them apart. A preempted job that exited 0
-    before its grace time would otherwise be recorded COMPLETED mid-run and never resumed.
+    A cancelled or ending job stays as it is; a preempted job that exited 0 in its grace time
+    without a requeue would be recorded COMPLETED mid-run and never resumed; a job Slurm has
+    requeued itself is already where the requeue would put it.
     """
     job_id = slurm_job_id()
     if job_id is None:
         return
     requeue_signal = signal.Signals[signal_name] if signal_name else None
-    if requeue_signal not in received:
-        state = slurm_job_state(job_id)
-        if state == "CANCELLED":
-            print(f"SLURM job {job_id} was cancelled: checkpoint saved, not requeueing", flush=True)
-            return
+    state, unread = slurm_job_state(job_id)
+    if state is None and requeue_signal not in received:
+        raise RequeueFailed(f"checkpoint saved, but the state of SLURM job {job_id} could not be read ({unread}), "
+                            "and SIGTERM alone cannot tell a cancellation from a preemption: not requeued; "
+                            "resubmit the job to resume unless it was cancelled")
+    if state in QUEUED_STATES:
+        print(f"SLURM job {job_id} is already back in the queue ({state}): checkpoint saved", flush=True)
+        return
+    if state is not None and state != "RUNNING":
+        print(f"SLURM job {job_id} is {state} (cancelled or ending): checkpoint saved, not requeueing; the same "
+              "command submitted again resumes the run", flush=True)
+        return
     command = ["scontrol", "requeue", job_id]
     try:
         completed = subprocess.run(command, capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as err:
         raise RequeueFailed(f"checkpoint saved, but {' '.join(command)} failed: {err}; "
                             "resubmit the job to resume") from err
+    answer = f"{completed.stderr.strip()} {completed.stdout.strip()}".strip()
+    if completed.returncode != 0 and ALREADY_QUEUED_ERROR in answer.lower():
+        # Slurm requeued the job between the state read above and this call.
+        print(f"SLURM job {job_id} is already back in the queue ({answer}): checkpoint saved", flush=True)
+        return
     if completed.returncode != 0:
         raise RequeueFailed(f"checkpoint saved, but {' '.join(command)} exited {completed.returncode}: "
-                            f"{completed.stderr.strip()}; resubmit the job to resume")
+                            f"{answer}; resubmit the job to resume")
     print(f"requeued SLURM job {job_id}: {' '.join(command)}", flush=True)
 
 
-def slurm_job_state(job_id: str) -> Optional[str]:
-    """JobState of `job_id` as `scontrol show job` reports it (e.g. RUNNING, CANCELLED), or None."""
+def slurm_job_state(job_id: str) -> tuple[Optional[str], str]:
+    """JobState of `job_id` as `scontrol show job` reports it (e.g. RUNNING, COMPLETING), and why
+    it could not be read where the state is None."""
+    command = ["scontrol", "show", "job", "--oneliner", job_id]
     try:
-        completed = subprocess.run(["scontrol", "show", "job", "--oneliner", job_id], capture_output=True,
-                                   text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
+        completed = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return None, f"{' '.join(command)} failed: {err}"
     match = re.search(r"\bJobState=(\S+)", completed.stdout)
-    return match.group(1) if match else None
+    if match is None:
+        return None, f"{' '.join(command)} exited {completed.returncode}: {completed.stderr.strip() or 'no JobState'}"
+    return match.group(1), ""
 
 
 def slurm_job_id() -> Optional[str]:

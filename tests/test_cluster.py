@@ -26,19 +26,22 @@ def outside_slurm(monkeypatch):
 @pytest.fixture
 def scontrol(tmp_path, monkeypatch):
     """A stand-in `scontrol` first on PATH: `show job` reports the state in the file `job_state`
-    (RUNNING unless a test writes another); `requeue` appends its arguments to `calls`."""
+    (RUNNING unless a test writes another); `requeue` appends its arguments to `calls`, and fails
+    with the message in the file `requeue_error` if a test writes one."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     calls, job_state = tmp_path / "scontrol_calls.txt", tmp_path / "job_state"
+    requeue_error = tmp_path / "requeue_error"
     job_state.write_text("RUNNING")
     (bin_dir / "scontrol").write_text(
         '#!/bin/bash\n'
         f'if [[ "$1" == show ]]; then echo "JobId=$4 JobName=fl JobState=$(cat {job_state}) Reason=None"; exit 0; fi\n'
         f'echo "$@" >> {calls}\n'
+        f'if [[ -f {requeue_error} ]]; then cat {requeue_error} >&2; exit 1; fi\n'
     )
     (bin_dir / "scontrol").chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    return {"calls": calls, "job_state": job_state}
+    return {"calls": calls, "job_state": job_state, "requeue_error": requeue_error}
 
 
 @pytest.fixture
@@ -83,6 +86,35 @@ def test_a_second_install_adds_only_new_signals_and_uninstall_restores_each(stop
         signal.signal(signal.SIGUSR1, before_usr1)
 
 
+@pytest.fixture
+def handlers_restored():
+    """The test may leave SIGTERM, SIGUSR1 and SIGUSR2 ignored: they are put back afterwards."""
+    signums = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+    before = {signum: signal.getsignal(signum) for signum in signums}
+    yield
+    for signum, handler in before.items():
+        signal.signal(signum, handler)
+
+
+def test_the_command_lines_signals_are_ignored_once_its_run_is_over(handlers_restored):
+    """Python gives back a handled signal's default action (death) while the interpreter shuts
+    down; an ignored signal stays ignored. The run's own signal (here SIGUSR2) is ignored as soon
+    as the run ends, the command line's own once its command is done."""
+    recorder = StopSignals()
+    recorder.hold_until_exit("SIGUSR1")
+    assert signal.getsignal(signal.SIGTERM) == recorder._record
+    run_signals = recorder.install("SIGUSR2")  # what StopOnSignal does for checkpoint.requeue_signal SIGUSR2
+    assert run_signals == [signal.SIGUSR2]
+    recorder.uninstall(run_signals)
+    assert signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN
+    os.kill(os.getpid(), signal.SIGUSR1)  # between the run's end and the command's: still recorded
+    assert recorder.received == {signal.SIGUSR1}
+    recorder.ignore_until_exit()
+    assert [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)] == [signal.SIG_IGN, signal.SIG_IGN]
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert recorder.received == {signal.SIGUSR1}
+
+
 def test_outside_the_main_thread_no_handler_is_installed():
     before = signal.getsignal(signal.SIGUSR1)
     recorder = StopSignals()
@@ -119,23 +151,64 @@ def test_without_slurm_requeue_does_nothing(scontrol, capsys):
     assert capsys.readouterr().out == ""
 
 
-def test_sigterm_of_a_cancelled_job_does_not_requeue(scontrol, monkeypatch, capsys):
-    """scancel sends SIGTERM after marking the job CANCELLED: a cancelled job must stay cancelled."""
+@pytest.mark.parametrize("received", [{signal.SIGTERM}, {signal.SIGUSR1, signal.SIGTERM}, set()],
+                         ids=["SIGTERM", "requeue signal then SIGTERM", "another rank's signal"])
+@pytest.mark.parametrize("state", ["COMPLETING", "CANCELLED", "TIMEOUT", "COMPLETED", "PREEMPTED", "FAILED"])
+def test_a_cancelled_or_ending_job_is_not_requeued(state, received, scontrol, monkeypatch, capsys):
+    """scancel marks the job before it signals the steps, and Slurm 22.05 reports it COMPLETING
+    while they are killed: a cancelled job must stay cancelled, also after an earlier requeue signal."""
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
-    scontrol["job_state"].write_text("CANCELLED")
-    requeue_after_stop("SIGUSR1", {signal.SIGTERM})
+    scontrol["job_state"].write_text(state)
+    requeue_after_stop("SIGUSR1", received)
     assert not scontrol["calls"].exists()
-    assert "was cancelled: checkpoint saved, not requeueing" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert f"SLURM job 4242 is {state} (cancelled or ending): checkpoint saved, not requeueing" in printed
 
 
-@pytest.mark.parametrize("state", ["RUNNING", "PREEMPTED", "TIMEOUT", "COMPLETING"])
-def test_sigterm_of_a_preempted_or_timed_out_job_requeues(state, scontrol, monkeypatch):
-    """Preemption with a grace time sends SIGTERM; exiting 0 without a requeue would leave the
-    job COMPLETED mid-run."""
+def test_sigterm_of_a_job_still_running_requeues(scontrol, monkeypatch):
+    """Preemption with a grace time sends SIGTERM while the job stays RUNNING; exiting 0 without a
+    requeue would leave the job COMPLETED mid-run."""
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    requeue_after_stop("SIGUSR1", {signal.SIGTERM})
+    assert scontrol["calls"].read_text().splitlines() == ["requeue 4242"]
+
+
+@pytest.mark.parametrize("state", ["PENDING", "REQUEUED"])
+def test_a_job_slurm_has_requeued_itself_is_left_in_the_queue(state, scontrol, monkeypatch, capsys):
+    """Preemption with GraceTime=0: Slurm requeues the job itself."""
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     scontrol["job_state"].write_text(state)
     requeue_after_stop("SIGUSR1", {signal.SIGTERM})
+    assert not scontrol["calls"].exists()
+    assert f"SLURM job 4242 is already back in the queue ({state}): checkpoint saved" in capsys.readouterr().out
+
+
+def test_a_requeue_refused_as_pending_execution_is_a_success(scontrol, monkeypatch, capsys):
+    """Slurm requeued the job between the state read and `scontrol requeue`: resubmitting it, as a
+    failure would advise, would start a second job racing the first."""
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    scontrol["requeue_error"].write_text("Requeue of JobId=4242 failed: Job is pending execution")
+    requeue_after_stop("SIGUSR1", {signal.SIGUSR1})
     assert scontrol["calls"].read_text().splitlines() == ["requeue 4242"]
+    assert "SLURM job 4242 is already back in the queue (Requeue of JobId=4242 failed: Job is pending execution)" \
+        in capsys.readouterr().out
+
+
+def test_sigterm_with_an_unreadable_job_state_is_not_requeued_and_says_so(tmp_path, monkeypatch):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls.txt"
+    (bin_dir / "scontrol").write_text(f'#!/bin/bash\necho "$@" >> {calls}\n'
+                                      '[[ $1 == show ]] && { echo "Socket timed out" >&2; exit 1; }\nexit 0\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    with pytest.raises(RequeueFailed, match=r"state of SLURM job 4242 could not be read \(scontrol show job "
+                                            r"--oneliner 4242 exited 1: Socket timed out\).*not requeued"):
+        requeue_after_stop("SIGUSR1", {signal.SIGTERM})
+    assert "requeue" not in calls.read_text()
+    requeue_after_stop("SIGUSR1", {signal.SIGUSR1})  # the requeue signal needs no state to be read
+    assert calls.read_text().splitlines()[-1] == "requeue 4242"
 
 
 def test_failing_scontrol_raises_naming_the_command(tmp_path, monkeypatch):
