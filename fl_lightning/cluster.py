@@ -205,8 +205,11 @@ def check_slurm_allocation(fabric_args: FabricArgs) -> None:
     if tasks is None:
         # Without SLURM or a launcher's rendezvous variables, the other nodes never join and the
         # process group would wait out its whole timeout. MASTER_PORT too: without it Lightning
-        # picks a free port on each node, so the nodes would wait on different ports.
-        if fabric_args.num_nodes > 1 and not {"MASTER_ADDR", "MASTER_PORT", "NODE_RANK"} <= os.environ.keys():
+        # picks a free port on each node, so the nodes would wait on different ports. torchrun
+        # names the node's rank GROUP_RANK.
+        rendezvous = {"MASTER_ADDR", "MASTER_PORT"} <= os.environ.keys() and not \
+            {"NODE_RANK", "GROUP_RANK"}.isdisjoint(os.environ.keys())
+        if fabric_args.num_nodes > 1 and not rendezvous:
             raise ConfigError("fabric.num_nodes", "1 outside SLURM (or every node started with MASTER_ADDR, "
                               "MASTER_PORT and NODE_RANK set)", fabric_args.num_nodes)
         return

@@ -125,3 +125,11 @@ def test_a_node_started_without_one_rendezvous_variable_is_refused(missing, monk
     with pytest.raises(ConfigError) as raised:
         check_slurm_allocation(FabricArgs(devices=1, num_nodes=2))
     assert raised.value.field_name == "fabric.num_nodes"
+
+
+def test_nodes_started_by_torchrun_pass_the_check(monkeypatch):
+    """torchrun sets MASTER_ADDR and MASTER_PORT, and the node's rank as GROUP_RANK (no NODE_RANK)."""
+    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "GROUP_RANK": "1", "RANK": "1",
+                        "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(name, value)
+    check_slurm_allocation(FabricArgs(devices=1, num_nodes=2))
