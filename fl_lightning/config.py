@@ -15,6 +15,7 @@ from typing import Literal, Optional, Union
 
 from jsonargparse.typing import NonNegativeInt, PositiveInt, restricted_number_type
 
+from fl_lightning.choices import DatasetName, Norm, PartitionScheme, Weighting
 from fl_lightning.errors import ConfigError
 
 # Rates and coefficients must be finite: jsonargparse's PositiveFloat accepts inf (and an
@@ -96,10 +97,10 @@ class ComputeArgs:
     BatchNorm statistics); CTP-FL's clients share each query point, so theirs is one pass over the
     concatenated batches, with one backward pass of their weighted losses unless its clip_norm is
     set (fused). `auto`: grouped on a GPU; on the CPU, grouped for fused CTP-FL clients and the loop
-    otherwise, as measured fastest there (docs/performance.md)."""
+    otherwise (docs/performance.md has the measurements behind this choice)."""
     group_size: Optional[PositiveInt] = None
     """Most clients computed together in the grouped path; null: all of a rank's clients (on the CPU,
-    fused CTP-FL clients of at most 512 samples per pass, which measured fastest there). On a GPU
+    fused CTP-FL clients of at most 512 samples per pass; docs/performance.md says why). On a GPU
     that runs out of memory, a group is split in halves and computed again."""
     channels_last: bool = False
     """Feed images to the network in channels-last memory layout in the loop path (faster
@@ -107,8 +108,7 @@ class ComputeArgs:
     compile: bool = False
     """`torch.compile` a client step's forward pass and its backward in the loop path (the grouped
     path runs under vmap, where it is not compiled). Compiling takes from seconds to minutes once
-    per process; measure before relying on it (on this project's 2-core CPU it made LeNet-5's
-    steps slower)."""
+    per process; measure before relying on it (docs/performance.md)."""
 
 
 @dataclass
@@ -131,7 +131,7 @@ class FederationArgs:
     """Evaluate the global model on the test split every this many rounds (and at the end)."""
     eval_batch_size: PositiveInt = 500
     """Batch size when evaluating the global model (memory only; the result does not depend on it)."""
-    weighting: Optional[Literal["num_samples", "uniform"]] = None
+    weighting: Optional[Weighting] = None
     """Aggregation weights p_i; None takes the algorithm's default (its paper's choice)."""
 
     def validate(self) -> None:
@@ -153,7 +153,7 @@ class FederationArgs:
 class DataArgs:
     """The dataset, where it lies on disk, how it is split over clients and augmented."""
 
-    name: Union[Literal["cifar10", "cifar100", "tiny_imagenet", "digits"], str] = "cifar10"
+    name: Union[DatasetName, str] = "cifar10"
     """The dataset: cifar10, cifar100, tiny_imagenet, digits (scikit-learn's bundled 8x8 digits; no
     download, root unused), or a loader of your own as module.function, called as
     loader(root=..., download=...) and returning (train, test) ImageDatasets (docs/extending.md)."""
@@ -161,7 +161,7 @@ class DataArgs:
     """Folder holding the dataset in its standard layout (e.g. root/cifar-10-batches-py)."""
     download: bool = False
     """Download the dataset into root when it is missing (needs a network)."""
-    partition: Literal["dirichlet", "iid", "shards"] = "dirichlet"
+    partition: PartitionScheme = "dirichlet"
     """How training samples are split over clients: Dirichlet label skew, IID, or label shards."""
     alpha: FinitePositiveFloat = 0.5
     """Dirichlet concentration; smaller is more skewed."""
@@ -191,7 +191,7 @@ class ModelArgs:
     """Model name: linear, mlp, lenet5, resnet18, vit_tiny, any timm model name (random init), or a
     factory of your own as module.function, called as factory(num_classes=..., in_channels=...,
     image_size=..., norm=..., bias=..., **options) (docs/extending.md)."""
-    norm: Literal["bn", "gn", "none"] = "bn"
+    norm: Norm = "bn"
     """Normalisation layers where the model has them (resnet18)."""
     bias: bool = True
     """Biases in conv and linear layers (FedCONST trains without)."""

@@ -1,8 +1,68 @@
-"""Components chosen in the config by `class_path` record the arguments they were built with."""
+"""Objects that a config names by dotted path: components chosen by `class_path` (which record the
+arguments they were built with), and the model factories and dataset loaders given as
+`module.function`. `resolve_dotted_path` is the one way such a name becomes an object."""
 
 from __future__ import annotations
 
+import importlib
 import inspect
+
+
+def resolve_dotted_path(path: str) -> object:
+    """The object that `path` names: `module.name`, or attributes below it (`package.module.Class.attr`),
+    its module imported. Raises ValueError for a string that is no dotted path, ModuleNotFoundError
+    when no module of the path exists (its `name` is the missing module), AttributeError when the
+    module has no such name, and whatever the module raises while it is imported: an import that
+    fails inside an existing module is never mistaken for a missing one."""
+    parts = path.split(".")
+    if len(parts) < 2 or not all(part.isidentifier() for part in parts):
+        raise ValueError(f"{path!r} is not a dotted path (module.name)")
+    split = len(parts) - 1
+    while True:
+        module_name = ".".join(parts[:split])
+        try:
+            found = importlib.import_module(module_name)
+            break
+        except ModuleNotFoundError as err:
+            if err.name != module_name or split == 1:
+                raise
+            split -= 1  # not a module: the name of something in its parent
+    for attribute in parts[split:]:
+        found = getattr(found, attribute)
+    return found
+
+
+def missing_module(path: str, err: BaseException) -> bool:
+    """Whether `err`, raised by `resolve_dotted_path(path)`, says that the path's top module is not on
+    sys.path (rather than that the module exists and failed to import, or lacks the name)."""
+    return isinstance(err, ModuleNotFoundError) and err.name == path.split(".")[0]
+
+
+def why_unresolved(path: str, err: BaseException) -> str:
+    """A dotted path that `resolve_dotted_path` could not resolve, with the cause: what the `got` of
+    its ConfigError says."""
+    hint = "; add its folder to PYTHONPATH" if missing_module(path, err) else ""
+    return f"{path} ({type(err).__name__}: {err}{hint})"
+
+
+def class_path_of(cls: type) -> str:
+    """`module.Class`: the dotted path a config names `cls` by."""
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def init_parameters(cls: type) -> dict[str, inspect.Parameter]:
+    """The parameters of `cls.__init__` that can be given by name (neither self nor *args, **kwargs),
+    in their order."""
+    parameters = list(inspect.signature(cls.__init__).parameters.values())[1:]
+    return {p.name: p for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
+def subclasses(cls: type) -> list[type]:
+    """Every subclass of `cls` imported so far, subclasses of subclasses included."""
+    found = []
+    for sub in cls.__subclasses__():
+        found += [sub, *subclasses(sub)]
+    return found
 
 
 class Configurable:
@@ -15,15 +75,11 @@ class Configurable:
     def __new__(cls, *args, **kwargs):
         instance = super().__new__(cls)
         # bind_partial: unpickling calls __new__ without arguments, then restores init_args.
-        signature = inspect.signature(cls.__init__)
-        bound = signature.bind_partial(instance, *args, **kwargs)
+        bound = inspect.signature(cls.__init__).bind_partial(instance, *args, **kwargs)
         bound.apply_defaults()
-        named = [name for name, p in list(signature.parameters.items())[1:]
-                 if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-        instance.init_args = {name: bound.arguments[name] for name in named if name in bound.arguments}
+        instance.init_args = {name: bound.arguments[name] for name in init_parameters(cls) if name in bound.arguments}
         return instance
 
     @property
     def class_path(self) -> str:
-        cls = type(self)
-        return f"{cls.__module__}.{cls.__qualname__}"
+        return class_path_of(type(self))

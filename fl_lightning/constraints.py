@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Literal
+from typing import Callable, Literal, get_args
 
 import torch
 from torch import nn
@@ -11,7 +11,8 @@ from fl_lightning.configurable import Configurable
 from fl_lightning.errors import ConfigError
 from fl_lightning.flat import FlatLayout
 
-GRANULARITIES = ("channel", "layer", "model")
+Granularity = Literal["channel", "layer", "model"]
+GRANULARITIES = get_args(Granularity)
 
 
 class Constraint(Configurable):
@@ -41,7 +42,7 @@ class CONST(Constraint):
 
     def __init__(
         self,
-        granularity: Literal["channel", "layer", "model"] = "channel",
+        granularity: Granularity = "channel",
         centralize: bool = True,
         orthogonal: bool = True,
         skip_first_layer: bool = False,

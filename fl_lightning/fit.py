@@ -7,7 +7,6 @@ command line, and `algorithm` / `server_optimizer` are classes chosen with `clas
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import os
 import sys
@@ -50,7 +49,7 @@ from fl_lightning.config import (
     LoggerArgs,
     ModelArgs,
 )
-from fl_lightning.configurable import Configurable
+from fl_lightning.configurable import Configurable, resolve_dotted_path
 from fl_lightning.constraints import Constraint
 from fl_lightning.data import class_histogram, load_dataset, partition_indices, plot_partition
 from fl_lightning.errors import ConfigError
@@ -361,9 +360,7 @@ def _materialise(default: ServerOptimizer) -> ServerOptimizer:
     if not hasattr(default, "lazy_get_init_data"):
         return default
     init = default.lazy_get_init_data()
-    module_name, class_name = init.class_path.rsplit(".", 1)
-    cls = getattr(importlib.import_module(module_name), class_name)
-    return cls(**dict(init.get("init_args") or {}))
+    return resolve_dotted_path(init.class_path)(**dict(init.get("init_args") or {}))
 
 
 def _check_writable(out_dir: Path) -> None:

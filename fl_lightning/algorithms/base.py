@@ -6,11 +6,12 @@ Shared mechanics (sampling, weights, flattening, the all-reduce, checkpoints) li
 
 from __future__ import annotations
 
-from typing import Callable, ClassVar, Literal, Optional
+from typing import Callable, ClassVar, Optional
 
 import torch
 from torch import nn
 
+from fl_lightning.choices import Weighting
 from fl_lightning.client import Batch, ClientRun
 from fl_lightning.config import FederationArgs
 from fl_lightning.configurable import Configurable
@@ -34,7 +35,7 @@ class Algorithm(Configurable):
     class's own: a subclass without one of its own is neither (a variant of FedAvg is not FedAvg)."""
     trains_locally: ClassVar[bool] = True
     """Whether clients run local SGD (so a constraint such as CONST applies to them)."""
-    default_weighting: ClassVar[Literal["num_samples", "uniform"]] = "num_samples"
+    default_weighting: ClassVar[Weighting] = "num_samples"
     weighted_uploads: ClassVar[tuple[str, ...]] = (PSEUDO_GRADIENT,)
     summed_uploads: ClassVar[tuple[str, ...]] = ()
     client_state: ClassVar[tuple[str, ...]] = ()

@@ -14,7 +14,6 @@ from fl_lightning.client import ClientRun
 
 class FedAvg(Algorithm):
     short_name = "fedavg"
-    default_weighting = "num_samples"
 
     def client_update(self, client: ClientRun) -> dict[str, torch.Tensor]:
         local_params = train_locally(client)

@@ -12,7 +12,6 @@ from fl_lightning.errors import ConfigError
 
 class FedProx(Algorithm):
     short_name = "fedprox"
-    default_weighting = "num_samples"
 
     def __init__(self, mu: float = 0.01):
         """

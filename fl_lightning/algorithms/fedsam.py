@@ -13,7 +13,6 @@ from fl_lightning.errors import ConfigError
 
 class FedSAM(Algorithm):
     short_name = "fedsam"
-    default_weighting = "num_samples"
 
     def __init__(self, rho: float = 0.1):
         """

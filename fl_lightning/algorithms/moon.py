@@ -75,7 +75,6 @@ class ProjectedClassifier(FeatureClassifier):
 
 class MOON(Algorithm):
     short_name = "moon"
-    default_weighting = "num_samples"
     client_state = (PREVIOUS_MODEL, PREVIOUS_BUFFERS)
 
     def __init__(self, mu: float = 5.0, tau: float = 0.5, projection_dim: int = 256):

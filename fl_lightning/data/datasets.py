@@ -27,16 +27,17 @@ from __future__ import annotations
 import inspect
 import os
 import pickle
-import pkgutil
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, get_args
 
 import numpy as np
 import torch
 
+from fl_lightning.choices import DatasetName
+from fl_lightning.configurable import missing_module, resolve_dotted_path, why_unresolved
 from fl_lightning.errors import ConfigError
 
 
@@ -55,7 +56,7 @@ class ImageDataset:
         return len(self.labels)
 
 
-DATASET_NAMES = ("cifar10", "cifar100", "tiny_imagenet", "digits")
+DATASET_NAMES = get_args(DatasetName)
 
 # Published per-pixel statistics of the training splits, so every run normalises alike.
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
@@ -110,14 +111,12 @@ def dataset_loader(name: str) -> DatasetLoader:
     if "." not in name:
         raise ConfigError("data.name", f"one of {', '.join(DATASET_NAMES)}", name)
     try:
-        loader = pkgutil.resolve_name(name)
-    except ModuleNotFoundError as err:
-        hint = " (add its folder to PYTHONPATH)" if err.name == name.split(".")[0] else ""
-        raise ConfigError("data.name", f"one of {', '.join(DATASET_NAMES)} or an importable dataset loader as "
-                          "module.function", f"{name} (ModuleNotFoundError: {err}{hint})") from err
+        loader = resolve_dotted_path(name)
     except Exception as err:  # AttributeError, or anything the user's module raises on import
-        raise ConfigError("data.name", "an importable dataset loader as module.function",
-                          f"{name} ({type(err).__name__}: {err})") from err
+        expected = "an importable dataset loader as module.function"
+        if missing_module(name, err):
+            expected = f"one of {', '.join(DATASET_NAMES)} or {expected}"
+        raise ConfigError("data.name", expected, why_unresolved(name, err)) from err
     if not callable(loader):
         raise ConfigError("data.name", "a callable dataset loader (a function or class) at that dotted path",
                           f"{name}, of type {type(loader).__name__}")

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import get_args
 
 import numpy as np
 
+from fl_lightning.choices import PartitionScheme
 from fl_lightning.errors import ConfigError
 
-PARTITION_SCHEMES = ("dirichlet", "iid", "shards")
+PARTITION_SCHEMES = get_args(PartitionScheme)
 
 
 def partition_indices(

@@ -31,15 +31,16 @@ architecture.
 from __future__ import annotations
 
 import inspect
-import pkgutil
-from typing import Callable, Optional
+from typing import Callable, Optional, get_args
 
 import torch
 from torch import nn
 
+from fl_lightning.choices import Norm
+from fl_lightning.configurable import missing_module, resolve_dotted_path, why_unresolved
 from fl_lightning.errors import ConfigError
 
-NORMS = ("bn", "gn", "none")
+NORMS = get_args(Norm)
 FACTORY_ARGUMENTS = ("num_classes", "in_channels", "image_size", "norm", "bias")
 """The keyword arguments every model factory given by dotted path receives (besides model.options)."""
 FACTORY_RETURNS = (
@@ -119,9 +120,82 @@ def create_model(
         network = factory(num_classes=num_classes, in_channels=in_channels, image_size=image_size, norm=norm,
                           bias=bias, **options)
         return _check_model(name, network)
-    from fl_lightning.models.timm_models import create_timm_model  # imports timm, which is slow
-
     return create_timm_model(name, num_classes, in_channels, norm, bias, **options)
+
+
+# Fixed by the data or by the no-download rule; options must not override them.
+_RESERVED_OPTIONS = ("num_classes", "in_chans", "pretrained")
+
+
+class TimmClassifier(FeatureClassifier):
+    """A timm model whose pooled, pre-logits output is the feature vector.
+
+    `classifier` is the timm head itself rather than a copy, so the state dict and the parameter
+    order stay timm's.
+    """
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+        self.feature_dim = self.classifier.in_features
+
+    @property
+    def classifier(self) -> nn.Linear:
+        return self.model.get_classifier()
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model.forward_head(self.model.forward_features(x), pre_logits=True)
+
+
+def create_timm_model(
+    name: str, num_classes: int, in_channels: int, norm: str, bias: bool, **options
+) -> TimmClassifier:
+    """Build timm's `name` without pretrained weights; `options` go to its constructor.
+
+    The data's image size is not passed on, since most timm CNNs take any size and reject an
+    `img_size` argument; transformers get theirs through `options` (`img_size`).
+    """
+    import timm  # slow to import; only timm models need it
+
+    # timm networks fix their own normalisation and biases; resnet18's choices cannot be imposed.
+    if norm != "bn":
+        raise ConfigError(
+            "model.norm",
+            f"bn (the default) for timm's {name}, which keeps its own normalisation layers; "
+            "gn and none are for resnet18",
+            norm,
+        )
+    if not bias:
+        raise ConfigError(
+            "model.bias",
+            f"true for timm's {name}, which fixes its own biases; "
+            "bias-free models are linear, mlp, lenet5 and resnet18",
+            bias,
+        )
+    reserved = sorted(set(options) & set(_RESERVED_OPTIONS))
+    if reserved:
+        raise ConfigError(
+            "model.options",
+            "none of " + ", ".join(_RESERVED_OPTIONS) + " (the data sets the first two; "
+            "pretrained weights are never loaded)",
+            {key: options[key] for key in reserved},
+        )
+    try:
+        model = timm.create_model(
+            name, pretrained=False, num_classes=num_classes, in_chans=in_channels, **options
+        )
+    except TypeError as error:
+        raise ConfigError(
+            "model.options", f"keyword arguments that timm's {name} accepts ({error})", options
+        ) from error
+    if not isinstance(model.get_classifier(), nn.Linear):
+        raise ConfigError(
+            "model.name",
+            "a timm model whose classifier is a single nn.Linear "
+            "(algorithms act on the features before it)",
+            name,
+        )
+    return TimmClassifier(model)
 
 
 def model_help(name: str) -> str:
@@ -166,14 +240,15 @@ def _user_factory(name: str) -> Optional[Callable[..., nn.Module]]:
     problem = None
     if "." in name:
         try:
-            factory = pkgutil.resolve_name(name)
-        except ModuleNotFoundError as err:
-            if err.name != name.split(".")[0]:  # the module exists but an import inside it failed
-                raise _unimportable("model.name", "model factory", name, err) from err
-            # A timm name may hold a dot (resnet18.a1_in1k); else the top module is not on sys.path.
-            problem = f"no module named {err.name!r} on sys.path (add its folder to PYTHONPATH)"
+            factory = resolve_dotted_path(name)
+        except ValueError:
+            pass  # no dotted path: perhaps a timm name (hf-hub:...)
         except Exception as err:  # AttributeError, or anything the user's module raises on import
-            raise _unimportable("model.name", "model factory", name, err) from err
+            if not missing_module(name, err):
+                raise ConfigError("model.name", "an importable model factory as module.function",
+                                  why_unresolved(name, err)) from err
+            # A timm name may hold a dot (resnet18.a1_in1k); else the top module is not on sys.path.
+            problem = why_unresolved(name, err)
         else:
             if not callable(factory):
                 raise ConfigError("model.name", "a callable model factory (a function or an nn.Module class) "
@@ -184,13 +259,8 @@ def _user_factory(name: str) -> Optional[Callable[..., nn.Module]]:
     if not timm.is_model(name):
         expected = ("one of " + ", ".join(registered_models())
                     + ", a timm model name, or a model factory as module.function (importable)")
-        raise ConfigError("model.name", expected, name if problem is None else f"{name} ({problem})")
+        raise ConfigError("model.name", expected, problem or name)
     return None
-
-
-def _unimportable(field_name: str, what: str, path: str, err: Exception) -> ConfigError:
-    return ConfigError(field_name, f"an importable {what} as module.function",
-                       f"{path} ({type(err).__name__}: {err})")
 
 
 def _check_factory_arguments(name: str, factory: Callable, options: dict) -> None:
