@@ -101,7 +101,8 @@ class TimeBudget(Callback):
 # `Evaluate` and `SaveCheckpoint`, so that what they add to the metrics is saved and logged.
 
 class Evaluate(Callback):
-    """The global model on the test split every `every` rounds and after the last one."""
+    """The global model on the test split (and the clients' held-out samples, with data.validation)
+    every `every` rounds and after the last one."""
 
     def __init__(self, every: int):
         self.every = every

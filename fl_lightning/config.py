@@ -173,6 +173,16 @@ class DataArgs:
     """Random crop with padding and horizontal flip, batched on the device."""
     crop_padding: NonNegativeInt = 4
     """Zero padding (pixels per side) before the random crop (augment)."""
+    validation: Optional[FiniteNonNegativeFloat] = None
+    """Fraction in [0, 1) of each client's training samples held out from its training (a seeded draw
+    from the client's own samples, so it carries the client's label skew; at least one sample per
+    client). The global model is evaluated on them with the test split (val_accuracy, val_loss), and
+    `fl-lightning table --at best` selects each run's round by them. null or 0: none (the data of
+    every client is as without this setting)."""
+    per_client_eval: bool = False
+    """With a validation split: also report the global model's accuracy on each client's held-out
+    samples, summarised over clients (client_val_accuracy_mean, _std, _min, _p10). It changes no
+    result and costs no extra pass: the validation pass counts per client anyway."""
 
     def __post_init__(self) -> None:
         # One field, but no type can say "a built-in name or an importable loader": checked here, so
@@ -180,6 +190,13 @@ class DataArgs:
         from fl_lightning.data.datasets import check_dataset_name
 
         check_dataset_name(self.name)
+        if self.validation is not None and not 0 <= self.validation < 1:
+            raise ConfigError("data.validation", "null or a fraction in [0, 1)", self.validation)
+        if self.validation == 0:
+            self.validation = None  # one way to say "none": 0 and null are the same experiment
+        if self.per_client_eval and self.validation is None:
+            raise ConfigError("data.per_client_eval", "false unless data.validation holds samples out (> 0)",
+                              self.per_client_eval)
 
 
 @dataclass

@@ -49,6 +49,8 @@ class FederatedRun:
     constraint: Optional[Constraint] = None
     resume_state: Optional[dict] = None
     compute: ComputeArgs = field(default_factory=ComputeArgs)
+    validation: Optional[list[np.ndarray]] = None
+    """Each client's held-out training-set indices (data.validation), or None."""
 
 
 def sample_clients(seed: int, round_index: int, num_clients: int, clients_per_round: int) -> list[int]:
@@ -124,6 +126,39 @@ class ClientStates:
 
 
 @dataclass
+class ValidationShare:
+    """One rank's share of the clients' held-out samples: the clients dealt to it round-robin and
+    their samples, laid out so that per-client sums need neither a Python loop nor atomic adds (whose
+    order, on a GPU, would change the last bits from one run to the next)."""
+
+    clients: torch.Tensor
+    """The rank's clients, in order."""
+    samples: torch.Tensor
+    """Their training-set indices, client after client."""
+    row: torch.Tensor
+    column: torch.Tensor
+    """Each sample's place in a [clients, largest client] table: its client's row, its place there."""
+    largest: int
+
+    @classmethod
+    def of(cls, validation: list[np.ndarray], rank: int, world_size: int, device: torch.device) -> "ValidationShare":
+        clients = np.arange(rank, len(validation), world_size)
+        sizes = np.array([len(validation[c]) for c in clients], dtype=np.int64)
+        samples = np.concatenate([np.empty(0, dtype=np.int64), *(validation[c] for c in clients)])
+        row = np.repeat(np.arange(len(clients)), sizes)
+        column = np.arange(len(samples)) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+        clients, samples, row, column = (torch.as_tensor(a, dtype=torch.long, device=device)
+                                         for a in (clients, samples, row, column))
+        return cls(clients, samples, row, column, largest=int(sizes.max(initial=0)))
+
+    def sum_by_client(self, values: torch.Tensor) -> torch.Tensor:
+        """[k, samples] -> [k, clients]: each client's sum over its samples, in their order."""
+        table = values.new_zeros(len(values), len(self.clients), self.largest)
+        table[:, self.row, self.column] = values
+        return table.sum(dim=2)
+
+
+@dataclass
 class FlatGlobalModel:
     """The global model as two flat vectors that the module's own tensors are views of, so the
     server's in-place steps are the model (for evaluation and checkpoints alike)."""
@@ -181,6 +216,9 @@ class FederatedLoop:
             normalise_batches_in_float32(self.module)
         self.test_images, self.test_labels = run.test.images.to(device), run.test.labels.to(device)
         self.test_transform = DeviceTransform(run.test.mean, run.test.std, augment=False)
+        self.validation = None if run.validation is None else ValidationShare.of(
+            run.validation, fabric.global_rank, fabric.world_size, device)
+        self.validation_transform = DeviceTransform(run.train.mean, run.train.std, augment=False)
         self.sizes = [len(p) for p in run.partition]
         self.weighting = run.federation.weighting or self.algorithm.default_weighting
         self.stop_reasons: set[str] = set()
@@ -267,14 +305,49 @@ class FederatedLoop:
                                  f"learning rate too large?); {last_good}")
 
     def evaluate(self) -> dict[str, float]:
-        """The global model's test metrics, each rank evaluating a shard of the test split."""
+        """The global model's test metrics, each rank evaluating a shard of the test split; with a
+        validation split, also its metrics on the clients' held-out samples (`validation_metrics`)."""
         fabric, module = self.fabric, self.module
         module.eval()
         shard = torch.arange(fabric.global_rank, len(self.test_labels), fabric.world_size, device=fabric.device)
         with torch.no_grad(), fabric.autocast():
             for chunk in shard.split(self.run.federation.eval_batch_size):
                 module.validation_step((self.test_transform(self.test_images[chunk]), self.test_labels[chunk]))
-        return module.compute_test_metrics()
+        metrics = module.compute_test_metrics()
+        if self.validation is not None:
+            metrics.update(self.validation_metrics())
+        return metrics
+    def validation_metrics(self) -> dict[str, float]:
+        """val_accuracy and val_loss over every client's held-out samples together, and with
+        data.per_client_eval the accuracy of each client on its own, summarised over the clients:
+        mean, std (over all clients, ddof = 0), min and 10th percentile (linear interpolation, as
+        numpy's default). Each rank evaluates a share of the clients; one all-reduce(sum) of their
+        per-client counts."""
+        fabric, share, trainer, held_out = self.fabric, self.validation, self.trainer, self.run.validation
+        batch_size = self.run.federation.eval_batch_size
+        outcomes = torch.empty(2, len(share.samples), device=fabric.device)  # per sample: right (1 or 0), loss
+        with torch.no_grad(), fabric.autocast():
+            for start in range(0, len(share.samples), batch_size):
+                samples = share.samples[start:start + batch_size]
+                correct, losses = self.module.sample_outcomes(
+                    (self.validation_transform(trainer.train_images[samples]), trainer.train_labels[samples]))
+                outcomes[:, start:start + batch_size] = torch.stack([correct.float(), losses])
+        counts = torch.zeros(2, len(held_out), device=fabric.device)
+        counts[:, share.clients] = share.sum_by_client(outcomes)
+        counts = fabric.all_reduce(counts, reduce_op="sum") if fabric.world_size > 1 else counts
+        correct, loss = counts.double().cpu()
+        samples = torch.tensor([len(part) for part in held_out], dtype=torch.float64)
+        metrics = {"val_accuracy": (correct.sum() / samples.sum()).item(),
+                   "val_loss": (loss.sum() / samples.sum()).item()}
+        if self.run.data.per_client_eval:
+            accuracies = correct / samples
+            metrics.update({
+                "client_val_accuracy_mean": accuracies.mean().item(),
+                "client_val_accuracy_std": accuracies.std(correction=0).item(),
+                "client_val_accuracy_min": accuracies.min().item(),
+                "client_val_accuracy_p10": torch.quantile(accuracies, 0.1).item(),
+            })
+        return metrics
 
     def save_checkpoint(self) -> None:
         """The state after the last completed round (collective: every rank calls it)."""
@@ -288,6 +361,7 @@ class FederatedLoop:
                 "model": {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()},
                 "algorithm": self.algorithm.state_dict(),
                 "partition": [p.tolist() for p in self.run.partition],
+                **({} if self.run.validation is None else {"validation": [p.tolist() for p in self.run.validation]}),
                 "run_id": self.run.run_id,
                 "client_state_shards": fabric.world_size if self.stateful else 0,
                 "rng": torch.get_rng_state(),

@@ -51,12 +51,13 @@ from fl_lightning.config import (
 )
 from fl_lightning.configurable import Configurable, resolve_dotted_path
 from fl_lightning.constraints import Constraint
-from fl_lightning.data import class_histogram, load_dataset, partition_indices, plot_partition
+from fl_lightning.data import class_histogram, hold_out_validation, load_dataset, partition_indices, plot_partition
 from fl_lightning.errors import ConfigError
 from fl_lightning.flat import FlatLayout
 from fl_lightning.models import create_model
 from fl_lightning.run_dir import (
     CONFIG_FILE,
+    VALIDATION_FILE,
     RunDirLock,
     check_same_experiment,
     default_out_dir,
@@ -202,7 +203,7 @@ def _build_and_train(*, algorithm, server_optimizer, model, data, federation, cl
                      ) -> torch.Tensor:
     from fl_lightning.federation import FederatedRun  # imports Lightning, which the command line need not wait for
 
-    train_set, test_set, partition = _split_data(data, federation, algorithm, seed, resume_state, out_dir)
+    train_set, test_set, partition, validation = _split_data(data, federation, algorithm, seed, resume_state, out_dir)
     module = _build_module(model, algorithm, constraint, train_set, seed)
     identity = WandbIdentity(
         run_id=resume_state["run_id"] if resume_state is not None else new_run_id(),
@@ -220,7 +221,7 @@ def _build_and_train(*, algorithm, server_optimizer, model, data, federation, cl
 
     run = FederatedRun(
         algorithm=algorithm, server_optimizer=server_optimizer, module=module, train=train_set, test=test_set,
-        partition=partition, federation=federation, data=data, client_optimizer=client_optimizer,
+        partition=partition, validation=validation, federation=federation, data=data, client_optimizer=client_optimizer,
         checkpoint_keep=checkpoint.keep, seed=seed, out_dir=out_dir, run_id=identity.run_id,
         hyperparameters=config, constraint=constraint, resume_state=resume_state, compute=compute,
     )
@@ -235,12 +236,16 @@ def _build_and_train(*, algorithm, server_optimizer, model, data, federation, cl
 
 def _split_data(data: DataArgs, federation: FederationArgs, algorithm: Algorithm, seed: int,
                 resume_state: Optional[dict], out_dir: Path):
-    """The dataset and its partition over clients, checked against the federation and the checkpoint."""
+    """The dataset, the clients' training samples and their held-out validation samples (None without
+    data.validation), checked against the federation and the checkpoint."""
     train_set, test_set = load_dataset(data.name, data.root, data.download)
     partition = partition_indices(
         train_set.labels.numpy(), federation.num_clients, data.partition, alpha=data.alpha,
         min_samples=data.min_samples, shards_per_client=data.shards_per_client, seed=seed,
     )
+    validation = None
+    if data.validation is not None:
+        partition, validation = hold_out_validation(partition, data.validation, seed)
     algorithm.check_federation(federation, [len(p) for p in partition])
     largest_client = max(len(p) for p in partition)
     # Under local_epochs a batch larger than a client is its whole data (full-batch steps); under
@@ -250,7 +255,15 @@ def _split_data(data: DataArgs, federation: FederationArgs, algorithm: Algorithm
                           "with local_steps", federation.batch_size)
     if resume_state is not None and [list(p) for p in partition] != resume_state["partition"]:
         raise ConfigError("resume", "a checkpoint made with the same data, partition and seed", str(out_dir))
-    return train_set, test_set, partition
+    if resume_state is not None and _as_lists(validation) != resume_state.get("validation"):
+        raise ConfigError("resume", "a checkpoint made with the same validation samples (data, partition, seed and "
+                          "data.validation)", str(out_dir))
+    return train_set, test_set, partition, validation
+
+
+def _as_lists(parts: Optional[list]) -> Optional[list[list[int]]]:
+    """Per-client indices as a checkpoint and the run files hold them."""
+    return None if parts is None else [p.tolist() for p in parts]
 
 
 def _build_module(model: ModelArgs, algorithm: Algorithm, constraint: Optional[Constraint], train_set, seed: int):
@@ -322,6 +335,9 @@ def _write_run_files(run: FederatedRun) -> None:
     write_text_atomically(out / CONFIG_FILE, yaml.safe_dump(run.hyperparameters, sort_keys=False))
     write_text_atomically(out / "partition.json",
                           json.dumps({str(i): p.tolist() for i, p in enumerate(run.partition)}))
+    if run.validation is not None:
+        write_text_atomically(out / VALIDATION_FILE,
+                              json.dumps({str(i): p for i, p in enumerate(_as_lists(run.validation))}))
     histogram = class_histogram(run.train.labels.numpy(), run.partition, run.train.num_classes)
     plot_partition(histogram, out / "partition.png")
 

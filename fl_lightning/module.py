@@ -34,6 +34,13 @@ class ClassificationModule(L.LightningModule):
         self.test_accuracy.update(logits, targets)
         self.test_loss.update(F.cross_entropy(logits, targets), weight=len(targets))
 
+    def sample_outcomes(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per sample: whether the prediction (the arg-max, as the accuracy takes it) is right, and its
+        cross-entropy; for metrics summed over groups of samples (the clients' held-out parts)."""
+        inputs, targets = batch
+        logits = self(inputs).float()
+        return logits.argmax(dim=1) == targets, F.cross_entropy(logits, targets, reduction="none")
+
     def compute_test_metrics(self) -> dict[str, float]:
         """Accuracy and loss over every rank's shard (torchmetrics syncs across ranks), then reset."""
         results = {

@@ -26,20 +26,27 @@ import yaml
 from fl_lightning.errors import ConfigError
 
 CONFIG_FILE = "config.yaml"
+VALIDATION_FILE = "validation.json"
 LOCK_FILE = ".lock"
 # What a run writes into its folder; `overwrite` removes exactly these.
-RUN_FILES = (CONFIG_FILE, "metrics.jsonl", "partition.json", "partition.png", "checkpoints", "wandb")
+RUN_FILES = (CONFIG_FILE, "metrics.jsonl", "partition.json", VALIDATION_FILE, "partition.png", "checkpoints", "wandb")
 # Dotted settings (or prefixes ending in ".") that change how a run is carried out, not its result.
 SAFE_TO_CHANGE = (
     "federation.rounds", "federation.eval_every", "federation.eval_batch_size",
     "fabric.accelerator", "fabric.devices", "fabric.num_nodes", "fabric.strategy", "fabric.process_group_timeout_s",
-    "data.root", "data.download", "compute.", "logger.", "checkpoint.", "callbacks", "out_dir", "resume", "overwrite",
+    "data.root", "data.download", "data.per_client_eval", "compute.", "logger.", "checkpoint.", "callbacks", "out_dir",
+    "resume", "overwrite",
 )
 
 # Settings that no longer exist and never changed a run's result: a run that recorded one continues.
 RETIRED_SETTINGS = (
     "algorithm.init_args.vectorise",  # CTP-FL's choice of how to compute its gradients, now compute.client_path
 )
+
+# Settings added after runs were recorded, each with the value that reproduces those runs: a recorded
+# config that lacks one was made with that value, and the digest leaves it out at that value, so such
+# runs resume and keep their default folders.
+ADDED_SETTINGS = {"data.validation": None, "data.per_client_eval": False}
 
 
 def flatten(config: dict, prefix: str = "") -> dict[str, object]:
@@ -64,7 +71,9 @@ def defining_settings(config: dict) -> dict[str, object]:
 
 def experiment_digest(config: dict) -> str:
     """8 hex digits that differ between experiments (the settings that define one)."""
-    canonical = json.dumps(defining_settings(config), sort_keys=True, default=str)
+    settings = {name: value for name, value in defining_settings(config).items()
+                if name not in ADDED_SETTINGS or value != ADDED_SETTINGS[name]}
+    canonical = json.dumps(settings, sort_keys=True, default=str)
     return hashlib.sha256(canonical.encode()).hexdigest()[:8]
 
 
@@ -74,8 +83,9 @@ def default_out_dir(config: dict, name: str) -> Path:
 
 def changed_settings(recorded: dict, requested: dict) -> dict[str, tuple[object, object]]:
     """name -> (recorded, requested) for every dotted setting that differs (a retired setting that was
-    recorded does not)."""
-    old, new = flatten(recorded), flatten(requested)
+    recorded does not, nor an added setting that was not recorded, at its value then)."""
+    new = flatten(requested)
+    old = {**{name: value for name, value in ADDED_SETTINGS.items() if name in new}, **flatten(recorded)}
     missing = object()
     return {name: (old.get(name), new.get(name)) for name in sorted(old.keys() | new.keys())
             if old.get(name, missing) != new.get(name, missing) and name not in RETIRED_SETTINGS}

@@ -2,13 +2,14 @@
 
 from fl_lightning.data.augment import DeviceTransform
 from fl_lightning.data.datasets import DATASET_NAMES, ImageDataset, load_dataset
-from fl_lightning.data.partition import class_histogram, partition_indices, plot_partition
+from fl_lightning.data.partition import class_histogram, hold_out_validation, partition_indices, plot_partition
 
 __all__ = [
     "DATASET_NAMES",
     "DeviceTransform",
     "ImageDataset",
     "class_histogram",
+    "hold_out_validation",
     "load_dataset",
     "partition_indices",
     "plot_partition",

@@ -1,4 +1,5 @@
-"""Splitting a training set over clients: iid, label shards, and Dirichlet label skew."""
+"""Splitting a training set over clients (iid, label shards, Dirichlet label skew), and holding out
+part of each client's samples for validation."""
 
 from __future__ import annotations
 
@@ -144,6 +145,32 @@ def _top_up(owners: np.ndarray, counts: np.ndarray, min_samples: int, rng: np.ra
 def _parts_from_owners(owners: np.ndarray, num_clients: int) -> list[np.ndarray]:
     order = np.argsort(owners, kind="stable")
     return np.split(order, np.cumsum(np.bincount(owners, minlength=num_clients))[:-1])
+
+
+VALIDATION_STREAM = 1
+"""Seeds the validation draw apart from the partition's (which seed alone seeds)."""
+
+
+def hold_out_validation(parts: list[np.ndarray], fraction: float, seed: int
+                        ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """(training, validation) sorted indices per client: round(fraction * n_i) of client i's n_i
+    samples, at least one, drawn at random from its own samples and held out from its training.
+
+    Each client's draw is seeded by (seed, client) alone, so it does not depend on the other clients.
+    """
+    if not 0 < fraction < 1:
+        raise ConfigError("data.validation", "a fraction in (0, 1)", fraction)
+    training, validation = [], []
+    for client, part in enumerate(parts):
+        held_out = max(1, round(fraction * len(part)))
+        if held_out >= len(part):
+            raise ConfigError("data.validation", f"a fraction that leaves every client a training sample (client "
+                              f"{client} holds {len(part)} sample(s); data.min_samples sets the fewest a client gets)",
+                              fraction)
+        order = np.random.default_rng([seed, VALIDATION_STREAM, client]).permutation(len(part))
+        validation.append(np.sort(part[order[:held_out]]).astype(np.int64))
+        training.append(np.sort(part[order[held_out:]]).astype(np.int64))
+    return training, validation
 
 
 def class_histogram(labels: np.ndarray, parts: list[np.ndarray], num_classes: int) -> np.ndarray:

@@ -1,0 +1,207 @@
+"""The validation split (data.validation) and per-client evaluation (data.per_client_eval).
+
+Each client's held-out samples are its own, seeded, saved and checked on resume; a run without the
+split trains exactly as before; val_* and client_val_accuracy_* equal a direct evaluation of the
+final model, on one rank and on two.
+"""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from reference import LinearProblem, small_setup
+
+from fl_lightning import fit as fit_module
+from fl_lightning.algorithms import FedAvg
+from fl_lightning.callbacks import Callback
+from fl_lightning.config import DataArgs, FabricArgs
+from fl_lightning.data import hold_out_validation, load_dataset, partition_indices
+from fl_lightning.errors import ConfigError
+from fl_lightning.fit import fit
+from fl_lightning.run_dir import check_same_experiment, experiment_digest, recorded_config
+from fl_lightning.run_logging import read_metrics
+
+PER_CLIENT_KEYS = ("client_val_accuracy_mean", "client_val_accuracy_std", "client_val_accuracy_min",
+                   "client_val_accuracy_p10")
+
+
+class RecordBatches(Callback):
+    """Every trained batch's training-set indices, as (round, client, [indices, ...]), in `batches`
+    (one rank: the test reads it in-process)."""
+
+    def __init__(self):
+        self.batches = []
+
+    def on_client_end(self, fabric, loop, client, uploads: dict, weight: float) -> None:
+        self.batches.append((client.round, client.client_id,
+                             [client._sample_indices[positions].tolist() for positions in client._positions]))
+
+
+def setup_with(root: Path, out_dir: Path, **data) -> dict:
+    setup = small_setup(root, out_dir, rounds=2, eval_every=1, local_epochs=None, local_steps=3, batch_size=8)
+    setup["data"] = DataArgs(**{**vars(setup["data"]), **data})
+    return setup
+
+
+def read_parts(path: Path) -> list[list[int]]:
+    parts = json.loads(path.read_text())
+    return [parts[str(client)] for client in range(len(parts))]
+
+
+# --- the split --------------------------------------------------------------------------------------
+
+def test_each_client_holds_out_a_seeded_fraction_of_its_own_samples():
+    labels = np.random.default_rng(0).integers(0, 10, 2000)
+    parts = partition_indices(labels, 20, "dirichlet", alpha=0.3, min_samples=10, seed=4)
+    training, validation = hold_out_validation(parts, 0.2, seed=4)
+    for part, kept, held in zip(parts, training, validation):
+        assert len(held) == max(1, round(0.2 * len(part)))
+        assert set(kept).isdisjoint(held) and sorted([*kept, *held]) == part.tolist()
+        assert list(held) == sorted(held) and list(kept) == sorted(kept)
+    again_training, again_validation = hold_out_validation(parts, 0.2, seed=4)
+    assert all(np.array_equal(a, b) for a, b in zip(validation, again_validation))
+    _, other_seed = hold_out_validation(parts, 0.2, seed=5)
+    assert any(not np.array_equal(a, b) for a, b in zip(validation, other_seed))
+    # A client's draw is its own: the other clients' samples do not change it.
+    _, first_alone = hold_out_validation(parts[:1], 0.2, seed=4)
+    assert np.array_equal(first_alone[0], validation[0])
+
+
+def test_a_fraction_that_leaves_a_client_no_training_sample_is_refused():
+    with pytest.raises(ConfigError, match=r"data.validation: .*client 1 holds 1 sample"):
+        hold_out_validation([np.arange(10), np.array([10])], 0.1, seed=0)
+
+
+@pytest.mark.parametrize("fraction", [1.0, 1.5])
+def test_data_validation_is_a_fraction_below_one(fraction):
+    with pytest.raises(ConfigError, match="data.validation: expected null or a fraction in"):
+        DataArgs(name="digits", validation=fraction)
+
+
+def test_per_client_evaluation_needs_a_validation_split():
+    with pytest.raises(ConfigError, match="data.per_client_eval"):
+        DataArgs(name="digits", per_client_eval=True)
+    with pytest.raises(ConfigError, match="data.per_client_eval"):
+        DataArgs(name="digits", validation=0.0, per_client_eval=True)
+
+
+# --- without the split, nothing changes --------------------------------------------------------------
+
+def test_without_a_split_the_partition_batches_and_model_are_those_of_a_run_without_the_field(cifar_root,
+                                                                                              tmp_path):
+    """`data.validation: 0` and the field left out are one run: the same partition.json, the same
+    batches of every client, the same model bitwise, no val_* metrics and no validation.json."""
+    runs = {}
+    for name, data in {"without": {}, "zero": {"validation": 0.0}}.items():
+        recorder = RecordBatches()
+        setup = setup_with(cifar_root, tmp_path / name, **data)
+        runs[name] = fit(algorithm=FedAvg(), callbacks=[recorder], **setup), recorder.batches
+    (without, without_batches), (zero, zero_batches) = runs["without"], runs["zero"]
+    assert torch.equal(without, zero)
+    assert without_batches == zero_batches and len(without_batches) == 2 * 3
+    train, _ = load_dataset("cifar10", cifar_root)
+    expected = partition_indices(train.labels.numpy(), 5, "dirichlet", alpha=1.0, min_samples=10, seed=3)
+    for name in runs:
+        assert read_parts(tmp_path / name / "partition.json") == [p.tolist() for p in expected]
+        assert not (tmp_path / name / "validation.json").exists()
+        assert all(not key.startswith(("val_", "client_val_")) for row in read_metrics(tmp_path / name) for key in row)
+    assert recorded_config(tmp_path / "zero")["data"]["validation"] is None
+
+
+def test_a_run_recorded_before_the_split_existed_keeps_its_folder_and_resumes(cifar_root, tmp_path):
+    fit(algorithm=FedAvg(), **setup_with(cifar_root, tmp_path / "run"))
+    config = recorded_config(tmp_path / "run")
+    before_the_field = json.loads(json.dumps(config))
+    del before_the_field["data"]["validation"], before_the_field["data"]["per_client_eval"]
+    assert experiment_digest(before_the_field) == experiment_digest(config)
+    assert check_same_experiment(before_the_field, config, "config.yaml", tmp_path / "run") == {}
+    with_split = json.loads(json.dumps(config))
+    with_split["data"]["validation"] = 0.1
+    assert experiment_digest(with_split) != experiment_digest(config)
+    with pytest.raises(ConfigError, match=r"data.validation: None -> 0.1"):
+        check_same_experiment(before_the_field, with_split, "config.yaml", tmp_path / "run")
+
+
+# --- with the split ----------------------------------------------------------------------------------
+
+def test_held_out_samples_are_saved_never_trained_on_and_evaluated(cifar_root, tmp_path):
+    recorder = RecordBatches()
+    fit(algorithm=FedAvg(), callbacks=[recorder], **setup_with(cifar_root, tmp_path, validation=0.25))
+    train, _ = load_dataset("cifar10", cifar_root)
+    full = partition_indices(train.labels.numpy(), 5, "dirichlet", alpha=1.0, min_samples=10, seed=3)
+    expected_training, expected_validation = hold_out_validation(full, 0.25, seed=3)
+    assert read_parts(tmp_path / "validation.json") == [p.tolist() for p in expected_validation]
+    assert read_parts(tmp_path / "partition.json") == [p.tolist() for p in expected_training]
+    for _, client, batches in recorder.batches:
+        assert set(np.concatenate(batches)) <= set(expected_training[client].tolist())
+    rows = read_metrics(tmp_path)
+    assert all({"val_accuracy", "val_loss"} <= set(row) for row in rows)
+    assert all(not set(PER_CLIENT_KEYS) & set(row) for row in rows)  # per-client metrics are asked for
+
+
+def test_a_resume_checks_the_held_out_samples(cifar_root, tmp_path, monkeypatch):
+    setup = setup_with(cifar_root, tmp_path, validation=0.25)
+    fit(algorithm=FedAvg(), **setup)
+    setup.update(resume="auto")
+    setup["federation"].rounds = 3
+
+    def one_sample_fewer(parts, fraction, seed):
+        """The same training samples, but other held-out ones: only the validation check can see it."""
+        training, validation = hold_out_validation(parts, fraction, seed)
+        return training, [part[:-1] for part in validation]
+
+    monkeypatch.setattr(fit_module, "hold_out_validation", one_sample_fewer)
+    with pytest.raises(ConfigError, match="the same validation samples"):
+        fit(algorithm=FedAvg(), **setup)
+    monkeypatch.undo()
+    fit(algorithm=FedAvg(), **setup)
+    assert [row["round"] for row in read_metrics(tmp_path)] == [1, 2, 3]
+
+
+def direct_evaluation(root: Path, out_dir: Path, final: torch.Tensor) -> tuple[dict, list[float]]:
+    """val_accuracy, val_loss and each client's accuracy of the final model, computed by hand in float64."""
+    problem = LinearProblem(root, out_dir)
+    params = final.double()
+    features = problem.inputs.shape[1]
+    weight, bias = params[: problem.num_classes * features].view(problem.num_classes, features), \
+        params[problem.num_classes * features:]
+    correct, losses, accuracies = [], [], []
+    for samples in read_parts(Path(out_dir) / "validation.json"):
+        samples = torch.tensor(samples)
+        logits = problem.inputs[samples] @ weight.T + bias
+        right = (logits.argmax(1) == problem.labels[samples]).double()
+        correct.append(right)
+        losses.append(F.cross_entropy(logits, problem.labels[samples], reduction="none"))
+        accuracies.append(right.mean().item())
+    pooled = {"val_accuracy": torch.cat(correct).mean().item(), "val_loss": torch.cat(losses).mean().item()}
+    return pooled, accuracies
+
+
+def check_against_direct_evaluation(root: Path, out_dir: Path, final: torch.Tensor) -> None:
+    last = read_metrics(out_dir)[-1]
+    pooled, accuracies = direct_evaluation(root, out_dir, final)
+    assert last["val_accuracy"] == pytest.approx(pooled["val_accuracy"], abs=1e-12)
+    assert last["val_loss"] == pytest.approx(pooled["val_loss"], rel=1e-5)
+    expected = {"client_val_accuracy_mean": np.mean(accuracies), "client_val_accuracy_std": np.std(accuracies),
+                "client_val_accuracy_min": np.min(accuracies),
+                "client_val_accuracy_p10": np.percentile(accuracies, 10)}
+    assert {key: last[key] for key in PER_CLIENT_KEYS} == pytest.approx(expected, abs=1e-12)
+    assert len(set(accuracies)) > 1, "the clients' accuracies should differ, or the summary tests little"
+
+
+def test_per_client_accuracies_are_a_direct_evaluation_of_the_model_on_each_clients_part(cifar_root, tmp_path):
+    setup = setup_with(cifar_root, tmp_path, validation=0.25, per_client_eval=True)
+    final = fit(algorithm=FedAvg(), **setup)
+    check_against_direct_evaluation(cifar_root, tmp_path, final)
+
+
+@pytest.mark.multiprocess
+def test_per_client_accuracies_on_two_ranks_are_a_direct_evaluation(cifar_root, tmp_path):
+    """Each rank evaluates its share of the clients (3 and 2 of 5); one all-reduce puts them together."""
+    setup = setup_with(cifar_root, tmp_path, validation=0.25, per_client_eval=True)
+    setup["fabric"] = FabricArgs(accelerator="cpu", devices=2, strategy="ddp_spawn", process_group_timeout_s=120)
+    final = fit(algorithm=FedAvg(), **setup)
+    check_against_direct_evaluation(cifar_root, tmp_path, final)
