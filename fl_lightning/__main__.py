@@ -10,7 +10,7 @@ from fl_lightning.cluster import STOP_SIGNALS
 
 def main() -> None:
     STOP_SIGNALS.install()
-    from fl_lightning.cli import main as run_command
+    from fl_lightning.cli.main import main as run_command
 
     run_command()
 

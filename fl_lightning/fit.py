@@ -13,7 +13,7 @@ import sys
 import warnings
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, Optional, Union
+from typing import Literal, Optional, Union
 
 import torch
 import yaml
@@ -69,9 +69,6 @@ from fl_lightning.run_dir import (
 )
 from fl_lightning.run_logging import MetricsLog, WandbIdentity, new_run_id, new_wandb_run
 from fl_lightning.server_optimizers import ServerOptimizer, ServerSGD
-
-if TYPE_CHECKING:
-    from fl_lightning.federation import FederatedRun
 
 
 def fit(
@@ -310,7 +307,10 @@ def _complete_logs_of_finished_run(logger: LoggerArgs, out_dir: Path, identity: 
         wandb.finish(state["metrics"])
 
 
-def _train_and_record(fabric, run: FederatedRun) -> None:
+# `run` is a federation.FederatedRun, left unannotated: federation imports Lightning, which parsing
+# and refusing a command line need not wait for, and jsonargparse, reading fit's signature, runs
+# the imports of this module's `if TYPE_CHECKING:` block.
+def _train_and_record(fabric, run) -> None:
     from fl_lightning.federation import train
 
     # Each rank sets its own threads (a rank started by Fabric is a process of its own); rank 0 may
@@ -330,7 +330,7 @@ def _train_and_record(fabric, run: FederatedRun) -> None:
         torch.set_num_threads(threads)
 
 
-def _write_run_files(run: FederatedRun) -> None:
+def _write_run_files(run) -> None:
     out = run.out_dir
     write_text_atomically(out / CONFIG_FILE, yaml.safe_dump(run.hyperparameters, sort_keys=False))
     write_text_atomically(out / "partition.json",

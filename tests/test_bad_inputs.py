@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from fl_lightning.algorithms import SHORT_NAMES
-from fl_lightning.cli import main
+from fl_lightning.cli.main import main
 
 QUICKSTART = str(Path(__file__).parent.parent / "configs" / "quickstart.yaml")
 ALGORITHMS = ", ".join(sorted(SHORT_NAMES))
@@ -352,3 +352,72 @@ def test_reliability_page_lists_every_bad_input():
     page = (Path(__file__).parent.parent / "docs" / "reliability.md").read_text()
     missing = [case for case in BAD_INPUTS if f"| {case} |" not in page]
     assert not missing, f"docs/reliability.md lacks {missing}"
+
+
+# A module of the user's on sys.path for each way a class path can fail.
+USER_MODULES = {
+    "raises_on_import": 'raise RuntimeError("a bug in the module")\n',
+    "plain_classes": "class NotAComponent:\n    pass\n",
+}
+USER_MODULE_CAUSES = {
+    "missing module": ("no_such_module.Thing", "no_such_module.Thing (ModuleNotFoundError: No module named "
+                       "'no_such_module'; add its folder to PYTHONPATH)"),
+    "missing class": ("plain_classes.Missing",
+                      "plain_classes.Missing (AttributeError: module 'plain_classes' has no attribute 'Missing')"),
+    "module raising on import": ("raises_on_import.Thing",
+                                 "raises_on_import.Thing (RuntimeError: a bug in the module)"),
+}
+CALLBACKS = "a list of Callback subclasses (e.g. [{class_path: module.Class}]) or null"
+ALGORITHM = f"an algorithm: one of {ALGORITHMS}, or an Algorithm subclass by class name or class path"
+
+
+@pytest.fixture
+def user_modules(tmp_path, monkeypatch):
+    folder = tmp_path / "user_modules"
+    folder.mkdir()
+    for name, text in USER_MODULES.items():
+        (folder / f"{name}.py").write_text(text)
+    monkeypatch.syspath_prepend(str(folder))
+    yield
+    import sys
+
+    for name in USER_MODULES:
+        sys.modules.pop(name, None)
+
+
+def one_error_line(arguments: list[str], tmp_path: Path, capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", QUICKSTART, "--out_dir", str(tmp_path / "run"), *arguments])
+    assert exit_info.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert not (tmp_path / "run").exists()
+    return line
+
+
+@pytest.mark.parametrize("cause", [*USER_MODULE_CAUSES, "not a Callback"])
+def test_a_callback_class_path_that_fails_names_its_cause(cause, tmp_path, capsys, user_modules):
+    path, got = USER_MODULE_CAUSES.get(cause, ("plain_classes.NotAComponent",
+                                               "plain_classes.NotAComponent (not a subclass of Callback)"))
+    line = one_error_line(["--callbacks", f"[{{class_path: {path}}}]"], tmp_path, capsys)
+    assert line == f"error: callbacks: expected {CALLBACKS}, got {got!r}"
+
+
+def test_a_callback_class_path_in_a_config_file_names_its_cause(tmp_path, capsys, user_modules):
+    config = tmp_path / "callbacks.yaml"
+    config.write_text("callbacks:\n  - class_path: raises_on_import.Thing\n    init_args: {every: 2}\n")
+    line = one_error_line(["--config", str(config)], tmp_path, capsys)
+    assert line == f"error: callbacks: expected {CALLBACKS}, got {USER_MODULE_CAUSES['module raising on import'][1]!r}"
+
+
+@pytest.mark.parametrize("cause", [*USER_MODULE_CAUSES, "not an Algorithm"])
+def test_an_algorithm_class_path_that_fails_names_its_cause(cause, tmp_path, capsys, user_modules):
+    path, got = USER_MODULE_CAUSES.get(cause, ("plain_classes.NotAComponent",
+                                               "plain_classes.NotAComponent (not a subclass of Algorithm)"))
+    line = one_error_line(["--algorithm", path], tmp_path, capsys)
+    assert line == f"error: algorithm: expected {ALGORITHM}, got {got!r}"
+
+
+def test_a_server_optimizer_whose_module_raises_is_one_line(tmp_path, capsys, user_modules):
+    line = one_error_line(["--server_optimizer", "{class_path: raises_on_import.Thing}"], tmp_path, capsys)
+    assert line.startswith("error: server_optimizer: expected a ServerOptimizer: one of ")
+    assert line.endswith("got 'raises_on_import.Thing (RuntimeError: a bug in the module)'")

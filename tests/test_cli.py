@@ -9,7 +9,9 @@ import pytest
 import yaml
 
 from fl_lightning.algorithms import CTPFL, SHORT_NAMES, FedAvg
-from fl_lightning.cli import build_parser, expand_bare_flags, expand_short_names, main
+from fl_lightning.cli.arguments import expand_bare_flags, expand_short_names
+from fl_lightning.cli.main import COMMANDS, main
+from fl_lightning.cli.parser import build_parser
 from fl_lightning.models import registered_models
 
 QUICKSTART = str(Path(__file__).parent.parent / "configs" / "quickstart.yaml")
@@ -194,12 +196,12 @@ def test_model_help_lists_a_models_options(capsys):
 
 
 def test_an_on_off_setting_given_alone_means_true():
-    assert expand_bare_flags(["sweep", "--plan", "p.yaml", "--list", "--jobs", "2", "--dry_run"]) == [
+    assert expand_bare_flags(["sweep", "--plan", "p.yaml", "--list", "--jobs", "2", "--dry_run"], COMMANDS) == [
         "sweep", "--plan", "p.yaml", "--list=true", "--jobs", "2", "--dry_run=true"]
-    assert expand_bare_flags(["fit", "--data.augment", "--overwrite", "false", "--compute.compile"]) == [
+    assert expand_bare_flags(["fit", "--data.augment", "--overwrite", "false", "--compute.compile"], COMMANDS) == [
         "fit", "--data.augment=true", "--overwrite", "false", "--compute.compile=true"]
     # Only the command's own flags: `table` has no --list, and --metric takes a value.
-    assert expand_bare_flags(["table", "--list", "--metric", "--percent"]) == ["table", "--list", "--metric",
+    assert expand_bare_flags(["table", "--list", "--metric", "--percent"], COMMANDS) == ["table", "--list", "--metric",
                                                                                 "--percent=true"]
 
 
@@ -218,3 +220,26 @@ def test_sweep_and_table_take_the_plan_as_their_first_argument(tmp_path, capsys)
     main(["sweep", str(plan), "--list", "true", "--runs_root", str(tmp_path / "runs")])
     listed = capsys.readouterr().out
     assert "fedavg" in listed and "seed1" in listed and "not started" in listed
+
+
+def test_help_and_a_refused_config_never_import_lightning(tmp_path):
+    """Lightning, most of what start-up cost (docs/performance.md), is imported when a run launches,
+    not to parse or refuse one: checked in a fresh interpreter."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from fl_lightning.cli.main import main\n"
+        "for argv in (['fit', '--help'], ['fit', '--config', sys.argv[1], '--out_dir', sys.argv[2],\n"
+        "                                 '--federation.clients_per_round', '1000']):\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit as exited:\n"
+        "        print('exit', exited.code)\n"
+        "print(sorted(name for name in sys.modules if name.split('.')[0] in ('lightning', 'torchmetrics')))\n"
+    )
+    completed = subprocess.run([sys.executable, "-c", script, QUICKSTART, str(tmp_path / "run")],
+                               capture_output=True, text=True, timeout=300)
+    assert completed.stdout.splitlines()[-3:] == ["exit 0", "exit 2", "[]"], completed.stderr
+    assert "error: federation.clients_per_round: expected an integer from 1 to" in completed.stderr

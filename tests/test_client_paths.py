@@ -30,7 +30,7 @@ from fl_lightning.algorithms import (
 from fl_lightning.algorithms.base import PSEUDO_GRADIENT
 from fl_lightning.callbacks import Callback
 from fl_lightning.checkpoint import LAST, checkpoint_dir
-from fl_lightning.cli import main
+from fl_lightning.cli.main import main
 from fl_lightning.client import LocalTrainer
 from fl_lightning.client_groups import group_size_for, uses_grouped_path
 from fl_lightning.config import ClientOptimizerArgs, ComputeArgs, DataArgs, FederationArgs

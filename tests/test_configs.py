@@ -16,7 +16,11 @@ import pytest
 import yaml
 
 from fl_lightning.algorithms import SHORT_NAMES
-from fl_lightning.cli import build_parser, expand_short_names, main
+from fl_lightning.cli.arguments import check_config_files
+from fl_lightning.cli.main import main
+from fl_lightning.cli.parser import build_parser, parse_command_line
+from fl_lightning.errors import ConfigError
+from fl_lightning.experiments.plan import load_plan
 
 CONFIGS = Path(__file__).parent.parent / "configs"
 
@@ -72,7 +76,7 @@ def config_args(files: list[Path]) -> list[str]:
 
 def parse(*argv: str):
     """The parsed (not instantiated) settings of `fit`: jsonargparse's own record of them."""
-    return build_parser().parse_args(expand_short_names(["fit", *argv])).fit
+    return parse_command_line(["fit", *argv], build_parser()).fit
 
 
 def init_args(spec) -> dict:
@@ -255,19 +259,53 @@ def test_an_unknown_algorithm_in_yaml_is_refused_naming_the_field(tmp_path, caps
     ("algorithm: {class_path: moon, init_args: {mu: 0.3}}\n", "algorithm: fedprox\n", "mu", 0.01),
 ])
 def test_an_algorithm_named_in_a_later_file_starts_from_its_own_defaults(tmp_path, first, second, field, expected):
-    parsed = parse("--config", QUICKSTART, "--config", write(tmp_path, "first.yaml", first),
+    # The first file is a whole run (it sets more than the algorithm), as configs/quickstart.yaml is.
+    parsed = parse("--config", QUICKSTART, "--config", write(tmp_path, "first.yaml", first + "seed: 3\n"),
                    "--config", write(tmp_path, "second.yaml", second))
-    assert getattr(parsed.algorithm.init_args, field) == expected
+    assert getattr(parsed.algorithm.init_args, field) == expected and parsed.seed == 3
 
 
-def test_shipped_algorithm_fragments_never_pass_settings_to_each_other():
-    parser = build_parser()
+def test_quickstart_composed_with_every_algorithm_file_takes_only_that_algorithms_settings():
+    for name in sorted(SHORT_NAMES):
+        files = [CONFIGS / "quickstart.yaml", CONFIGS / "algorithms" / f"{name}.yaml"]
+        chosen = init_args(parse(*config_args(files)).algorithm)
+        assert chosen == {**class_defaults(SHORT_NAMES[name]), **written_init_args(files[1:])}, name
+
+
+def test_two_algorithm_files_are_refused_naming_both(tmp_path, capsys):
+    fedprox, scaffold = CONFIGS / "algorithms" / "fedprox.yaml", CONFIGS / "algorithms" / "scaffold.yaml"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", QUICKSTART, "--config", str(fedprox), "--config", str(scaffold),
+              "--out_dir", str(tmp_path / "run")])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: config: expected one algorithm file (a run trains one algorithm; to switch, give --algorithm NAME "
+        f"instead of a second file), got '{fedprox} choosing FedProx and {scaffold} choosing SCAFFOLD'"]
+    assert not (tmp_path / "run").exists()
+
+
+def test_every_pair_of_shipped_algorithm_files_is_refused_and_one_file_twice_is_not():
     for first in sorted(SHORT_NAMES):
         for second in sorted(SHORT_NAMES):
-            files = [CONFIGS / "quickstart.yaml", CONFIGS / "algorithms" / f"{first}.yaml",
-                     CONFIGS / "algorithms" / f"{second}.yaml"]
-            chosen = init_args(parser.parse_args(["fit", *config_args(files)]).fit.algorithm)
-            assert chosen == {**class_defaults(SHORT_NAMES[second]), **written_init_args(files[2:])}, (first, second)
+            argv = ["fit", *config_args([CONFIGS / "algorithms" / f"{first}.yaml",
+                                         CONFIGS / "algorithms" / f"{second}.yaml"])]
+            if first == second:
+                check_config_files(argv)
+            else:
+                with pytest.raises(ConfigError, match="one algorithm file"):
+                    check_config_files(argv)
+
+
+def test_an_algorithm_on_the_command_line_still_replaces_the_files_one():
+    chosen = parse(*config_args([CONFIGS / "quickstart.yaml", CONFIGS / "algorithms" / "fedprox.yaml"]),
+                   "--algorithm", "scaffold").algorithm
+    assert chosen.class_path.endswith("SCAFFOLD") and init_args(chosen) == class_defaults(SHORT_NAMES["scaffold"])
+
+
+@pytest.mark.parametrize("plan", sorted((CONFIGS / "plans").glob("*.yaml")), ids=lambda path: path.stem)
+def test_no_shipped_plan_composes_two_algorithm_files(plan):
+    for point in load_plan(plan).grid():
+        check_config_files(point.fit_arguments())
 
 
 def test_a_later_file_without_a_class_changes_the_algorithm_already_chosen():

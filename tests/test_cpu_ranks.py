@@ -17,7 +17,7 @@ from reference import small_setup
 from fl_lightning import cluster
 from fl_lightning.algorithms import FedAvg
 from fl_lightning.callbacks import Callback
-from fl_lightning.cli import main
+from fl_lightning.cli.main import main
 from fl_lightning.cluster import Ranks, available_cores, check_slurm_allocation, ranks_of, resolve_ranks
 from fl_lightning.config import ClientOptimizerArgs, FabricArgs
 from fl_lightning.errors import ConfigError

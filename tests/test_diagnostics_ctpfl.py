@@ -25,7 +25,7 @@ from test_diagnostics_landscape import (
 from torch import nn
 
 from fl_lightning.algorithms import CTPFL, FedAvg
-from fl_lightning.cli import main
+from fl_lightning.cli.main import main
 from fl_lightning.diagnostics.ctpfl import DisplacementBias
 from fl_lightning.errors import ConfigError
 from fl_lightning.module import ClassificationModule

@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fl_lightning.cli import build_parser, expand_short_names
+from fl_lightning.cli.arguments import expand_short_names
+from fl_lightning.cli.parser import build_parser
 from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.plan import load_plan, slug
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fl_lightning.checkpoint import checkpoint_dir, load_checkpoint, numbered_checkpoints
-from fl_lightning.cli import main
+from fl_lightning.cli.main import main
 from fl_lightning.errors import ConfigError
 from fl_lightning.run_dir import check_same_experiment, default_out_dir
 from fl_lightning.run_logging import read_metrics
@@ -216,7 +216,8 @@ def test_default_out_dirs_differ_between_experiments_only():
 
 
 def test_final_model_is_returned_for_a_finished_run(run_copy):
-    from fl_lightning.cli import build_parser, expand_short_names
+    from fl_lightning.cli.arguments import expand_short_names
+    from fl_lightning.cli.parser import build_parser
     from fl_lightning.fit import fit as fit_function
 
     parser = build_parser()

@@ -35,7 +35,9 @@ import torch
 import yaml
 
 from fl_lightning.algorithms import SHORT_NAMES
-from fl_lightning.cli import build_parser, expand_short_names, main
+from fl_lightning.cli.arguments import expand_short_names
+from fl_lightning.cli.main import main
+from fl_lightning.cli.parser import build_parser
 from fl_lightning.experiments.plan import GridPoint, Plan, load_plan
 from fl_lightning.experiments.table import read_reference, table
 

@@ -12,8 +12,9 @@ import pytest
 import yaml
 
 from fl_lightning.checkpoint import checkpoint_dir
-from fl_lightning.cli import build_parser, expand_short_names
-from fl_lightning.cli import main as fl_lightning_main
+from fl_lightning.cli.arguments import expand_short_names
+from fl_lightning.cli.main import main as fl_lightning_main
+from fl_lightning.cli.parser import build_parser
 from fl_lightning.errors import ConfigError
 from fl_lightning.experiments import sweep as sweep_module
 from fl_lightning.experiments.plan import load_plan

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fl_lightning.cli import main
+from fl_lightning.cli.main import main
 from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.plan import load_plan
 from fl_lightning.experiments.table import mean_curve, order_methods, setting_label, table, value_at

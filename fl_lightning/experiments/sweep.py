@@ -178,7 +178,7 @@ def run_state(out_dir: Path, rounds: Optional[int]) -> RunState:
 
 def planned_rounds(points: list[GridPoint]) -> dict[int, Union[int, str]]:
     """index -> federation.rounds of the point's settings, or the error its settings give (without training)."""
-    from fl_lightning import cli  # cli imports this module
+    from fl_lightning.cli import parser as cli
 
     parser = cli.build_parser()
     rounds: dict[int, Union[int, str]] = {}
@@ -225,7 +225,7 @@ def write_fit_config(point: GridPoint) -> Path:
     """The point's `fit` settings, every config fragment and override resolved into one file in its run
     folder (out_dir included), as `fit --print_config` prints them: what an array task launches, so that
     the devices of the allocation, given after it, override whatever the plan sets."""
-    from fl_lightning.cli import main as command_line
+    from fl_lightning.cli.main import main as command_line
 
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):

@@ -1,0 +1,61 @@
+"""The `fl-lightning` commands: `fit --config FILE [--group.field value ...]`, `sweep PLAN`,
+`table PLAN` and `compare --runs [DIR, ...]`.
+
+Every bad input ends in one line on stderr, `error: <field>: expected ..., got ...`, and exit
+status 2, before any data is loaded or training starts (see `fl_lightning.cli.messages`).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+from fl_lightning.cli.parser import build_parser, parse_command_line
+from fl_lightning.cluster import RequeueFailed
+from fl_lightning.compare import compare
+from fl_lightning.errors import ConfigError
+from fl_lightning.experiments.sweep import sweep
+from fl_lightning.experiments.table import table
+from fl_lightning.fit import fit
+
+COMMANDS = {"fit": fit, "compare": compare, "table": table, "sweep": sweep}
+
+# Subcommands whose first argument may be the plan itself: `fl-lightning sweep PLAN`.
+PLAN_COMMANDS = ("sweep", "table")
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) > 1 and argv[0] in PLAN_COMMANDS and not argv[1].startswith("-"):
+        argv = [argv[0], "--plan", *argv[1:]]
+    try:
+        if (model := _model_asked_about(argv)) is not None:
+            from fl_lightning.models.registry import model_help
+
+            print(model_help(model))
+            return
+        parser = build_parser(COMMANDS)
+        config = parse_command_line(argv, parser)
+        command = config.subcommand
+        arguments = parser.instantiate(config)[command]
+        arguments.pop("config", None)
+        COMMANDS[command](**arguments)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from err
+    except (FloatingPointError, RequeueFailed) as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(1) from err
+
+
+def _model_asked_about(argv: list[str]) -> Optional[str]:
+    """NAME of `--model.help NAME` (or `--model.help=NAME`), which jsonargparse has no action for:
+    `model` is a group of settings, not a class."""
+    for position, arg in enumerate(argv):
+        if arg == "--model.help":
+            if position + 1 == len(argv):
+                raise ConfigError("model.help", "a model name after --model.help", "nothing")
+            return argv[position + 1]
+        if arg.startswith("--model.help="):
+            return arg.split("=", 1)[1]
+    return None
