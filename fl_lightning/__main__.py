@@ -2,17 +2,21 @@
 
 Stop signals are recorded from the first moment, before the heavy imports: Slurm's early signal
 (`sbatch --signal=USR1@T`) may arrive while the process is still starting, and SIGUSR1's default
-action would kill it with no checkpoint.
+action would kill it with no checkpoint. Once the command is done they are ignored until the
+process exits (see fl_lightning.cluster.StopSignals).
 """
 
 from fl_lightning.cluster import STOP_SIGNALS
 
 
 def main() -> None:
-    STOP_SIGNALS.install()
-    from fl_lightning.cli.main import main as run_command
+    STOP_SIGNALS.hold_until_exit()
+    try:
+        from fl_lightning.cli.main import main as run_command
 
-    run_command()
+        run_command()
+    finally:
+        STOP_SIGNALS.ignore_until_exit()
 
 
 if __name__ == "__main__":

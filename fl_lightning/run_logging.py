@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import time
 import uuid
 import warnings
 from dataclasses import dataclass
@@ -18,9 +19,14 @@ from pathlib import Path
 from typing import Optional
 
 from fl_lightning.checkpoint import write_text_atomically
+from fl_lightning.cluster import slurm_job_id
 from fl_lightning.config import LoggerArgs
+from fl_lightning.wandb_file import history_steps, is_finished, read_records
 
 METRICS_FILE = "metrics.jsonl"
+# How long a finished W&B run waits for W&B's service to write the run's file, and how often it looks.
+RUN_FILE_WAIT_S = 30.0
+RUN_FILE_POLL_S = 0.02
 
 
 def _json_row(metrics: dict) -> str:
@@ -70,6 +76,7 @@ class WandbRun:
     def __init__(self, args: LoggerArgs, out_dir: Path, identity: WandbIdentity):
         self.args, self.out_dir, self.identity = args, Path(out_dir), identity
         self._run = None
+        self._logged_rounds: list[int] = []
 
     def start(self, hyperparameters: dict) -> None:
         """Create (or resume) the run; an unreachable server in online mode falls back to offline."""
@@ -109,33 +116,76 @@ class WandbRun:
                 self.log(row)
 
     def log(self, metrics: dict) -> None:
-        if self._run is not None:
-            self._call("log", lambda: self._run.log(metrics, step=metrics["round"]))
+        if self._run is not None and self._call("log", lambda: self._run.log(metrics, step=metrics["round"])):
+            self._logged_rounds.append(metrics["round"])
 
     def finish(self, history: list[dict]) -> None:
         """Record the final and best test accuracy in the run's summary (what a dashboard's table
-        compares), then close the run, waiting until W&B has written (offline) or sent (online)
-        everything: a requeue or exit right after would otherwise lose the last rounds."""
+        compares), then close the run, and wait until W&B's service has written every round this
+        process logged into the run's file (`run.finish` returns before it has), or warn naming
+        what the file lacks: a requeue or exit right after would otherwise lose the last rounds.
+
+        Under SLURM, W&B's service is then shut down (`wandb.teardown`), not left to W&B's exit
+        hook: Slurm sends SIGTERM to every process of the job step, the service included, on
+        scancel, preemption and the run's own requeue, and the hook would print a traceback on
+        finding the service gone. Elsewhere the service may be the caller's too (`fit` called from
+        Python), so it is left running."""
         accuracies = [row["test_accuracy"] for row in history if row.get("test_accuracy") is not None]
         if self._run is not None and accuracies:
             summary = {"final_test_accuracy": accuracies[-1], "best_test_accuracy": max(accuracies),
                        "rounds_done": history[-1]["round"]}
             self._call("write the summary", lambda: self._run.summary.update(summary))
         if self._run is not None:
-            self._call("finish", self._run.finish)
+            run_file = Path(self._run.settings.sync_file)
+            finished = self._call("finish", self._run.finish)
             self._run = None
+            if finished:
+                self._wait_for_run_file(run_file)
+        if slurm_job_id() is not None:
+            _shut_down_wandb_service()
 
-    def _call(self, what: str, action) -> None:
+    def _wait_for_run_file(self, run_file: Path) -> None:
+        # W&B has no call that waits for its service to write a finished run short of shutting the
+        # service down, which would also end the runs of a Python caller: the file is read instead.
+        deadline = time.monotonic() + RUN_FILE_WAIT_S
+        records = read_records(run_file) if run_file.exists() else []
+        while not is_finished(records) and time.monotonic() < deadline:
+            time.sleep(RUN_FILE_POLL_S)
+            records = read_records(run_file) if run_file.exists() else []
+        missing_rounds = sorted(set(self._logged_rounds) - set(history_steps(records)))
+        lacking = [f"rounds {missing_rounds}"] if missing_rounds else []
+        if not is_finished(records):
+            lacking.append("the record of the run's end")
+        if lacking:
+            print(f"warning: {RUN_FILE_WAIT_S:g} s after W&B finished the run, its file {run_file} lacks "
+                  f"{' and '.join(lacking)}; metrics.jsonl holds every round", file=sys.stderr, flush=True)
+
+    def _call(self, what: str, action) -> bool:
+        """Whether `action` succeeded; a failure turns W&B off for the rest of the process."""
         try:
             action()
+            return True
         except Exception as err:  # a dead W&B service raises ConnectionResetError, BrokenPipeError, ...
             self._disable(what, err)
+            return False
 
     def _disable(self, what: str, err: Exception) -> None:
         print(f"warning: W&B {what} failed ({type(err).__name__}: {err}); W&B logging is off for the rest of "
               f"this process; metrics.jsonl is complete, and a resumed run replays the rounds W&B lacks",
               file=sys.stderr, flush=True)
         self._run = None
+
+
+def _shut_down_wandb_service() -> None:
+    """Shut W&B's service process down and wait for it (`wandb.teardown`; nothing if none runs)."""
+    import wandb
+
+    try:
+        wandb.teardown()
+    except (ConnectionError, SystemExit):
+        # The service died of the job's SIGTERM already (scancel, preemption; W&B exits with its
+        # non-zero status): nothing is left to close, and a call that failed on it has said so.
+        pass
 
 
 def round_line(metrics: dict, rounds: int) -> str:

@@ -1,6 +1,8 @@
 """Run logs: metrics.jsonl and a Weights & Biases offline run (no network needed)."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -87,3 +89,37 @@ def test_a_wandb_failure_does_not_stop_training(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "checkpoints" / "round_000003.ckpt").is_file()
     warnings = [line for line in capsys.readouterr().err.splitlines() if "W&B log failed" in line]
     assert len(warnings) == 1 and "ConnectionResetError" in warnings[0]  # reported once, then W&B is off
+
+
+TWO_SHORT_ROUNDS = ["fit", "--config", QUICKSTART, "--model.options", "{hidden: 16, depth: 1}",
+                    "--federation.rounds", "2", "--federation.local_steps", "2", "--federation.eval_every", "2",
+                    "--logger.wandb_mode", "offline", "--logger.progress_bar", "false"]
+
+
+@pytest.mark.multiprocess
+def test_every_round_is_in_the_wandb_file_when_fit_returns_on_a_loaded_machine(tmp_path):
+    """W&B's run.finish returns before its service has written the run's file; on a busy machine
+    the file was read with no history at all. fit returns once the file holds the run's end."""
+    busy_loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(4)]
+    try:
+        for attempt in range(3):
+            main([*TWO_SHORT_ROUNDS, "--out_dir", str(tmp_path / str(attempt))])
+            (run_file,) = offline_run_files(tmp_path / str(attempt))
+            assert [row["_step"] for row in history_rows(run_file)] == [1, 2], f"attempt {attempt}"
+            assert records(run_file)[-1].WhichOneof("record_type") == "exit"
+    finally:
+        for process in busy_loops:
+            process.kill()
+            process.wait()
+
+
+def test_a_wandb_file_that_stays_unwritten_is_reported_naming_what_it_lacks(tmp_path, monkeypatch, capsys):
+    from fl_lightning import run_logging
+
+    monkeypatch.setattr(run_logging, "RUN_FILE_WAIT_S", 0.2)
+    monkeypatch.setattr(run_logging, "read_records", lambda run_file: [])  # a service that never writes
+    main([*TWO_SHORT_ROUNDS, "--out_dir", str(tmp_path)])
+    (run_file,) = offline_run_files(tmp_path)
+    assert (f"warning: 0.2 s after W&B finished the run, its file {run_file} lacks rounds [1, 2] and the record of "
+            "the run's end; metrics.jsonl holds every round") in capsys.readouterr().err
+    assert [row["round"] for row in read_metrics(tmp_path)] == [1, 2]

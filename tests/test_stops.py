@@ -1,0 +1,118 @@
+"""Stops that stay stopped: a real `python -m fl_lightning fit` process, signalled the way Slurm
+signals a job step (every process of it, W&B's service included) and given a stand-in `scontrol`,
+must end with exit status 0, no traceback, and the job requeued exactly when it should be.
+
+Each test reads the run's console lines to know where it is, and sends its signals until the
+process has exited: a signal that lands during the interpreter's shutdown must not kill it either.
+"""
+
+import itertools
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+from test_faults import RUN_TIMEOUT_S, SLURM_JOB_ID, fit_command, process_environment
+
+# `show job` reports the state in $STAND_IN_DIR/job_state; `requeue` is recorded, then either fails
+# with the message in $STAND_IN_DIR/requeue_error or does what Slurm does on a requeue: SIGTERM to
+# every process of the job step (the fit process and its children) before it returns.
+STAND_IN_SCONTROL = """#!/bin/bash
+if [[ $1 == show ]]; then echo "JobId=$4 JobName=fl JobState=$(cat "$STAND_IN_DIR/job_state")"; exit 0; fi
+echo "$@" >> "$STAND_IN_DIR/calls.txt"
+if [[ -f $STAND_IN_DIR/requeue_error ]]; then cat "$STAND_IN_DIR/requeue_error" >&2; exit 1; fi
+for pid in $PPID $(ps -o pid= --ppid $PPID); do [[ $pid == $$ ]] || kill -TERM "$pid"; done
+"""
+# The stop signals the tests keep sending until the process has exited.
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+
+def start_fit(tmp_path: Path, *extra: str, **environment: str) -> subprocess.Popen:
+    stderr = open(tmp_path / "stderr.txt", "w")
+    process = subprocess.Popen(
+        fit_command(tmp_path / "run", "--checkpoint.requeue_signal", "SIGUSR1", *extra),
+        env=process_environment(**environment), stdout=subprocess.PIPE, stderr=stderr, text=True)
+    stderr.close()
+    return process
+
+
+def read_until(process: subprocess.Popen, prefix: str) -> list[str]:
+    """The console lines up to and with the first that starts with `prefix`."""
+    lines = []
+    for line in process.stdout:
+        lines.append(line)
+        if line.startswith(prefix):
+            return lines
+    pytest.fail(f"the run exited {process.wait()} before a line starting {prefix!r}:\n{''.join(lines)}")
+
+
+def step_processes(process: subprocess.Popen) -> list[int]:
+    """The fit process and its children (W&B's service): what Slurm signals in a job step."""
+    children = subprocess.run(["ps", "-o", "pid=", "--ppid", str(process.pid)], capture_output=True, text=True)
+    return [process.pid, *(int(pid) for pid in children.stdout.split())]
+
+
+def signal_until_exit(process: subprocess.Popen, signums=STOP_SIGNALS) -> int:
+    """Send `signums` in turn until the process exits; its exit status."""
+    for count, signum in enumerate(itertools.cycle(signums)):
+        if process.poll() is not None:
+            return process.returncode
+        assert count * 0.01 < RUN_TIMEOUT_S, "the process did not exit"
+        process.send_signal(signum)
+        try:
+            return process.wait(timeout=0.01)
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def test_signals_after_the_last_round_never_kill_a_finished_run(tmp_path):
+    """A time limit's SIGUSR1 just after the run finished, or a late SIGTERM: exit 0, not 138 or 143."""
+    process = start_fit(tmp_path, "--federation.rounds", "3", "--logger.wandb_mode", "disabled")
+    read_until(process, "finished at round 3/3")
+    assert signal_until_exit(process) == 0, (tmp_path / "stderr.txt").read_text()
+
+
+@pytest.fixture
+def slurm_job(tmp_path):
+    """A stand-in `scontrol` first on PATH, and the variables of a SLURM job, for `start_fit`."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(STAND_IN_SCONTROL)
+    (bin_dir / "scontrol").chmod(0o755)
+    return {"SLURM_JOB_ID": SLURM_JOB_ID, "STAND_IN_DIR": str(tmp_path),
+            "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+
+
+STOPS = {
+    # sbatch --signal=USR1@T (or scancel -s USR1): checkpoint, requeue, whose SIGTERM reaches every
+    # process of the step, then signals until exit (a second time-limit signal, a second TERM).
+    "requeue signal": ("RUNNING", None, signal.SIGUSR1,
+                       ["requeue 4242"], f"requeued SLURM job {SLURM_JOB_ID}: scontrol requeue {SLURM_JOB_ID}"),
+    # scancel: SIGTERM to every process of the step while Slurm reports the job COMPLETING.
+    "scancel": ("COMPLETING", None, signal.SIGTERM,
+                [], f"SLURM job {SLURM_JOB_ID} is COMPLETING (cancelled or ending): checkpoint saved, not requeueing"),
+    # Preemption with GraceTime=0: Slurm requeues the job itself; the run's own requeue is refused.
+    "preemption requeued by Slurm": ("RUNNING", "Requeue of JobId=4242 failed: Job is pending execution",
+                                     signal.SIGTERM, ["requeue 4242"],
+                                     f"SLURM job {SLURM_JOB_ID} is already back in the queue"),
+}
+
+
+@pytest.mark.parametrize("state, requeue_error, signum, requeue_calls, said", STOPS.values(), ids=STOPS.keys())
+def test_a_stop_under_slurm_exits_0_without_a_traceback(state, requeue_error, signum, requeue_calls, said,
+                                                       slurm_job, tmp_path):
+    (tmp_path / "job_state").write_text(state)
+    if requeue_error:
+        (tmp_path / "requeue_error").write_text(requeue_error)
+    process = start_fit(tmp_path, "--logger.wandb_mode", "offline", **slurm_job)
+    read_until(process, "round 2/")
+    for pid in step_processes(process):
+        os.kill(pid, signum)
+    status = signal_until_exit(process)
+    stdout, stderr = process.stdout.read(), (tmp_path / "stderr.txt").read_text()
+    assert status == 0, stderr
+    assert said in stdout
+    calls = tmp_path / "calls.txt"
+    assert (calls.read_text().splitlines() if calls.exists() else []) == requeue_calls
+    assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr
