@@ -138,7 +138,8 @@ class WriteMetrics(Callback):
 
 class LogToWandb(Callback):
     """The W&B run (rank 0): started with the rounds it lacks replayed, closed at the end, also
-    after a failure, and before a requeue (Slurm kills the job's steps as soon as it is requeued)."""
+    after a failure, and before a requeue (Slurm kills the job's steps as soon as it is requeued),
+    with W&B's service under SLURM (WandbRun.finish)."""
 
     def __init__(self, run: WandbRun):
         self.run = run
@@ -192,7 +193,7 @@ class ShowProgress(Callback):
 class StopOnSignal(Callback):
     """Turns SIGTERM and the requeue signal, received at any time (also before the first round),
     into a stop agreed at the round's aggregation; after the checkpoint, rank 0 requeues a SLURM
-    job (unless it was cancelled)."""
+    job that Slurm still reports RUNNING (fl_lightning.cluster.requeue_after_stop)."""
 
     def __init__(self, signal_name: Optional[str]):
         self.signal_name = signal_name
