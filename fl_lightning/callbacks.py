@@ -17,7 +17,17 @@ The loop (`fl_lightning.federation.train`) calls these hooks on every rank throu
 To stop a run, a hook calls `loop.request_stop(reason)`. Requests ride the stop slot of the next
 aggregation, so every rank agrees without a collective of its own: a request made in
 `on_round_start` stops the run after that round, one made in `on_round_end` after the next. The
-run then saves a checkpoint and ends cleanly; the same command resumes it.
+run then saves a checkpoint and ends cleanly. A stop is final by default (a decision, such as
+EarlyStopping's): the checkpoint records it, and the same command run again trains nothing more.
+`loop.request_stop(reason, final=False)` is an interruption instead (TimeBudget; a signal), which
+the same command resumes.
+
+A callback that keeps state across rounds returns it from `state_dict()` and takes it back in
+`load_state_dict()`: it is saved with every checkpoint (rank 0's) and restored on resume before
+`on_fit_start`, so an interrupted run behaves as an uninterrupted one. The state holds only what
+the run built; the callback's arguments are its configuration, given again by the resumed run's
+config. A callback's state is matched to it by its position and class name among the run's
+callbacks (`callback_key`), so a resumed run keeps its callbacks in their order (new ones after them).
 
 A user adds callbacks in the config: `callbacks: [{class_path: my_module.MyCallback, init_args: {...}}]`.
 """
@@ -29,11 +39,24 @@ from typing import Literal, Optional
 
 from fl_lightning.cluster import STOP_SIGNALS, requeue_after_stop
 from fl_lightning.configurable import Configurable
+from fl_lightning.errors import ConfigError
 from fl_lightning.run_logging import MetricsLog, WandbRun, round_line, summary_line
 
 
 class Callback(Configurable):
-    """Base class: override the hooks you need (each does nothing by default)."""
+    """Base class: override the hooks you need (each does nothing by default), and `state_dict` /
+    `load_state_dict` when the callback keeps state across rounds."""
+
+    def state_dict(self) -> dict:
+        """What this callback built during the run and needs after a resume (not its arguments),
+        as values `torch.save` writes (tensors come back on the CPU); empty when it keeps nothing."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take back what `state_dict` returned, from the checkpoint the run resumes."""
+        if state:
+            raise TypeError(f"{type(self).__name__} saved its state ({', '.join(sorted(state))}) but has no "
+                            "load_state_dict to restore it")
 
     def on_fit_start(self, fabric, loop) -> None:
         pass
@@ -51,16 +74,48 @@ class Callback(Configurable):
         pass
 
 
+def callback_key(position: int, callback: Callback) -> str:
+    """What a callback's saved state is filed under: its position among the run's callbacks and its
+    class name, e.g. "1:EarlyStopping" (the run's own Evaluate is 0)."""
+    return f"{position}:{type(callback).__name__}"
+
+
+def callback_states(callbacks: list[Callback]) -> dict[str, dict]:
+    """The state of every callback that has one, by `callback_key`."""
+    states = {callback_key(position, callback): callback.state_dict() for position, callback in enumerate(callbacks)}
+    return {key: state for key, state in states.items() if state}
+
+
+def load_callback_states(callbacks: list[Callback], states: dict[str, dict], source: str) -> None:
+    """Give each callback its saved state. A saved state without its callback (removed, moved or
+    replaced by another) is refused: dropping it would silently change what the run does."""
+    by_key = {callback_key(position, callback): callback for position, callback in enumerate(callbacks)}
+    for key, state in states.items():
+        if key not in by_key:
+            position, name = key.split(":", 1)
+            raise ConfigError("callbacks", f"{name} at position {position} of the run's callbacks, whose state "
+                              f"{source} holds (a resumed run keeps its callbacks in their order; add new ones after "
+                              "them)", ", ".join(by_key))
+        by_key[key].load_state_dict(state)
+
+
 class EarlyStopping(Callback):
-    """Stops the run when `metric` has not improved by more than `min_delta` for `patience`
-    evaluations. The metric must be one every rank computes alike (reduced across ranks, as
-    train_loss and test_accuracy are)."""
+    """Stops the run for good (a final stop: running the command again trains nothing more) when
+    `metric` has not improved by more than `min_delta` for `patience` evaluations. The metric must
+    be one every rank computes alike (reduced across ranks, as train_loss and test_accuracy are).
+    Its state, the best value so far and the evaluations since, is saved with the checkpoints."""
 
     def __init__(self, metric: str = "test_accuracy", mode: Literal["max", "min"] = "max", patience: int = 5,
                  min_delta: float = 0.0):
         self.metric, self.mode, self.patience, self.min_delta = metric, mode, patience, min_delta
         self.best: Optional[float] = None
         self.evaluations_without_improvement = 0
+
+    def state_dict(self) -> dict:
+        return {"best": self.best, "evaluations_without_improvement": self.evaluations_without_improvement}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.best, self.evaluations_without_improvement = state["best"], state["evaluations_without_improvement"]
 
     def on_round_end(self, fabric, loop, metrics: dict) -> None:
         value = metrics.get(self.metric)
@@ -71,18 +126,26 @@ class EarlyStopping(Callback):
             return
         self.evaluations_without_improvement += 1
         if self.evaluations_without_improvement >= self.patience:
-            loop.request_stop(f"early stopping: {self.metric} has not improved for {self.patience} evaluations")
+            loop.request_stop(f"early stopping: {self.metric} has not improved for {self.patience} evaluations",
+                              final=True)
 
 
 class TimeBudget(Callback):
-    """Stops the run (with a checkpoint) before a round that would end past `max_seconds` of
-    this process's training time, judged by the longest round so far."""
+    """Interrupts the run (with a checkpoint; the same command resumes it) before a round that would
+    end past `max_seconds` of this process's training time, judged by the longest round of the run so
+    far: its state, so that a resumed process judges its first round by it too."""
 
     def __init__(self, max_seconds: float):
         self.max_seconds = max_seconds
         self._started: Optional[float] = None
         self._longest_round = 0.0
         self._round_started = 0.0
+
+    def state_dict(self) -> dict:
+        return {"longest_round_seconds": self._longest_round}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._longest_round = state["longest_round_seconds"]
 
     def on_fit_start(self, fabric, loop) -> None:
         self._started = time.monotonic()
@@ -94,7 +157,7 @@ class TimeBudget(Callback):
         self._round_started = now
         # The request stops the run after this round: stop here if the next one would not fit.
         if now + 2 * self._longest_round - self._started > self.max_seconds:
-            loop.request_stop(f"time budget of {self.max_seconds} s")
+            loop.request_stop(f"time budget of {self.max_seconds} s", final=False)
 
 
 # The run's own callbacks, built by `fit` from its settings; user callbacks run between

@@ -3,7 +3,10 @@
 Layout: out_dir/checkpoints/round_000010.ckpt ... and last.ckpt (a hard link to the newest).
 A checkpoint is a plain dict saved with `torch.save`, loadable with `torch.load`. Per-client state
 of stateful algorithms is saved by each owner rank beside it, as round_000010.clients_rank0.pt ...,
-before the main file (whose presence marks the checkpoint complete).
+before the main file (whose presence marks the checkpoint complete). Pruning removes a checkpoint's
+shards before its main file, so a kill mid-way leaves an incomplete checkpoint (skipped on resume,
+pruned again later) rather than a shard nothing refers to; `remove_orphan_shards` clears those a kill
+left all the same.
 
 Each file carries a SHA-256 digest of its content (tensors by their bytes), checked on load: a
 flipped byte in a tensor would otherwise load without complaint and silently change the run.
@@ -27,7 +30,12 @@ from fl_lightning.errors import ConfigError
 LAST = "last.ckpt"
 DIGEST = "sha256"
 _NUMBERED = re.compile(r"round_(\d+)\.ckpt$")
+_SHARD = re.compile(r"round_(\d+)\.clients_rank\d+\.pt$")
 REQUIRED_KEYS = ("round", "model", "algorithm", "partition", "metrics", "hyperparameters", DIGEST)
+# Optional keys (absent from checkpoints of earlier versions, which resume as if they were empty):
+FINAL_STOP = "final_stop"  # the reason of a final stop, or None: the run is over
+PENDING_FINAL_STOPS = "pending_final_stops"  # final stops asked for after the round's aggregation
+CALLBACKS = "callbacks"  # the callbacks' state, by `callback_key`
 
 
 def checkpoint_dir(out_dir: Path) -> Path:
@@ -70,6 +78,19 @@ def remove_temporary_files(out_dir: Path) -> None:
     live writer owns them."""
     for tmp in checkpoint_dir(out_dir).glob(".*.tmp"):
         tmp.unlink(missing_ok=True)
+
+
+def remove_orphan_shards(out_dir: Path) -> None:
+    """Client-state shards whose main checkpoint is missing (a kill while pruning it) and that are
+    older than the newest numbered checkpoint. Newer ones are left: a checkpoint's shards are written
+    before its main file, so they may belong to one still being written (or to the round a killed
+    save reached, which the next save of that round overwrites)."""
+    folder = checkpoint_dir(out_dir)
+    complete = {int(_NUMBERED.search(path.name).group(1)) for path in numbered_checkpoints(folder)}
+    for shard in folder.glob("round_*.clients_rank*.pt"):
+        match = _SHARD.search(shard.name)
+        if match and int(match.group(1)) not in complete and int(match.group(1)) < max(complete, default=0):
+            shard.unlink(missing_ok=True)
 
 
 def _atomic_replace(write, target: Path) -> None:
@@ -148,9 +169,18 @@ def save_checkpoint(state: dict, out_dir: Path, keep: int) -> Path:
     _save_file(state, numbered)
     _atomic_replace(lambda tmp: os.link(numbered, tmp), folder / LAST)
     for stale in numbered_checkpoints(folder)[:-keep]:
-        for path in folder.glob(stale.name.removesuffix(".ckpt") + ".*"):
-            path.unlink(missing_ok=True)
+        # Shards first: the main file is what marks a checkpoint complete, so it goes last.
+        for shard in folder.glob(stale.name.removesuffix(".ckpt") + ".clients_rank*.pt"):
+            shard.unlink(missing_ok=True)
+        stale.unlink(missing_ok=True)
     return numbered
+
+
+def run_is_over(state: dict, rounds: int) -> bool:
+    """Whether the run a checkpoint belongs to has nothing left to train for `rounds` rounds: it
+    reached them, or it recorded a final stop (`final_stop`, e.g. early stopping), which more rounds
+    do not undo."""
+    return state["round"] >= rounds or state.get(FINAL_STOP) is not None
 
 
 def numbered_checkpoints(folder: Path) -> list[Path]:

@@ -17,7 +17,16 @@ import numpy as np
 import torch
 
 from fl_lightning.algorithms import Algorithm
-from fl_lightning.checkpoint import checkpoint_dir, numbered_checkpoints, save_checkpoint, save_client_shard
+from fl_lightning.callbacks import Callback, callback_states, load_callback_states
+from fl_lightning.checkpoint import (
+    CALLBACKS,
+    FINAL_STOP,
+    PENDING_FINAL_STOPS,
+    checkpoint_dir,
+    numbered_checkpoints,
+    save_checkpoint,
+    save_client_shard,
+)
 from fl_lightning.client import SAMPLING_STREAM, LocalTrainer, seeded_generator
 from fl_lightning.client_groups import client_updates, group_size_for, normalise_batches_in_float32, uses_grouped_path
 from fl_lightning.config import ClientOptimizerArgs, ComputeArgs, DataArgs, FederationArgs
@@ -78,10 +87,24 @@ STOP_REQUESTED = "stop_requested"
 REQUEUE_REQUESTED = "requeue_requested"
 
 
+def stop_vote(asked_final: list[bool], world_size: int) -> int:
+    """A rank's entry in the stop slot: 0 when it asks nothing, 1 for an interruption, and more than
+    every rank's interruptions together for a final stop, so that the slot's sum over the ranks says
+    both whether any rank asked to stop (> 0) and whether any asked for a final stop (`is_final_vote`)."""
+    if not asked_final:
+        return 0
+    return world_size + 1 if any(asked_final) else 1
+
+
+def is_final_vote(total: float, world_size: int) -> bool:
+    return total > world_size
+
+
 class UploadBuffer:
     """The flat buffer one all-reduce sums: weighted uploads, float buffers, summed uploads, the
-    weighted training loss, and the number of ranks asked to stop and to requeue (a preemption
-    signal), in that order. Riding on the aggregation, a stop request needs no collective of its own."""
+    weighted training loss, the ranks' stop votes (`stop_vote`) and the number of ranks asked to
+    requeue (a preemption signal), in that order. Riding on the aggregation, a stop request needs no
+    collective of its own."""
 
     def __init__(self, algorithm: Algorithm, num_params: int, num_buffers: int, device: torch.device):
         self.sections: list[tuple[str, int, bool]] = (
@@ -221,9 +244,17 @@ class FederatedLoop:
         self.validation_transform = DeviceTransform(run.train.mean, run.train.std, augment=False)
         self.sizes = [len(p) for p in run.partition]
         self.weighting = run.federation.weighting or self.algorithm.default_weighting
-        self.stop_reasons: set[str] = set()
+        self.stop_reasons: set[str] = set()  # every stop this process asked for
+        self._asked_since_aggregation: dict[str, bool] = {}  # reason -> whether final, for the next aggregation
         self._requeue_requested = False
         self.stopping = self.requeue_agreed = self.failed = False
+        self.final_stop: Optional[str] = None  # the reasons of an agreed final stop
+        if state is not None:
+            # A final stop asked for after the checkpoint's round still rides the next aggregation,
+            # as it would have without the interruption.
+            for reason in state.get(PENDING_FINAL_STOPS, []):
+                self.request_stop(reason, final=True)
+            load_callback_states(self.callbacks, state.get(CALLBACKS, {}), f"the checkpoint of round {state['round']}")
 
     def _local_trainer(self, device: torch.device) -> LocalTrainer:
         run, global_model = self.run, self.global_model
@@ -246,9 +277,24 @@ class FederatedLoop:
     def stopped_early(self) -> bool:
         return self.stopping and self.completed_rounds < self.rounds
 
-    def request_stop(self, reason: str, requeue: bool = False) -> None:
-        """Ask the run to stop after the round whose aggregation comes next (see fl_lightning.callbacks)."""
+    @property
+    def callbacks(self) -> list[Callback]:
+        """The run's callbacks, in the order Fabric calls them."""
+        # Fabric keeps the callbacks it calls in `_callbacks` and has no public accessor.
+        return [callback for callback in self.fabric._callbacks if isinstance(callback, Callback)]
+
+    def request_stop(self, reason: str, requeue: bool = False, final: Optional[bool] = None) -> None:
+        """Ask the run to stop after the round whose aggregation comes next (see fl_lightning.callbacks).
+
+        A final stop (a decision: early stopping, a target reached) is recorded in the checkpoint, and
+        the same command run again trains nothing more; an interruption (`final=False`: a signal, a
+        time budget) is resumed by it. Unset, `final` is true unless the stop asks for a requeue,
+        which exists to resume the run."""
+        final = not requeue if final is None else final
+        if final and requeue:
+            raise ValueError(f"stop {reason!r}: a final stop cannot ask for a requeue (a requeued job resumes the run)")
         self.stop_reasons.add(reason)
+        self._asked_since_aggregation[reason] = self._asked_since_aggregation.get(reason, False) or final
         self._requeue_requested = self._requeue_requested or requeue
 
     def run_round(self, round_index: int) -> dict:
@@ -272,8 +318,10 @@ class FederatedLoop:
             hooks_seconds += time.perf_counter() - hook_started
             buffer.add({**contribution, "buffers": client.buffers, "train_loss": client.mean_loss.reshape(1)},
                        weights[client.client_id])
+        asked, self._asked_since_aggregation = self._asked_since_aggregation, {}
+        vote = stop_vote(list(asked.values()), fabric.world_size)
         one = torch.ones(1, device=fabric.device)
-        buffer.add({**({STOP_REQUESTED: one} if self.stop_reasons else {}),
+        buffer.add({**({STOP_REQUESTED: vote * one} if vote else {}),
                     **({REQUEUE_REQUESTED: one} if self._requeue_requested else {})}, 1.0)
         aggregate = buffer.reduced(fabric)
         self._check_finite(round_index, clients, "the aggregated update of clients",
@@ -283,8 +331,12 @@ class FederatedLoop:
         # Checked before anything is saved: a non-finite model must never become "the last good checkpoint".
         self._check_finite(round_index, clients, "the global model after the server step of clients",
                            [self.global_model.params, self.global_model.buffers])
-        self.stopping = aggregate[STOP_REQUESTED].item() > 0
-        self.requeue_agreed = aggregate[REQUEUE_REQUESTED].item() > 0
+        votes = aggregate[STOP_REQUESTED].item()
+        self.stopping = votes > 0
+        if is_final_vote(votes, fabric.world_size):
+            self.final_stop = "; ".join(sorted(r for r, final in asked.items() if final)) or "requested by another rank"
+        # A run stopped for good is not requeued: the requeued job would have nothing to train.
+        self.requeue_agreed = aggregate[REQUEUE_REQUESTED].item() > 0 and self.final_stop is None
         metrics = {"round": round_index + 1, "train_loss": aggregate["train_loss"].item(),
                    **algorithm.round_metrics(), "round_seconds": time.perf_counter() - started - hooks_seconds}
         self.history.append(metrics)
@@ -367,6 +419,9 @@ class FederatedLoop:
                 "rng": torch.get_rng_state(),
                 "hyperparameters": self.hyperparameters,
                 "metrics": self.history,
+                FINAL_STOP: self.final_stop,
+                PENDING_FINAL_STOPS: sorted(r for r, final in self._asked_since_aggregation.items() if final),
+                CALLBACKS: callback_states(self.callbacks),
             }, self.out_dir, self.run.checkpoint_keep)
         fabric.barrier()
 

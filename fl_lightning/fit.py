@@ -31,11 +31,14 @@ from fl_lightning.callbacks import (
     WriteMetrics,
 )
 from fl_lightning.checkpoint import (
+    FINAL_STOP,
     LAST,
     checkpoint_dir,
     load_resume_file,
     newest_good_checkpoint,
+    remove_orphan_shards,
     remove_temporary_files,
+    run_is_over,
     write_text_atomically,
 )
 from fl_lightning.cluster import Ranks, check_signal_name, check_slurm_allocation, ranks_of
@@ -143,6 +146,7 @@ def fit(
         if launching:
             print(f"run folder: {out_dir}", flush=True)
             remove_temporary_files(out_dir)
+            remove_orphan_shards(out_dir)
         resume_state = _resume_state(resume, overwrite, out_dir, config, federation.rounds, launching)
         return _build_and_train(
             algorithm=algorithm, server_optimizer=server_optimizer, model=model, data=data, federation=federation,
@@ -210,9 +214,9 @@ def _build_and_train(*, algorithm, server_optimizer, model, data, federation, cl
         tags=sorted({f"method={method}", f"constraint={type(constraint).__name__ if constraint else 'none'}",
                      f"dataset={data.name}", f"alpha={data.alpha}", f"model={model.name}", *logger.tags}),
     )
-    if resume_state is not None and resume_state["round"] == federation.rounds:
+    if resume_state is not None and run_is_over(resume_state, federation.rounds):
         if launching:
-            _complete_logs_of_finished_run(logger, out_dir, identity, config, resume_state)
+            _complete_logs_of_finished_run(logger, out_dir, identity, config, resume_state, federation.rounds)
         module.load_state_dict(resume_state["model"])
         return FlatLayout.of(module.named_parameters()).flatten(dict(module.named_parameters()))
 
@@ -295,10 +299,16 @@ def _run_callbacks(federation: FederationArgs, logger: LoggerArgs, checkpoint: C
 
 
 def _complete_logs_of_finished_run(logger: LoggerArgs, out_dir: Path, identity: WandbIdentity, config: dict,
-                                   state: dict) -> None:
-    """A finished run asked to run again (a requeued job that had ended) trains nothing, but makes
-    sure its logs hold every round: it may have been killed between its last checkpoint and logs."""
-    print(f"{out_dir} holds a finished run (round {state['round']}); nothing to train", file=sys.stderr, flush=True)
+                                   state: dict, rounds: int) -> None:
+    """A finished run asked to run again (a requeued job that had ended, a sweep run again) trains
+    nothing, but makes sure its logs hold every round: it may have been killed between its last
+    checkpoint and logs. So does a run stopped for good (early stopping), whatever `rounds` is now."""
+    if state.get(FINAL_STOP) is None:
+        print(f"{out_dir} holds a finished run (round {state['round']}); nothing to train", file=sys.stderr, flush=True)
+    else:
+        print(f"{out_dir} holds a run stopped for good at round {state['round']} ({state[FINAL_STOP]}); nothing to "
+              f"train, also with federation.rounds {rounds}: a final stop is not continued (a new run, in another "
+              "out_dir, trains past it)", file=sys.stderr, flush=True)
     MetricsLog(out_dir, state["metrics"])
     wandb = new_wandb_run(logger, out_dir, identity)
     if wandb is not None:

@@ -1,6 +1,7 @@
 """Callbacks a test names by class path in a config, as a user would name their own."""
 
 from pathlib import Path
+from typing import Optional
 
 from fl_lightning.callbacks import Callback
 
@@ -32,11 +33,35 @@ class RecordHooks(Callback):
 
 
 class StopAfterRound(Callback):
-    """Asks to stop once `round` has ended; the request is agreed at the next aggregation."""
+    """Asks to stop once `round` has ended (`final` as `loop.request_stop` takes it: unset, a user
+    callback's stop is final); the request is agreed at the next aggregation."""
+
+    def __init__(self, round: int, final: Optional[bool] = None):
+        self.round, self.final = round, final
+
+    def on_round_end(self, fabric, loop, metrics: dict) -> None:
+        if metrics["round"] == self.round:
+            loop.request_stop(f"asked to stop after round {self.round}", final=self.final)
+
+
+class InterruptEveryRound(Callback):
+    """Interrupts the run after each round it starts: run again and again, the same command trains
+    one round at a time."""
+
+    def on_round_start(self, fabric, loop, round_index: int) -> None:
+        loop.request_stop(f"interrupted in round {round_index + 1}", final=False)
+
+
+class RequeueInRound(Callback):
+    """Asks for a requeue in round `round`, as a preemption signal does, and writes whether the ranks
+    agreed to requeue to <out_dir>/requeue_agreed.txt at the end."""
 
     def __init__(self, round: int):
         self.round = round
 
-    def on_round_end(self, fabric, loop, metrics: dict) -> None:
-        if metrics["round"] == self.round:
-            loop.request_stop(f"asked to stop after round {self.round}")
+    def on_round_start(self, fabric, loop, round_index: int) -> None:
+        if round_index + 1 == self.round:
+            loop.request_stop("preempted", requeue=True)
+
+    def on_fit_end(self, fabric, loop) -> None:
+        (Path(loop.out_dir) / "requeue_agreed.txt").write_text(str(loop.requeue_agreed))

@@ -65,11 +65,12 @@ def expected_hooks(first_round: int, last_round: int, eval_every: int, rounds: i
     return lines + [f"fit_end {last_round}"]
 
 
-def test_hooks_fire_in_order_and_a_yaml_callback_stops_a_run_that_then_resumes(tmp_path):
+def test_hooks_fire_in_order_and_a_yaml_callback_interrupts_a_run_that_then_resumes(tmp_path):
     out_dir = tmp_path / "run"
     config = hooks_config(tmp_path,
                           {"class_path": "recording_callbacks.RecordHooks", "init_args": {"folder": str(tmp_path)}},
-                          {"class_path": "recording_callbacks.StopAfterRound", "init_args": {"round": 2}})
+                          {"class_path": "recording_callbacks.StopAfterRound",
+                           "init_args": {"round": 2, "final": False}})
     main(["fit", *TINY, "--federation.rounds", "5", "--config", config, "--out_dir", str(out_dir)])
     # Asked at the end of round 2, agreed at round 3's aggregation: the run stops after round 3.
     hooks, clients = recorded_hooks(tmp_path, 0)
@@ -118,10 +119,11 @@ def test_hooks_fire_in_order_on_every_rank(tmp_path):
 
 class StubLoop:
     def __init__(self):
-        self.reasons = []
+        self.reasons, self.final = [], []
 
-    def request_stop(self, reason: str, requeue: bool = False) -> None:
+    def request_stop(self, reason: str, requeue: bool = False, final=None) -> None:
         self.reasons.append(reason)
+        self.final.append(final)
 
 
 @pytest.mark.parametrize("mode, values, stop_at", [
@@ -137,6 +139,7 @@ def test_early_stopping(mode, values, stop_at):
         if loop.reasons and asked_at is None:
             asked_at = index
     assert asked_at == stop_at
+    assert all(loop.final)  # a decision: the run is over
 
 
 def test_time_budget_stops_before_a_round_that_would_not_fit(monkeypatch):
@@ -150,6 +153,26 @@ def test_time_budget_stops_before_a_round_that_would_not_fit(monkeypatch):
         starts.append(len(loop.reasons))
     # Rounds take 10 s: the round starting at 30 s ends at 40 s, and the next would end past 45 s.
     assert starts == [0, 0, 0, 1, 2]
+    assert loop.final == [False, False]  # an interruption: the same command resumes the run
+
+
+def test_a_resumed_time_budget_judges_its_first_round_by_the_longest_round_of_the_run(monkeypatch):
+    clock = iter([1000.0, 1000.0, 1010.0, 2000.0, 2000.0])
+    monkeypatch.setattr("fl_lightning.callbacks.time.monotonic", lambda: next(clock))
+    first = TimeBudget(max_seconds=25)
+    first.on_fit_start(None, StubLoop())
+    for round_index in range(2):  # rounds of 10 s
+        first.on_round_start(None, StubLoop(), round_index)
+    state = first.state_dict()
+    assert state == {"longest_round_seconds": 10.0}
+
+    # A new process (a resume): with the run's longest round, two more rounds would end past its
+    # budget, so it stops after its first; without the state it would not know.
+    resumed, loop = TimeBudget(max_seconds=15), StubLoop()
+    resumed.load_state_dict(state)
+    resumed.on_fit_start(None, loop)
+    resumed.on_round_start(None, loop, 2)
+    assert loop.final == [False]
 
 
 def configurable_classes():

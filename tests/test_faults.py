@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from fl_lightning.checkpoint import checkpoint_dir, load_checkpoint, numbered_checkpoints
+from fl_lightning.cli.main import main
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 QUICKSTART = REPOSITORY / "configs" / "quickstart.yaml"
@@ -402,3 +403,46 @@ def test_signals_after_the_last_round_do_not_kill_a_finished_run(tmp_path):
     )
     assert completed.returncode == 0, completed.stderr
     assert "exited cleanly after the signals" in completed.stdout
+
+
+# A stateful algorithm (SCAFFOLD: one client-state shard per checkpoint), a checkpoint every round,
+# only the newest kept: every save prunes the one before.
+PRUNED = [
+    "--config", str(QUICKSTART), "--algorithm", "scaffold", "--model.options", "{hidden: 16, depth: 1}",
+    "--logger.progress_bar", "false", "--federation.rounds", "3", "--federation.local_steps", "2",
+    "--federation.eval_every", "3", "--checkpoint.every", "1", "--checkpoint.keep", "1", "--resume", "auto",
+]
+
+
+def test_pruning_removes_a_checkpoints_shards_before_its_main_file(tmp_path, monkeypatch):
+    removed = []
+    unlink = Path.unlink
+
+    def recorded_unlink(path: Path, missing_ok: bool = False) -> None:
+        if path.parent.name == "checkpoints" and not path.name.startswith("."):  # not a save's temp file
+            removed.append(path.name)
+        unlink(path, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", recorded_unlink)
+    main(["fit", *PRUNED, "--out_dir", str(tmp_path / "run")])
+    # The main file marks a checkpoint complete, so it goes last: a kill in between leaves no orphan shard.
+    assert removed == ["round_000001.clients_rank0.pt", "round_000001.ckpt",
+                       "round_000002.clients_rank0.pt", "round_000002.ckpt"]
+
+
+def test_start_up_removes_orphan_shards_older_than_the_newest_checkpoint(tmp_path):
+    out_dir = tmp_path / "run"
+    main(["fit", *PRUNED, "--out_dir", str(out_dir)])
+    folder = checkpoint_dir(out_dir)
+    kept = {p.name for p in folder.iterdir()}
+    assert kept == {"last.ckpt", "round_000003.ckpt", "round_000003.clients_rank0.pt"}
+    shard = (folder / "round_000003.clients_rank0.pt").read_bytes()
+    # Left by kills while pruning (main files gone), and the shard of a checkpoint whose main file a
+    # kill kept from being written, newer than every complete one.
+    orphans = ["round_000001.clients_rank0.pt", "round_000002.clients_rank1.pt"]
+    newer = "round_000004.clients_rank0.pt"
+    for name in [*orphans, newer]:
+        (folder / name).write_bytes(shard)
+
+    main(["fit", *PRUNED, "--out_dir", str(out_dir)])  # finished: trains nothing, but starts up
+    assert {p.name for p in folder.iterdir()} == kept | {newer}

@@ -8,7 +8,11 @@ from fl_lightning.callbacks import Callback
 
 
 class Diagnostic(Callback):
-    """A callback measured every `every` rounds (and after the last round)."""
+    """A callback measured every `every` rounds (and after the last round).
+
+    The diagnostics here keep what they sum only within a round, and checkpoints fall between
+    rounds, so none has state to save (an empty `state_dict`); one that kept something across
+    rounds would save it as any callback does (see fl_lightning.callbacks)."""
 
     def __init__(self, every: int = 1):
         if every < 1:
