@@ -140,7 +140,8 @@ fl_launch() {
             break
         fi
     done
-    trap - USR1 TERM
+    # srun has ended: a stop signal now has nothing to stop, and must not end the job with 138 or 143.
+    trap '' USR1 TERM
     FL_SRUN_PID=
     echo "$(date -Is) srun exited with status $status"
     return "$status"

@@ -59,7 +59,18 @@ if [[ -n ${STAND_IN_WAIT_FOR_SIGNAL:-} ]]; then
     for (( i = 0; i < 600; i++ )); do sleep 0.05 & wait $!; done  # at most 30 s
     exit 99
 fi
+if [[ -n ${STAND_IN_SIGNAL_AFTER_SRUN:-} ]]; then  # for the stand-in date: whom to signal, and that srun is done
+    echo "$PPID" > "$STAND_IN_DIR/batch_shell_pid"
+fi
 exit "${STAND_IN_STATUS:-0}"
+"""
+# A `date` that, once srun has ended, first sends $STAND_IN_SIGNAL_AFTER_SRUN to the batch shell: the
+# batch shell calls it for the line it prints after srun, so the signal lands after the wait for srun.
+STAND_IN_DATE = """#!/bin/bash
+if [[ -f $STAND_IN_DIR/batch_shell_pid ]]; then
+    kill -s "$STAND_IN_SIGNAL_AFTER_SRUN" "$(cat "$STAND_IN_DIR/batch_shell_pid")"
+fi
+exec /bin/date "$@"
 """
 
 
@@ -358,6 +369,18 @@ def test_batch_shell_forwards_usr1_and_term_to_srun(script, signal_name, srun_st
     assert f"batch shell got SIG{signal_name}: forwarding it to srun" in stderr
     assert batch_shell.returncode == srun_status, stderr
     assert f"srun exited with status {srun_status}" in stdout
+
+
+@pytest.mark.parametrize("signal_name", ["USR1", "TERM"])
+def test_a_signal_to_the_batch_shell_after_srun_ended_leaves_the_jobs_status_to_srun(signal_name, tmp_path):
+    """`scancel --batch` or `--full` a moment after the run ended: the batch shell must not die of it."""
+    bin_dir = stand_ins(tmp_path)
+    (bin_dir / "date").write_text(STAND_IN_DATE)
+    (bin_dir / "date").chmod(0o755)
+    job = run_script(FIT_SCRIPT, tmp_path, allocation_environment(STAND_IN_SIGNAL_AFTER_SRUN=signal_name))
+    assert (tmp_path / "batch_shell_pid").exists()  # the signal was sent
+    assert job.status == 0, job.stderr
+    assert "srun exited with status 0" in job.stdout
 
 
 @pytest.mark.parametrize("srun_status", [0, 1, 42])
