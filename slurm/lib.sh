@@ -103,7 +103,7 @@ fl_forward() {
 # fl_launch CONFIG [FIT_ARGS...]: `srun fl-lightning fit` with the allocation's ranks, requeue on
 # SIGUSR1 and resume, then FIT_ARGS (which override everything before them). SIGUSR1 and SIGTERM
 # sent to the batch shell (scancel --batch or --full) are forwarded to srun, which relays them to
-# the ranks. On a requeued attempt (SLURM_RESTART_COUNT > 0), `--resume auto --overwrite false`
+# the ranks, and ignored once srun has ended. On a requeued attempt (SLURM_RESTART_COUNT > 0), `--resume auto --overwrite false`
 # come after FIT_ARGS: the attempt continues from the run's newest checkpoint, and a start-over
 # asked for at submission (--resume null --overwrite true) is not repeated over the progress the
 # earlier attempts made. Returns srun's exit status.
