@@ -156,15 +156,7 @@ def check_config_files(argv: list[str]) -> None:
     as configs/quickstart.yaml) is replaced by a later file's, as any of its settings is, and
     `--algorithm NAME` after the files replaces either."""
     chosen: Optional[tuple[str, type]] = None
-    for position, arg in enumerate(argv):
-        if arg == "--config" and position + 1 < len(argv):
-            value = argv[position + 1]
-        elif arg.startswith("--config="):
-            value = arg.split("=", 1)[1]
-        else:
-            continue
-        if "\n" in value or "{" in value or ": " in value:
-            continue  # a config given inline, not a file
+    for value in _config_files(argv):
         content = _config_file_content(value)
         cls = algorithm_class(_named_class(_setting(content, "algorithm")))
         if cls is None or not _sets_only_the_algorithm(content):
@@ -180,6 +172,21 @@ def _sets_only_the_algorithm(content: dict) -> bool:
     fit_settings = content.get("fit")
     return set(content) == {"algorithm"} or (set(content) == {"fit"} and isinstance(fit_settings, dict)
                                              and set(fit_settings) == {"algorithm"})
+
+
+def _config_files(argv: list[str]) -> list[str]:
+    """The files given with `--config FILE` or `--config=FILE` (not the configs given inline)."""
+    files = []
+    for position, arg in enumerate(argv):
+        if arg == "--config" and position + 1 < len(argv):
+            value = argv[position + 1]
+        elif arg.startswith("--config="):
+            value = arg.split("=", 1)[1]
+        else:
+            continue
+        if not ("\n" in value or "{" in value or ": " in value):
+            files.append(value)
+    return files
 
 
 def _config_file_content(value: str) -> dict:
@@ -227,6 +234,9 @@ def check_class_paths(argv: list[str], command: Callable) -> None:
     settings = {name: annotation for name, annotation in typing.get_type_hints(command).items()
                 if class_in(annotation) is not None}
     given: list[tuple[str, object]] = []
+    for value in _config_files(argv):  # readable YAML mappings: check_config_files has seen to that
+        content = yaml.safe_load(Path(value).read_text(encoding="utf-8"))
+        given += [(name, _setting(content, name)) for name in settings if _setting(content, name) is not None]
     for position, arg in enumerate(argv):
         option, equals, value = arg.partition("=")
         name = option.removeprefix("--").removesuffix("+").removesuffix(".class_path")
@@ -237,9 +247,6 @@ def check_class_paths(argv: list[str], command: Callable) -> None:
                 value = argv[position + 1]
             if not Path(value).is_file():  # a file of the setting's own is read by jsonargparse
                 given.append((name, _yaml_value(value)))
-        elif option == "--config" and position + 1 < len(argv) and Path(argv[position + 1]).is_file():
-            content = yaml.safe_load(Path(argv[position + 1]).read_text(encoding="utf-8"))
-            given += [(name, _setting(content, name)) for name in settings if _setting(content, name) is not None]
     for name, value in given:
         for path in _class_paths(value):
             _check_class_path(name, settings[name], path)
