@@ -123,20 +123,15 @@ def fit(
 
     Returns the final global parameters as one flat tensor, in the module's parameter order.
     """
-    configured_server_optimizer = _materialise(server_optimizer)
-    server_optimizer = algorithm.server_optimizer_for(configured_server_optimizer)
-    _validate_settings(algorithm, federation, client_optimizer, fabric, checkpoint, resume, overwrite)
-    method = algorithm.method_name() + ("+const" if constraint is not None else "")
-    config = _as_config({
-        "algorithm": algorithm, "model": model, "data": data, "federation": federation,
-        "client_optimizer": client_optimizer, "server_optimizer": configured_server_optimizer,
-        "constraint": constraint, "fabric": fabric, "compute": compute, "logger": logger, "checkpoint": checkpoint,
-        "callbacks": list(callbacks or []), "seed": seed,
-        "out_dir": None, "resume": None if resume is None else str(resume), "overwrite": overwrite,
-    })
-    out_dir = Path(out_dir) if out_dir is not None else default_out_dir(
-        config, f"{method}-{data.name}-{model.name}-seed{seed}")
-    config["out_dir"] = str(out_dir)
+    settings = fit_config(
+        algorithm=algorithm, model=model, data=data, federation=federation, client_optimizer=client_optimizer,
+        server_optimizer=server_optimizer, constraint=constraint, fabric=fabric, compute=compute, logger=logger,
+        checkpoint=checkpoint, callbacks=callbacks, seed=seed, out_dir=out_dir, resume=resume, overwrite=overwrite,
+    )
+    fabric.validate()
+    check_slurm_allocation(fabric)
+    config, out_dir, method, server_optimizer = (settings.config, settings.out_dir, settings.method,
+                                                 settings.server_optimizer)
     _check_writable(out_dir)
     launching = is_launching_process()
     lock = RunDirLock(out_dir)
@@ -158,13 +153,49 @@ def fit(
         lock.release()
 
 
-def _validate_settings(algorithm: Algorithm, federation: FederationArgs, client_optimizer: ClientOptimizerArgs,
-                       fabric: FabricArgs, checkpoint: CheckpointArgs, resume, overwrite: bool) -> None:
-    """Every check that needs no data, before anything is loaded or written."""
+@dataclasses.dataclass
+class FitConfig:
+    """What fit's arguments come to before anything is loaded: the run's settings as config.yaml and its
+    checkpoints record them (what a resume compares), its folder, and its method's name."""
+
+    config: dict
+    out_dir: Path
+    method: str
+    server_optimizer: ServerOptimizer
+    """The server optimizer the algorithm steps with (the configured one, or the algorithm's own)."""
+
+
+def fit_config(*, algorithm: Algorithm, model: ModelArgs, data: DataArgs, federation: FederationArgs,
+               client_optimizer: ClientOptimizerArgs, server_optimizer: ServerOptimizer,
+               constraint: Optional[Constraint], fabric: FabricArgs, compute: ComputeArgs, logger: LoggerArgs,
+               checkpoint: CheckpointArgs, callbacks: Optional[list[Callback]], seed: int, out_dir: Optional[Path],
+               resume: Optional[Union[Literal["auto"], Path]], overwrite: bool) -> FitConfig:
+    """fit's arguments (see `fit`) checked, as far as neither the data nor this machine's devices are
+    needed, and turned into the run's settings: what `fit` trains, and what a sweep checks each grid
+    point against before any run starts."""
+    configured_server_optimizer = _materialise(server_optimizer)
+    stepping_optimizer = algorithm.server_optimizer_for(configured_server_optimizer)
+    _validate_settings(federation, client_optimizer, checkpoint, resume, overwrite)
+    method = algorithm.method_name() + ("+const" if constraint is not None else "")
+    config = _as_config({
+        "algorithm": algorithm, "model": model, "data": data, "federation": federation,
+        "client_optimizer": client_optimizer, "server_optimizer": configured_server_optimizer,
+        "constraint": constraint, "fabric": fabric, "compute": compute, "logger": logger, "checkpoint": checkpoint,
+        "callbacks": list(callbacks or []), "seed": seed,
+        "out_dir": None, "resume": None if resume is None else str(resume), "overwrite": overwrite,
+    })
+    out_dir = Path(out_dir) if out_dir is not None else default_out_dir(
+        config, f"{method}-{data.name}-{model.name}-seed{seed}")
+    config["out_dir"] = str(out_dir)
+    return FitConfig(config=config, out_dir=out_dir, method=method, server_optimizer=stepping_optimizer)
+
+
+def _validate_settings(federation: FederationArgs, client_optimizer: ClientOptimizerArgs, checkpoint: CheckpointArgs,
+                       resume, overwrite: bool) -> None:
+    """Every check of the experiment's settings that needs no data, before anything is loaded or written
+    (the devices are checked by `fit`, on the machine that trains)."""
     federation.validate()
-    fabric.validate()
     client_optimizer.validate()
-    check_slurm_allocation(fabric)
     check_signal_name(checkpoint.requeue_signal)
     if overwrite and resume is not None:
         raise ConfigError("overwrite", "false unless resume is null (overwrite replaces a run; resume continues it)",

@@ -91,19 +91,34 @@ def changed_settings(recorded: dict, requested: dict) -> dict[str, tuple[object,
             if old.get(name, missing) != new.get(name, missing) and name not in RETIRED_SETTINGS}
 
 
-def check_same_experiment(recorded: dict, requested: dict, source: str, out_dir: Path) -> dict:
-    """Refuse a resume whose experiment differs from the recorded one; returns the safe changes."""
-    changes = changed_settings(recorded, requested)
-    refused = {name: change for name, change in changes.items() if not is_safe_to_change(name)}
-    if refused:
+class DifferentExperiment(ConfigError):
+    """A run folder holds a run made with other settings that define the experiment."""
+
+    def __init__(self, refused: dict[str, tuple[object, object]], source: str, out_dir: Path):
         lines = "\n".join(f"  {name}: {old!r} -> {new!r}" for name, (old, new) in refused.items())
-        raise ConfigError(
+        super().__init__(
             "out_dir",
             f"a folder of its own for a different experiment: the run in it ({source}) was made with other "
             f"settings, which a resume cannot change:\n{lines}\nKeep those settings to continue that run, or give "
             "this experiment another out_dir (leave out_dir unset for one named after its settings)",
             str(out_dir),
         )
+        self.refused = refused
+        """name -> (recorded, requested) of each setting that differs."""
+        self.source = source
+
+    def fields(self) -> str:
+        """`data.alpha 0.5 -> 0.1, seed 0 -> 1`"""
+        return ", ".join(f"{name} {old!r} -> {new!r}" for name, (old, new) in self.refused.items())
+
+
+def check_same_experiment(recorded: dict, requested: dict, source: str, out_dir: Path) -> dict:
+    """Refuse a resume whose experiment differs from the recorded one (DifferentExperiment); returns
+    the safe changes."""
+    changes = changed_settings(recorded, requested)
+    refused = {name: change for name, change in changes.items() if not is_safe_to_change(name)}
+    if refused:
+        raise DifferentExperiment(refused, source, out_dir)
     return {name: change for name, change in changes.items() if name not in ("resume", "out_dir")}
 
 
@@ -138,13 +153,21 @@ def is_launching_process() -> bool:
     return all(os.environ.get(name, "0") == "0" for name in ("RANK", "LOCAL_RANK", "NODE_RANK"))
 
 
+class FolderInUse(ConfigError):
+    """Another process holds the run folder's lock."""
+
+    def __init__(self, holder: str, out_dir: Path):
+        super().__init__("out_dir", f"a folder no other run is using (it is held by {holder})", str(out_dir))
+        self.holder = holder
+
+
 class RunDirLock:
     """An exclusive lock on out_dir for the whole run, so that two runs cannot interleave their
     checkpoints and logs. The kernel drops it when the process dies, so a killed run leaves no
     stale lock behind."""
 
-    def __init__(self, out_dir: Path):
-        self.path = Path(out_dir) / LOCK_FILE
+    def __init__(self, out_dir: Path, name: str = LOCK_FILE):
+        self.path = Path(out_dir) / name
         self._file = None
 
     def acquire(self) -> None:
@@ -157,8 +180,7 @@ class RunDirLock:
             handle.close()
             if err.errno not in (errno.EAGAIN, errno.EACCES):
                 raise
-            raise ConfigError("out_dir", f"a folder no other run is using (it is held by {holder})",
-                              str(self.path.parent)) from err
+            raise FolderInUse(holder, self.path.parent) from err
         handle.seek(0)
         handle.truncate()
         handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
