@@ -1,20 +1,27 @@
 """`fl-lightning compare`: local runs side by side, as a table and a plot, without W&B.
 
 Runs are read, and their final and best values taken, by the same code as `fl-lightning table`
-(`fl_lightning.experiments.table`): "best" is the maximum, or the minimum for a metric whose name
-contains "loss".
+(`fl_lightning.experiments.runs`): "best" is the maximum, or the minimum for a metric whose name
+contains "loss"; a torn last line of metrics.jsonl (a killed run, until it resumes) is left out and
+reported. With `plan`, a run folder that is one of the plan's grid points is compared with the
+point's settings, as `fl-lightning table` compares them, and left out and listed when it was made
+with other settings.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Optional, Union
 
 from fl_lightning.errors import ConfigError
-from fl_lightning.experiments.table import find_runs, read_run, run_labels, value_at
+from fl_lightning.experiments.plan import load_plan
+from fl_lightning.experiments.resolve import check_grid, resolve_grid
+from fl_lightning.experiments.runs import find_runs, other_experiment, read_run, run_labels, value_at
 
 
-def compare(runs: Union[list[Path], str], metric: str = "test_accuracy", plot: Optional[Path] = None) -> list[dict]:
+def compare(runs: Union[list[Path], str], metric: str = "test_accuracy", plot: Optional[Path] = None,
+            plan: Optional[Path] = None, runs_root: Path = Path("runs")) -> list[dict]:
     """Print one row per run (its algorithm, rounds done, final and best value of `metric`) and
     optionally plot `metric` against the round for every run.
 
@@ -23,27 +30,53 @@ def compare(runs: Union[list[Path], str], metric: str = "test_accuracy", plot: O
             list or a glob pattern ("runs/sweep/*"); patterns may also be list items.
         metric: a key of metrics.jsonl, e.g. test_accuracy, test_loss, train_loss.
         plot: PNG file to draw the curves into, each labelled by its run folder's name.
+        plan: the sweep plan the runs belong to: a run that is one of its grid points and was made with
+            other settings than the point's is left out and listed.
+        runs_root: the folder holding runs/<plan>/ of the plan.
 
     Returns the rows printed.
     """
     paths = find_runs([runs] if isinstance(runs, (str, Path)) else list(runs), recursive=False)
     if not paths:
         raise ConfigError("runs", "folders written by `fl-lightning fit` (with metrics.jsonl)", str(runs))
-    rows, curves = [], {}
+    expected = _grid_settings(Path(plan), Path(runs_root)) if plan is not None else {}
+    rows, curves, logged, left_out = [], {}, set(), []
     for path, label in zip(paths, run_labels(paths)):
         run = read_run(path)
+        if run.torn_line:
+            print(f"note: {path}: a torn last line of metrics.jsonl left out (a killed run; resuming it rewrites "
+                  "the line)", file=sys.stderr)
         if not run.history:
             raise ConfigError("runs", "folders written by `fl-lightning fit` (with metrics.jsonl)", str(path))
+        logged |= run.metrics_logged()
+        config = expected.get(path.resolve())
+        different = None if config is None else other_experiment(path, config)
+        if different is not None:
+            left_out.append(f"{path} ({different})")
+            continue
         points = run.points(metric)
         values = [value for _, value in points]
         rows.append({"run": str(path), "algorithm": run.algorithm, "rounds": run.rounds_done,
                      f"final_{metric}": value_at(values, metric, "final"),
                      f"best_{metric}": value_at(values, metric, "best")})
         curves[label] = points
+    if metric not in logged:
+        raise ConfigError("metric", f"a metric the runs logged: {', '.join(sorted(logged))}", metric)
+    if left_out:
+        print("left out, made with other settings than their grid point's: " + ", ".join(left_out), file=sys.stderr)
+    if not rows:
+        raise ConfigError("runs", "runs made with their grid point's settings", str(runs))
     _print_table(rows)
     if plot is not None:
         _plot(curves, metric, Path(plot))
     return rows
+
+
+def _grid_settings(plan: Path, runs_root: Path) -> dict[Path, dict]:
+    """Run folder (resolved) -> the settings `fit` builds for its grid point."""
+    resolved = resolve_grid(load_plan(plan, runs_root=runs_root).grid())
+    check_grid(plan, resolved)
+    return {entry.point.out_dir.resolve(): entry.config for entry in resolved}
 
 
 def _print_table(rows: list[dict]) -> None:

@@ -39,7 +39,8 @@ from fl_lightning.cli.arguments import expand_short_names
 from fl_lightning.cli.main import main
 from fl_lightning.cli.parser import build_parser
 from fl_lightning.experiments.plan import GridPoint, Plan, load_plan
-from fl_lightning.experiments.table import read_reference, table
+from fl_lightning.experiments.reference import read_reference
+from fl_lightning.experiments.table import table
 
 ROOT = Path(__file__).parent.parent
 PLANS = ROOT / "configs" / "plans"

@@ -1,5 +1,7 @@
-"""`fl-lightning sweep`: a plan's grid run locally (interrupted, rerun, with a failing method), listed,
-and submitted to SLURM as one array job (with a stand-in sbatch); how runs share the machine."""
+"""`fl-lightning sweep`: a plan's grid run locally (interrupted, rerun, with a failing method, by two
+sweeps at once, closed by SIGHUP), listed, checked whole before anything runs (its points' settings,
+and run folders holding other experiments), and submitted to SLURM as one array job (with a stand-in
+sbatch); how runs share the machine."""
 
 import os
 import signal
@@ -11,20 +13,17 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fl_lightning.checkpoint import checkpoint_dir
+from fl_lightning.checkpoint import FINAL_STOP, checkpoint_dir, save_checkpoint
 from fl_lightning.cli.arguments import expand_short_names
 from fl_lightning.cli.main import main as fl_lightning_main
 from fl_lightning.cli.parser import build_parser
 from fl_lightning.errors import ConfigError
-from fl_lightning.experiments import sweep as sweep_module
+from fl_lightning.experiments import local as local_module
+from fl_lightning.experiments.local import LOG_FILE, plan_resources, run_environment
 from fl_lightning.experiments.plan import load_plan
-from fl_lightning.experiments.sweep import (
-    FIT_CONFIG_FILE,
-    LOG_FILE,
-    plan_resources,
-    run_environment,
-    write_fit_config,
-)
+from fl_lightning.experiments.resolve import resolve_grid
+from fl_lightning.experiments.slurm import FIT_CONFIG_FILE, write_fit_config
+from fl_lightning.run_dir import RunDirLock
 from fl_lightning.run_logging import read_metrics
 
 REPOSITORY = Path(__file__).resolve().parents[1]
@@ -161,10 +160,90 @@ def test_interrupted_sweep_resumes_without_retraining_finished_runs(tmp_path, ca
     assert status == 0 and "[3] skipped, finished" in out and out.splitlines()[-1] == "0 finished, 0 failed, 1 skipped"
 
 
+def start_sweep(tmp_path: Path, name: str, *arguments: str) -> tuple[subprocess.Popen, Path, Path]:
+    """`fl-lightning sweep ...` as a process of its own: (the process, its stdout file, its stderr file)."""
+    output, errors = tmp_path / f"{name}.out", tmp_path / f"{name}.err"
+    with open(output, "w") as stdout, open(errors, "w") as stderr:
+        process = subprocess.Popen([sys.executable, "-m", "fl_lightning", "sweep", *arguments], stdout=stdout,
+                                   stderr=stderr, start_new_session=True)
+    return process, output, errors
+
+
+def finish(process: subprocess.Popen) -> int:
+    try:
+        return process.wait(timeout=TIMEOUT_S)
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+@pytest.mark.multiprocess
+def test_two_sweeps_of_one_plan_split_the_grid(tmp_path, monkeypatch):
+    (tmp_path / "gate_callbacks.py").write_text(GATE_MODULE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    plan = write_plan(tmp_path / "plan.yaml", {"FedAvg": [{"algorithm": "fedavg"}]}, extra=[HOLD])
+    runs = tmp_path / "runs"
+    held, other = load_plan(plan, runs_root=runs).grid()
+    held.out_dir.mkdir(parents=True)
+    (held.out_dir / "hold").touch()
+    options = ("--plan", str(plan), "--runs_root", str(runs))
+    first, first_out, first_err = start_sweep(tmp_path, "first", *options)
+    try:
+        wait_until(lambda: (checkpoint_dir(held.out_dir) / "round_000001.ckpt").exists(), first,
+                   "the first sweep's run of seed 0 checkpointed round 1")
+        # While the first sweep's run of seed 0 is held, a second sweep takes seed 1.
+        second, second_out, second_err = start_sweep(tmp_path, "second", *options)
+        assert finish(second) == 0, second_err.read_text()
+        out = second_out.read_text()
+        assert f"[0] skipped, running elsewhere (held by pid {first.pid} on " in out
+        assert "[1] finished at round 3" in out
+        assert out.splitlines()[-1] == "1 finished, 0 failed, 0 skipped, 1 running elsewhere"
+        (held.out_dir / "hold").unlink()
+        assert finish(first) == 0, first_err.read_text()
+    finally:
+        if first.poll() is None:
+            first.kill()
+    out = first_out.read_text()
+    assert "[0] finished at round 3" in out and "[1] skipped, finished (round 3) elsewhere" in out
+    assert out.splitlines()[-1] == "1 finished, 0 failed, 1 skipped"
+    for point in (held, other):
+        assert [row["round"] for row in read_metrics(point.out_dir)] == [1, 2, 3]
+        assert (point.out_dir / LOG_FILE).read_text().count("=== ") == 1  # one sweep wrote each log
+
+
+@pytest.mark.multiprocess
+def test_sighup_stops_the_runs_at_a_round_boundary_and_leaves_none_training(tmp_path, monkeypatch):
+    (tmp_path / "gate_callbacks.py").write_text(GATE_MODULE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    plan = write_plan(tmp_path / "plan.yaml", {"FedAvg": [{"algorithm": "fedavg"}]}, seeds=[0], extra=[HOLD])
+    runs = tmp_path / "runs"
+    (point,) = load_plan(plan, runs_root=runs).grid()
+    point.out_dir.mkdir(parents=True)
+    (point.out_dir / "hold").touch()
+    process, output, errors = start_sweep(tmp_path, "sweep", "--plan", str(plan), "--runs_root", str(runs))
+    try:
+        wait_until(lambda: (checkpoint_dir(point.out_dir) / "round_000001.ckpt").exists(), process,
+                   "the run checkpointed round 1")
+        process.send_signal(signal.SIGHUP)  # the terminal closed
+        assert finish(process) == 128 + signal.SIGHUP, errors.read_text()
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert "SIGHUP: asking 1 run(s) to checkpoint and stop at the end of their round" in errors.read_text()
+    assert "[0] stopped at round 2" in output.read_text()
+    assert [row["round"] for row in read_metrics(point.out_dir)] == [1, 2]
+    lock = RunDirLock(point.out_dir)
+    lock.acquire()  # no process holds the run: none was left training
+    lock.release()
+
+
 def test_a_failing_method_is_reported_and_the_others_finish(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    # clients_per_round above num_clients: fit refuses the setting (exit status 2).
-    plan = write_plan(tmp_path / "plan.yaml", {"FedAvg": [], "Broken": [{"federation.clients_per_round": 50}]},
+    # A batch larger than every client: fit refuses it once the data is split (exit status 2), which
+    # no check of the settings alone can tell beforehand.
+    plan = write_plan(tmp_path / "plan.yaml", {"FedAvg": [], "Broken": [{"federation.batch_size": 100000}]},
                       seeds=[0], settings={})
     runs = tmp_path / "runs"
     status, out, err = run_sweep(capsys, "--plan", str(plan), "--jobs", "2", "--runs_root", str(runs))
@@ -172,7 +251,7 @@ def test_a_failing_method_is_reported_and_the_others_finish(tmp_path, capsys, mo
     broken = runs / "smoke" / "default" / "broken" / "seed0"
     assert f"[1] FAILED with exit status 2: Broken | default | seed 0 in {broken}" in err
     assert f"last lines of {broken / LOG_FILE}:" in err
-    assert "| error: federation.clients_per_round: expected" in err
+    assert "| error: federation.batch_size: expected at most the largest client's number of samples" in err
     assert "[0] finished at round 3" in out
     assert out.splitlines()[-1] == "1 finished, 1 failed, 0 skipped"
     assert [row["round"] for row in read_metrics(runs / "smoke" / "default" / "fedavg" / "seed0")] == [1, 2, 3]
@@ -219,13 +298,69 @@ def test_slurm_submits_one_array_task_per_grid_point(options, sbatch_args, tmp_p
     assert not runs.exists()  # nothing runs here
 
 
-def test_slurm_refuses_a_plan_whose_points_do_not_parse(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("where", [[], ["--slurm", "true"]], ids=["locally", "slurm"])
+def test_a_plan_with_a_refused_point_is_refused_whole_before_anything_runs(where, tmp_path, capsys, monkeypatch):
     record = stand_in_sbatch(tmp_path, monkeypatch)
-    plan = write_plan(tmp_path / "plan.yaml", {"FedAvg": [], "Typo": [{"federation.round": 5}]})
-    status, _, err = run_sweep(capsys, "--plan", str(plan), "--slurm", "true")
-    assert status == 2
-    assert "error: plan: expected grid points whose settings parse" in err and "point 2, Typo" in err
-    assert not record.exists()
+    plan = write_plan(tmp_path / "plan.yaml", {"FedAvg": [], "FedProx": [{"algorithm": "fedprox"},
+                                                                        {"algorithm.init_args.mu": -1}]})
+    runs = tmp_path / "runs"
+    status, out, err = run_sweep(capsys, "--plan", str(plan), "--runs_root", str(runs), *where)
+    assert status == 2 and out == ""
+    assert err.splitlines() == [
+        f"error: plan: expected grid points whose settings fit accepts (every point is checked before any run "
+        f"starts; 2 of 4 are refused), got {plan}, where",
+        *(f"  [{index}] FedProx | alpha-0.5 | seed {seed}: algorithm.init_args.mu: expected a value >= 0, got -1.0"
+          for index, seed in ((2, 0), (3, 1)))]
+    assert not record.exists() and not runs.exists()  # nothing submitted, nothing run
+
+
+def test_run_folders_of_another_experiment_are_refused_before_anything_runs_and_left_out_of_the_table(
+        tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    plan = write_plan(tmp_path / "plan.yaml", {"FedAvg": [{"algorithm": "fedavg"}]})
+    runs = tmp_path / "runs"
+    status, out, err = run_sweep(capsys, "--plan", str(plan), "--runs_root", str(runs), "--index", "0")
+    assert status == 0, err
+    first, second = load_plan(plan, runs_root=runs).grid()
+    # The plan's alpha is changed after its first run: that run is another experiment now.
+    plan.write_text(plan.read_text().replace("data.alpha: 0.5", "data.alpha: 0.1"))
+    before = files_of(first.out_dir)
+    status, out, err = run_sweep(capsys, "--plan", str(plan), "--runs_root", str(runs))
+    assert status == 2 and out == ""
+    assert err.splitlines() == [
+        "error: out_dir: expected run folders that hold this plan's experiments or nothing (1 hold runs made with "
+        "other settings: move each away, or give the plan its settings back, then run the same command again), "
+        f"got {plan}, where",
+        f"  [0] FedAvg | alpha-0.5 | seed 0 in {first.out_dir}: data.alpha 0.5 -> 0.1 (the checkpoint of round 3)"]
+    assert files_of(first.out_dir) == before and not second.out_dir.exists()
+    status, out, _ = run_sweep(capsys, "--plan", str(plan), "--runs_root", str(runs), "--list")
+    assert "another experiment: data.alpha 0.5 -> 0.1 (the checkpoint of round 3)" in out.splitlines()[1]
+
+    capsys.readouterr()
+    fl_lightning_main(["table", str(plan), "--runs_root", str(runs)])
+    out = capsys.readouterr().out
+    assert "| FedAvg | – |" in out
+    assert ("not counted, made with other settings than the plan's (rerun them in folders of their own): "
+            "alpha-0.5/FedAvg/seed0 (data.alpha 0.5 -> 0.1 (config.yaml))") in out
+
+
+def test_an_early_stopped_run_is_finished_and_skipped(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    plan = write_plan(tmp_path / "plan.yaml", {"FedAvg": [{"algorithm": "fedavg"}]}, seeds=[0])
+    runs = tmp_path / "runs"
+    (resolved,) = resolve_grid(load_plan(plan, runs_root=runs).grid())
+    # The checkpoint an early stop at round 2 of 3 leaves: the run is over.
+    state = {"round": 2, "model": {}, "algorithm": {}, "partition": [], "metrics": [],
+             "hyperparameters": resolved.config, FINAL_STOP: "EarlyStopping: no improvement"}
+    save_checkpoint(state, resolved.point.out_dir, keep=1)
+    status, out, err = run_sweep(capsys, "--plan", str(plan), "--runs_root", str(runs))
+    assert status == 0, err
+    assert f"[0] skipped, finished (round 2, stopped early): FedAvg | alpha-0.5 | seed 0 in {resolved.point.out_dir}" \
+        in out
+    assert out.splitlines()[-1] == "0 finished, 0 failed, 1 skipped"
+    assert not (resolved.point.out_dir / LOG_FILE).exists()  # no process started
+    status, out, _ = run_sweep(capsys, "--plan", str(plan), "--runs_root", str(runs), "--list")
+    assert "finished, stopped early at round 2/3" in out.splitlines()[1]
 
 
 def test_fit_config_resolves_the_point_to_the_same_fit_call(tmp_path, monkeypatch):
@@ -233,8 +368,9 @@ def test_fit_config_resolves_the_point_to_the_same_fit_call(tmp_path, monkeypatc
     monkeypatch.chdir(tmp_path)
     plan = write_plan(tmp_path / "plan.yaml", {"FedProx": [{"algorithm": "fedprox"}, {"algorithm.init_args.mu": 0.3}]},
                       seeds=[4])
-    (point,) = load_plan(plan, runs_root=Path("runs")).grid()
-    path = write_fit_config(point)
+    (resolved,) = resolve_grid(load_plan(plan, runs_root=Path("runs")).grid())
+    point = resolved.point
+    path = write_fit_config(resolved)
     assert path == point.out_dir / FIT_CONFIG_FILE and path.is_file()
     parser = build_parser()
     direct = parser.parse_args(expand_short_names(point.fit_arguments())).fit
@@ -248,7 +384,7 @@ def test_fit_config_resolves_the_point_to_the_same_fit_call(tmp_path, monkeypatc
 # --- sharing the machine -------------------------------------------------------------------------
 
 def test_cpu_runs_share_the_cores(monkeypatch):
-    monkeypatch.setattr(sweep_module, "available_cores", lambda: 8)
+    monkeypatch.setattr(local_module, "available_cores", lambda: 8)
     assert plan_resources(jobs=2, gpus_per_run=0, threads_per_run=None).threads == 4
     assert plan_resources(jobs=3, gpus_per_run=0, threads_per_run=None).threads == 2
     assert plan_resources(jobs=1, gpus_per_run=0, threads_per_run=3).threads == 3
@@ -261,7 +397,7 @@ def test_cpu_runs_share_the_cores(monkeypatch):
 
 
 def test_gpu_runs_get_gpus_of_their_own(monkeypatch):
-    monkeypatch.setattr(sweep_module, "available_cores", lambda: 16)
+    monkeypatch.setattr(local_module, "available_cores", lambda: 16)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,6,7")
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     monkeypatch.setenv("LOCAL_RANK", "2")

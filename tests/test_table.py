@@ -2,29 +2,36 @@
 
 import csv
 import io
+import json
 import statistics
 from pathlib import Path
 
 import pytest
 import yaml
 
+from fl_lightning.checkpoint import FINAL_STOP, save_checkpoint
 from fl_lightning.cli.main import main
 from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.plan import load_plan
-from fl_lightning.experiments.table import mean_curve, order_methods, setting_label, table, value_at
+from fl_lightning.experiments.plot import mean_curve
+from fl_lightning.experiments.resolve import resolve_grid
+from fl_lightning.experiments.runs import value_at
+from fl_lightning.experiments.table import order_methods, setting_label, table
 from fl_lightning.run_logging import MetricsLog
 
 PNG = b"\x89PNG\r\n\x1a\n"
 ROUNDS = 4  # evaluations at rounds 2 and 4
+REPOSITORY = Path(__file__).resolve().parents[1]
 
 
-def write_run(out_dir: Path, accuracies: list[float], losses: list[float] = None, rounds: int = ROUNDS,
-              algorithm: str = "fl_lightning.algorithms.fedavg.FedAvg", seed: int = 0) -> None:
-    """A run folder as `fit` leaves it: config.yaml and one metrics row per round done, evaluated
-    every second round; `accuracies` (and `losses`) are the values of its evaluations."""
+def write_run(out_dir: Path, accuracies: list[float], losses: list[float] = None, config: dict = None) -> None:
+    """A run folder as `fit` leaves it: config.yaml (`config`, by default a FedAvg run of ROUNDS rounds)
+    and one metrics row per round done, evaluated every second round; `accuracies` (and `losses`) are
+    the values of its evaluations."""
     out_dir.mkdir(parents=True)
-    (out_dir / "config.yaml").write_text(yaml.safe_dump(
-        {"algorithm": {"class_path": algorithm, "init_args": {}}, "federation": {"rounds": rounds}, "seed": seed}))
+    config = config or {"algorithm": {"class_path": "fl_lightning.algorithms.fedavg.FedAvg", "init_args": {}},
+                        "federation": {"rounds": ROUNDS}, "seed": 0}
+    (out_dir / "config.yaml").write_text(yaml.safe_dump(config))
     log = MetricsLog(out_dir, history=[])
     evaluations = iter(zip(accuracies, losses or [1.0] * len(accuracies)))
     for round_index in range(1, 2 * len(accuracies) + 1):
@@ -37,7 +44,7 @@ def write_run(out_dir: Path, accuracies: list[float], losses: list[float] = None
 
 # The plan: FedAvg + CONST is listed last, but belongs right after FedAvg.
 METHODS = {"FedAvg": [{"algorithm": "fedavg"}], "SCAFFOLD": [{"algorithm": "scaffold"}],
-           "FedAvg + CONST": [{"algorithm": "fedavg"}, {"constraint.rho": 0.1}]}
+           "FedAvg + CONST": [{"algorithm": "fedavg"}, str(REPOSITORY / "configs" / "const.yaml")]}
 # (setting, method) -> seed -> (accuracies at rounds 2 and 4, test losses); a run with one
 # evaluation stopped at round 2 of 4; a missing seed was never started.
 RUNS = {
@@ -55,25 +62,43 @@ RUNS = {
 }
 
 
+def write_demo_plan(folder: Path) -> Path:
+    plan_file = folder / "plan.yaml"
+    plan_file.write_text(yaml.safe_dump({
+        "name": "demo", "configs": [str(REPOSITORY / "configs" / "quickstart.yaml"), {"federation.rounds": ROUNDS}],
+        "methods": METHODS, "seeds": [0, 1, 2], "reference": "paper.csv",
+        "settings": {"alpha": {"0.5": [{"data.alpha": 0.5}], "0.1": [{"data.alpha": 0.1}]}}}, sort_keys=False))
+    return plan_file
+
+
+@pytest.fixture(scope="module")
+def point_configs(tmp_path_factory) -> dict[tuple[str, str, int], dict]:
+    """(setting, method, seed) -> the config `fit` records for that point of the demo plan (resolved once:
+    parsing every point takes a while)."""
+    plan = load_plan(write_demo_plan(tmp_path_factory.mktemp("plan")))
+    return {(e.point.setting_name, e.point.method, e.point.seed): e.config for e in resolve_grid(plan.grid())}
+
+
 @pytest.fixture
-def sweep(tmp_path, monkeypatch):
+def sweep(tmp_path, monkeypatch, point_configs):
     """A plan of 3 methods x 2 settings x 3 seeds, its runs under tmp_path/runs, and a reference CSV."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "paper.csv").write_text("method,alpha-0.5,alpha-0.1\n"
                                         "FedAvg,71.50,\n"
                                         "fedavg+const,76.00 ± 0.40,60.00\n"
                                         "FedProx,70.00,50.00\n")
-    plan_file = tmp_path / "plan.yaml"
-    plan_file.write_text(yaml.safe_dump({
-        "name": "demo", "methods": METHODS, "seeds": [0, 1, 2], "reference": "paper.csv",
-        "settings": {"alpha": {"0.5": [{"data.alpha": 0.5}], "0.1": [{"data.alpha": 0.1}]}}}, sort_keys=False))
-    plan = load_plan(plan_file, runs_root=tmp_path / "runs")
-    for point in plan.grid():
+    plan_file = write_demo_plan(tmp_path)
+    for point in load_plan(plan_file, runs_root=tmp_path / "runs").grid():
         seeds = RUNS[point.setting_name, point.method]
         if point.seed in seeds:
             accuracies, losses = seeds[point.seed]
-            write_run(point.out_dir, accuracies, losses, seed=point.seed)
+            config = {**point_configs[point.setting_name, point.method, point.seed], "out_dir": str(point.out_dir)}
+            write_run(point.out_dir, accuracies, losses, config)
     return plan_file
+
+
+def run_folder(plan_file: Path, setting: str, method: str, seed: int) -> Path:
+    return plan_file.parent / "runs" / "demo" / setting / method / f"seed{seed}"
 
 
 def run_table(plan_file: Path, *options: str) -> tuple[str, list[dict], Path]:
@@ -210,6 +235,79 @@ def test_bad_at_is_refused_naming_the_option(sweep, capsys):
     assert capsys.readouterr().err.startswith("error: at: expected final, best or last:K")
 
 
+def test_runs_made_with_other_settings_than_their_point_are_left_out_and_named(sweep):
+    # One run's folder holds another alpha; then FedAvg's learning rate is fixed in the plan after its runs.
+    config_file = run_folder(sweep, "alpha-0.5", "fedavg", 1) / "config.yaml"
+    config = yaml.safe_load(config_file.read_text())
+    config["data"]["alpha"] = 0.1
+    config_file.write_text(yaml.safe_dump(config))
+    markdown, rows, _ = run_table(sweep)
+    fedavg = rows_by_method(rows)["FedAvg"]
+    assert fedavg["alpha-0.5:n"] == "2" and float(fedavg["alpha-0.5:mean"]) == pytest.approx(72.0)  # 70 and 74
+    notes = markdown.split("\n\n", 1)[1]
+    assert ("not counted, made with other settings than the plan's (rerun them in folders of their own): "
+            "alpha-0.5/FedAvg/seed1 (data.alpha 0.1 -> 0.5 (config.yaml))") in notes
+
+    plan = yaml.safe_load(sweep.read_text())
+    plan["methods"]["FedAvg"].append({"client_optimizer.lr": 0.5})
+    sweep.write_text(yaml.safe_dump(plan, sort_keys=False))
+    markdown, rows, _ = run_table(sweep)
+    fedavg = rows_by_method(rows)["FedAvg"]
+    assert fedavg["alpha-0.5:n"] == fedavg["alpha-0.1:n"] == "0"
+    assert "alpha-0.1/FedAvg/seed0 (client_optimizer.lr 0.05 -> 0.5 (config.yaml))" in markdown
+    assert rows_by_method(rows)["SCAFFOLD"]["alpha-0.5:n"] == "3"
+
+    # Fewer rounds than the runs reached: their final values are not the plan's.
+    plan["configs"][1] = {"federation.rounds": 2}
+    sweep.write_text(yaml.safe_dump(plan, sort_keys=False))
+    markdown, rows, _ = run_table(sweep)
+    assert rows_by_method(rows)["SCAFFOLD"]["alpha-0.5:n"] == "0"
+    assert "alpha-0.5/SCAFFOLD/seed0 (federation.rounds: it logged round 4, past the 2 of the plan)" in markdown
+
+
+def test_a_torn_last_line_is_left_out_and_said(sweep, capsys):
+    metrics = run_folder(sweep, "alpha-0.5", "fedavg", 0) / "metrics.jsonl"
+    with open(metrics, "a") as handle:
+        handle.write('{"round": 5, "train_lo')  # what a SIGKILL while appending leaves
+    markdown, rows, _ = run_table(sweep)
+    assert float(rows_by_method(rows)["FedAvg"]["alpha-0.5:mean"]) == pytest.approx(72.0)
+    assert ("a torn last line of metrics.jsonl left out (a killed run; resuming it rewrites the line): "
+            "alpha-0.5/FedAvg/seed0") in markdown
+    # A bad line before the last is no kill's doing: refused, naming the file and the line.
+    lines = metrics.read_text().splitlines()
+    metrics.write_text("\n".join([lines[0], "garbage", *lines[1:]]) + "\n")
+    with pytest.raises(SystemExit) as exit_info:
+        run_table(sweep)
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.startswith(f"error: runs: expected metrics.jsonl of one JSON object per round "
+                                              f"(only a last line torn by a killed run is left out), got "
+                                              f"'{metrics}, line 2'\n")
+
+
+def test_a_metric_no_run_logged_is_an_error_listing_those_logged(sweep, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        run_table(sweep, "--metric", "test_acc")
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == ("error: metric: expected a metric the runs logged: round_seconds, "
+                                       "test_accuracy, test_loss, train_loss, got 'test_acc'\n")
+
+
+def test_an_early_stopped_run_counts_as_finished_at_its_last_round(sweep):
+    # FedAvg + CONST, alpha 0.1, seed 1 stopped at round 2 of 4; its checkpoint records a final stop.
+    folder = run_folder(sweep, "alpha-0.1", "fedavg+const", 1)
+    config = yaml.safe_load((folder / "config.yaml").read_text())
+    state = {"round": 2, "model": {}, "algorithm": {}, "partition": [], "hyperparameters": config,
+             "metrics": [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()],
+             FINAL_STOP: "EarlyStopping: test_accuracy did not improve"}
+    save_checkpoint(state, folder, keep=1)
+    markdown, rows, _ = run_table(sweep)
+    const = rows_by_method(rows)["FedAvg + CONST"]
+    assert const["alpha-0.1:n"] == "3" and float(const["alpha-0.1:mean"]) == pytest.approx((60 + 90 + 62) / 3)
+    assert ("finished early (a final stop in its checkpoint), counted at its last round: "
+            "alpha-0.1/FedAvg + CONST/seed1 (round 2/4)") in markdown
+    assert "not counted, unfinished" not in markdown
+
+
 # compare
 
 
@@ -265,3 +363,31 @@ def test_compare_rejects_a_glob_matching_no_run(tmp_path, capsys):
         main(["compare", "--runs", str(tmp_path / "*")])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.startswith("error: runs: expected folders written by `fl-lightning fit`")
+
+
+def test_compare_leaves_out_a_torn_last_line_and_refuses_a_metric_no_run_logged(tmp_path, capsys):
+    write_compare_runs(tmp_path)
+    with open(tmp_path / "fedavg" / "metrics.jsonl", "a") as handle:
+        handle.write('{"round": 4, "train_lo')
+    main(["compare", "--runs", f"[{tmp_path / 'fedavg'}]"])
+    out, err = capsys.readouterr()
+    assert out.splitlines()[1].split()[1:] == ["Xfedavg", "3", "0.4000", "0.5000"]
+    assert f"note: {tmp_path / 'fedavg'}: a torn last line of metrics.jsonl left out" in err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["compare", "--runs", f"[{tmp_path / 'fedavg'}]", "--metric", "test_acc"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.endswith("error: metric: expected a metric the runs logged: test_accuracy, "
+                                            "train_loss, got 'test_acc'\n")
+
+
+def test_compare_with_a_plan_leaves_out_runs_made_with_other_settings(sweep, capsys):
+    changed = run_folder(sweep, "alpha-0.5", "scaffold", 2)
+    config = yaml.safe_load((changed / "config.yaml").read_text())
+    config["seed"] = 7
+    (changed / "config.yaml").write_text(yaml.safe_dump(config))
+    main(["compare", "--runs", str(sweep.parent / "runs" / "demo" / "alpha-0.5" / "scaffold" / "seed*"),
+          "--plan", str(sweep), "--runs_root", str(sweep.parent / "runs")])
+    out, err = capsys.readouterr()
+    assert [line.split()[0] for line in out.splitlines()[1:]] == [
+        str(run_folder(sweep, "alpha-0.5", "scaffold", seed)) for seed in (0, 1)]
+    assert f"left out, made with other settings than their grid point's: {changed} (seed 7 -> 2 (config.yaml))" in err

@@ -129,14 +129,22 @@ def load_plan(path: Path, runs_root: Path = Path("runs")) -> Plan:
     methods = raw.get("methods")
     if not isinstance(methods, dict) or not methods:
         raise ConfigError("plan.methods", "a mapping of method name -> list of config fragments", methods)
-    if len({slug(m) for m in methods}) != len(methods):
-        raise ConfigError("plan.methods", "names that stay distinct as folder names", list(methods))
+    _check_distinct_folders("plan.methods", {str(method): slug(str(method)) for method in methods})
     settings = raw.get("settings") or {}
     if not isinstance(settings, dict) or not all(isinstance(c, dict) and c for c in settings.values()):
         raise ConfigError("plan.settings", "a mapping of axis -> {value name: list of config fragments}", settings)
+    for axis, choices in settings.items():
+        if not isinstance(axis, str) or not _AXIS_NAME.fullmatch(axis):
+            raise ConfigError("plan.settings", "axis names of letters, digits and . + = (a run folder is named "
+                              "<axis>-<value>_<axis>-<value>...)", axis)
+        _check_distinct_folders(f"plan.settings.{axis}", {str(value): str(value) for value in choices},
+                                given=len(choices))
     seeds = raw.get("seeds", [0])
     if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) and s >= 0 for s in seeds):
         raise ConfigError("plan.seeds", "a non-empty list of integers >= 0", seeds)
+    if len(set(seeds)) != len(seeds):
+        raise ConfigError("plan.seeds", "distinct seeds (a seed given twice is one run folder, counted twice in "
+                          "the table)", seeds)
     parts = {"plan.configs": raw.get("configs") or [],
              **{f"plan.methods.{m}": p for m, p in methods.items()},
              **{f"plan.settings.{a}.{v}": p for a, c in settings.items() for v, p in c.items()}}
@@ -147,6 +155,28 @@ def load_plan(path: Path, runs_root: Path = Path("runs")) -> Plan:
                 settings={a: {str(v): p for v, p in c.items()} for a, c in settings.items()}, seeds=seeds, path=path,
                 reference=None if reference is None else Path(reference), metric=raw.get("metric", "test_accuracy"),
                 runs_root=runs_root)
+
+
+_FOLDER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9+=.-]*")
+"""A method's folder (its slug) or a setting value: one folder name, never `.`, `..` or a path."""
+_AXIS_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9+=.]*")
+"""No `-` or `_`: they separate axis from value and axis from axis in a setting's folder name."""
+
+
+def _check_distinct_folders(key: str, folders: dict[str, str], given: Optional[int] = None) -> None:
+    """Each name -> its folder name: each a safe folder name, and no two the same (nor two YAML keys
+    that read as one name, 0.5 and "0.5")."""
+    for name, folder in folders.items():
+        if not _FOLDER_NAME.fullmatch(folder):
+            raise ConfigError(key, "names safe as one folder name (letters, digits and + = . -, starting with a "
+                              "letter or digit)", name)
+    by_folder: dict[str, list[str]] = {}
+    for name, folder in folders.items():
+        by_folder.setdefault(folder, []).append(name)
+    shared = [names for names in by_folder.values() if len(names) > 1]
+    if shared or (given is not None and given != len(folders)):
+        raise ConfigError(key, "names that stay distinct as folder names (two would share one run folder)",
+                          shared[0] if shared else list(folders))
 
 
 def _check_parts(key: str, parts) -> None:

@@ -16,38 +16,36 @@ Table (`table.md`, printed, and `table.csv`):
 - the value of one run is taken (`--at`) at the final round (`final`, the default: the last value
   logged), at its best evaluation (`best`: the maximum, or the minimum for a metric whose name
   contains "loss"), or as the mean of its last k evaluations (`last:k`). The same rule serves
-  `fl-lightning compare`.
-- a run counts when it is finished: its metrics.jsonl reaches the `federation.rounds` of its
-  config.yaml. Unfinished runs (also those stopped early by a callback) count only with
-  `--include_partial true`, at their last logged round; otherwise n shows the seeds finished and
-  the notes under the table name the runs left out and those not started.
+  `fl-lightning compare`. In a table, `best` of a test metric is chosen off the test set: the
+  metric at the evaluation of the run's best validation counterpart (`val_accuracy` for
+  `test_accuracy`, `val_loss` for `test_loss`), for runs with a validation split
+  (`data.validation`); a run without one falls back on the test metric's own best, and the notes
+  under the table say which runs were selected on the test set.
+- a run counts when it is finished: its metrics.jsonl reaches the rounds of its grid point (without
+  a plan, the `federation.rounds` of its config.yaml), or its newest checkpoint records a final stop
+  (an early stop: it counts at its last round, and the notes name it). Unfinished runs count only
+  with `--include_partial true`, at their last logged round; otherwise n shows the seeds finished
+  and the notes under the table name the runs left out and those not started.
+- with a plan, each run's config.yaml is compared with its grid point's settings as `fit` compares
+  them before a resume: a run made with other settings (the plan edited after it ran) is left out
+  and named in the notes with the fields that differ, never averaged in.
+- a torn last line of metrics.jsonl (a killed run, until it resumes) is left out, and the notes say
+  so. A metric that no run logged is an error that lists the metrics the runs did log.
 - the best cell of each column (highest mean, lowest for losses, compared as displayed; ties all
   marked) is bold in Markdown and has `<setting>:best` = 1 in the CSV.
 - accuracy-like metrics (a name containing "accuracy") are shown in percent (`--percent`), with 2
   decimals for percentages and 4 otherwise (`--decimals`).
 
 Reference CSV (the papers' numbers; `--reference`, or the plan's `reference:` when the table shows
-the plan's `metric`): a header row
-`method,<setting>,<setting>,...`, then one row per method. Method names are the plan's (matched
-exactly, else by their folder form, "FedAvg + CONST" = "fedavg+const"); setting columns are the
-plan's setting names, i.e. the run folders' names (`dataset-cifar10_alpha-0.5`; the Markdown labels
-are accepted too); values are in percent (`71.2`; a trailing `± 0.3` is ignored), an empty field
-meaning not reported. Methods or settings of the CSV that the table lacks are ignored. For example
-
-    method,alpha-0.5,alpha-0.1
-    FedAvg,71.20,65.02
-    FedAvg + CONST,74.51,
-
-Every column of the table is then followed by `paper` and `Δ` (ours minus the paper's, in
-percentage points), and the CSV gets `<setting>:paper` and `<setting>:diff`.
+the plan's `metric`): see reference.py. Every column of the table is then followed by `paper` and
+`Δ` (ours minus the paper's, in percentage points), and the CSV gets `<setting>:paper` and
+`<setting>:diff`.
 
 table.csv has one row per method: `method`, then for each setting `<setting>:mean`, `:std`, `:n`,
 `:best` (1 or 0), and with a reference `:paper`, `:diff`; numbers in the table's units (percent
 for accuracy), empty where there is none.
 
-Plot (`plot.png`): the metric against the round, one panel per setting, one line per method, the
-mean over the seeds counted with a band from their minimum to their maximum (`--band minmax`) or
-mean ± std (`--band std`).
+Plot (`plot.png`): see plot.py.
 
 Without a plan, the run folders are grouped by their layout: `.../<setting>/<method>/seed<k>` (the
 layout plans write) gives the cell, any other folder is a method of its own (its folder name) in a
@@ -57,9 +55,7 @@ single column; every run found is expected, so nothing is reported as not starte
 from __future__ import annotations
 
 import csv
-import glob
 import io
-import math
 import os
 import re
 import statistics
@@ -67,128 +63,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional, Union
 
-import yaml
-
 from fl_lightning.errors import ConfigError
-from fl_lightning.experiments.plan import load_plan, slug
-from fl_lightning.run_logging import METRICS_FILE, read_metrics
-
-# --------------------------------------------------------------------------------------------------
-# One run: its config and metrics, and the one rule for its final / best / last-k value.
-
-
-@dataclass
-class Run:
-    """A folder written by `fl-lightning fit`."""
-
-    path: Path
-    config: dict
-    history: list[dict]
-
-    @property
-    def rounds_done(self) -> int:
-        return self.history[-1]["round"] if self.history else 0
-
-    @property
-    def rounds_planned(self) -> Optional[int]:
-        return (self.config.get("federation") or {}).get("rounds")
-
-    @property
-    def finished(self) -> bool:
-        return self.rounds_planned is not None and self.rounds_done >= self.rounds_planned
-
-    @property
-    def algorithm(self) -> str:
-        algorithm = self.config.get("algorithm") or {}
-        class_path = algorithm.get("class_path", "?") if isinstance(algorithm, dict) else str(algorithm)
-        return class_path.rsplit(".", 1)[-1]
-
-    def points(self, metric: str) -> list[tuple[int, float]]:
-        """(round, value) of every row that logged `metric`."""
-        return [(row["round"], row[metric]) for row in self.history if row.get(metric) is not None]
-
-
-def read_run(path: Path) -> Run:
-    """The run in `path`: config.yaml (empty if absent) and metrics.jsonl."""
-    path = Path(path)
-    config_file = path / "config.yaml"
-    config = yaml.safe_load(config_file.read_text()) if config_file.is_file() else {}
-    return Run(path=path, config=config if isinstance(config, dict) else {}, history=read_metrics(path))
-
-
-def lower_is_better(metric: str) -> bool:
-    """Losses are minimised; every other metric (accuracies) is maximised."""
-    return "loss" in metric.lower()
-
-
-def best_value(values: list[float], metric: str) -> float:
-    return min(values) if lower_is_better(metric) else max(values)
-
-
-AT_CHOICES = "final, best or last:K (the mean of the last K evaluations, K >= 1)"
-
-
-def parse_at(at: str) -> tuple[str, int]:
-    """"final" -> ("final", 1), "best" -> ("best", 0), "last:5" -> ("last", 5)."""
-    if at == "final":
-        return "final", 1
-    if at == "best":
-        return "best", 0
-    match = re.fullmatch(r"last:(\d+)", at)
-    if match and int(match.group(1)) >= 1:
-        return "last", int(match.group(1))
-    raise ConfigError("at", AT_CHOICES, at)
-
-
-def value_at(values: list[float], metric: str, at: str) -> Optional[float]:
-    """One run's value of `metric` (its logged values in round order): final, best or last:k."""
-    if not values:
-        return None
-    rule, k = parse_at(at)
-    if rule == "best":
-        return best_value(values, metric)
-    return statistics.fmean(values[-k:])
-
-
-def find_runs(entries: list, recursive: bool) -> list[Path]:
-    """Run folders from folders and glob patterns, in the order given (a pattern's matches sorted).
-
-    A pattern keeps only the folders it matches that hold metrics.jsonl. A folder named outright is
-    kept as it is (the caller checks it), unless `recursive` and it holds no metrics.jsonl itself:
-    then the run folders below it are taken."""
-    found: list[Path] = []
-    for entry in entries:
-        entry = str(entry)
-        if glob.has_magic(entry):
-            candidates = [Path(p) for p in sorted(glob.glob(entry))]
-            if recursive:
-                candidates = [run for candidate in candidates for run in _runs_below(candidate)]
-            found += [c for c in candidates if (c / METRICS_FILE).is_file()]
-        elif recursive and not (Path(entry) / METRICS_FILE).is_file():
-            found += _runs_below(Path(entry))
-        else:
-            found.append(Path(entry))
-    return list(dict.fromkeys(found))
-
-
-def _runs_below(folder: Path) -> list[Path]:
-    if (folder / METRICS_FILE).is_file():
-        return [folder]
-    if not folder.is_dir():
-        return []
-    return sorted(p.parent for p in folder.rglob(METRICS_FILE))
-
-
-def run_labels(paths: list[Path]) -> list[str]:
-    """The shortest trailing part of each path that tells the runs apart: the folder name, or
-    `method/seed0`, ... when folder names repeat."""
-    parts = [Path(p).resolve().parts for p in paths]
-    for depth in range(1, max((len(p) for p in parts), default=1) + 1):
-        labels = ["/".join(p[-depth:]) for p in parts]
-        if len(set(labels)) == len(labels):
-            return labels
-    return [str(p) for p in paths]
-
+from fl_lightning.experiments.plan import load_plan
+from fl_lightning.experiments.plot import plot_curves
+from fl_lightning.experiments.reference import paper_numbers
+from fl_lightning.experiments.resolve import check_grid, resolve_grid
+from fl_lightning.experiments.runs import (
+    Run,
+    best_value,
+    find_runs,
+    lower_is_better,
+    other_experiment,
+    parse_at,
+    read_run,
+    run_state,
+    value_at,
+)
+from fl_lightning.run_logging import METRICS_FILE
 
 # --------------------------------------------------------------------------------------------------
 # The table.
@@ -227,6 +118,12 @@ class Entry:
     setting: str
     seed: int
     path: Path
+    config: Optional[dict] = None
+    """The settings `fit` builds for the run's grid point; None without a plan."""
+
+    @property
+    def rounds(self) -> Optional[int]:
+        return None if self.config is None else self.config["federation"]["rounds"]
 
 
 @dataclass
@@ -316,8 +213,12 @@ def table(plan: Union[str, list[str]], metric: Optional[str] = None, at: str = "
         plan: a sweep plan (YAML file), or run folders / glob patterns of run folders (a folder
             that is not a run stands for the runs below it).
         metric: the column of metrics.jsonl to report; default the plan's `metric`, else test_accuracy.
-        at: each run's value: final (the last logged), best (maximum, minimum for losses) or last:K
-            (the mean of its last K evaluations).
+        at: each run's value: final (the last logged), best or last:K (the mean of its last K
+            evaluations). best of a test metric (test_accuracy) is its value at the round of the
+            run's best validation counterpart (val_accuracy; the maximum, the minimum for losses),
+            so that the test set chooses nothing; a run without a validation split (data.validation)
+            falls back on the best of the test metric itself, which the notes say. best of another
+            metric is its own maximum (minimum for losses).
         include_partial: count runs that have not reached their config's federation.rounds, at their
             last round.
         out: folder for table.md, table.csv and plot.png; default runs/<plan>/, or the folder
@@ -345,27 +246,55 @@ def table(plan: Union[str, list[str]], metric: Optional[str] = None, at: str = "
     methods = order_methods(loaded.methods)
     cells = {(m, s): Cell() for m in methods for s in loaded.settings}
     curves: dict[tuple[str, str], list] = {key: [] for key in cells}
-    missing, partial, excluded, empty = [], [], [], []
+    selection = validation_metric(metric) if at == "best" else None
+    chosen_on_validation, chosen_on_test = [], []
+    missing, partial, excluded, empty, early, torn, other = [], [], [], [], [], [], []
+    logged: set[str] = set()
     for entry in loaded.entries:
         run = read_run(entry.path)
+        if run.torn_line:
+            torn.append(entry)
         if not run.history:
             missing.append(entry)
             continue
-        if not run.finished:
-            (partial if include_partial else excluded).append((entry, run))
-            if not include_partial:
-                continue
+        logged |= run.metrics_logged()
+        different = None if entry.config is None else other_experiment(entry.path, entry.config)
+        if different is None and entry.rounds is not None and run.rounds_done > entry.rounds:
+            different = f"federation.rounds: it logged round {run.rounds_done}, past the {entry.rounds} of the plan"
+        if different is not None:
+            other.append(f"{_where(entry)} ({different})")
+            continue
+        rounds = entry.rounds or run.rounds_planned
+        if rounds is None or run.rounds_done < rounds:
+            # An early stop is final only by its checkpoint's word: a row count cannot tell it from a kill.
+            if rounds is not None and run_state(entry.path, rounds).finished:
+                early.append((entry, run))
+            else:
+                (partial if include_partial else excluded).append((entry, run))
+                if not include_partial:
+                    continue
         points = run.points(metric)
-        value = value_at([v for _, v in points], metric, at)
+        if selection is not None and run.points(selection):
+            value = value_at_best_round(run, metric, selection)
+            chosen_on_validation.append(entry)
+        else:
+            value = value_at([v for _, v in points], metric, at)
+            if selection is not None:
+                chosen_on_test.append(entry)
         if value is None:
             empty.append(entry)
             continue
         cells[entry.method, entry.setting].values.append(value * scale)
         curves[entry.method, entry.setting].append([(r, v * scale) for r, v in points])
 
+    if logged and metric not in logged:
+        raise ConfigError("metric", f"a metric the runs logged: {', '.join(sorted(logged))}", metric)
     has_reference = reference is not None
     if has_reference:
-        _fill_reference(cells, Path(reference), loaded, methods, 1.0 if percent else 0.01)
+        unit = 1.0 if percent else 0.01
+        numbers = paper_numbers(Path(reference), methods, loaded.settings, loaded.labels)
+        for key, paper in numbers.items():
+            cells[key].paper = None if paper is None else paper * unit
     for setting in loaded.settings:
         _mark_best([cells[m, setting] for m in methods], metric, decimals)
 
@@ -375,6 +304,23 @@ def table(plan: Union[str, list[str]], metric: Optional[str] = None, at: str = "
                      + _listing([_progress(e, r) for e, r in excluded]))
     if partial:
         notes.append("counted although unfinished: " + _listing([_progress(e, r) for e, r in partial]))
+    if early:
+        notes.append("finished early (a final stop in its checkpoint), counted at its last round: "
+                     + _listing([_progress(e, r) for e, r in early]))
+    if other:
+        notes.append("not counted, made with other settings than the plan's (rerun them in folders of their own): "
+                     + _listing(other))
+    if torn:
+        notes.append("a torn last line of metrics.jsonl left out (a killed run; resuming it rewrites the line): "
+                     + _listing([_where(e) for e in torn]))
+    if chosen_on_validation:
+        notes.append(f"best: each run's {metric} at the evaluation of its best {selection} (model selection on "
+                     f"the validation split, data.validation; the test set chooses nothing): "
+                     f"{len(chosen_on_validation)} run(s)")
+    if chosen_on_test:
+        notes.append(f"best: selected on the test set itself, the best {metric} over the evaluations (no "
+                     f"{selection} logged: no validation split, data.validation), an optimistic number: "
+                     + _listing([_where(e) for e in chosen_on_test]))
     if missing:
         notes.append("not started: " + _listing([_where(e) for e in missing]))
     if empty:
@@ -394,12 +340,29 @@ def table(plan: Union[str, list[str]], metric: Optional[str] = None, at: str = "
     return result
 
 
+def validation_metric(metric: str) -> Optional[str]:
+    """What `--at best` chooses a round of `metric` by: val_X for a test metric test_X, None for a
+    metric that is not the test set's (it is then its own best)."""
+    return "val_" + metric.removeprefix("test_") if metric.startswith("test_") else None
+
+
+def value_at_best_round(run: Run, metric: str, selection: str) -> Optional[float]:
+    """`metric` at the run's evaluation of best `selection` (the earliest, on a tie), among the
+    evaluations that logged both."""
+    chosen, reported = dict(run.points(selection)), dict(run.points(metric))
+    rounds = [r for r in chosen if r in reported]
+    if not rounds:
+        return None
+    best = best_value([chosen[r] for r in rounds], selection)
+    return reported[next(r for r in rounds if chosen[r] == best)]
+
+
 def _where(entry: Entry) -> str:
     return f"{entry.setting}/{entry.method}/seed{entry.seed}"
 
 
 def _progress(entry: Entry, run: Run) -> str:
-    return f"{_where(entry)} (round {run.rounds_done}/{run.rounds_planned or '?'})"
+    return f"{_where(entry)} (round {run.rounds_done}/{entry.rounds or run.rounds_planned or '?'})"
 
 
 def _listing(items: list[str], limit: int = 20) -> str:
@@ -463,13 +426,16 @@ def _load_entries(plan: Union[str, list[str]], runs_root: Path) -> _Loaded:
 def _from_plan(path: Path, runs_root: Path) -> _Loaded:
     plan = load_plan(path, runs_root=runs_root)
     grid = plan.grid()
+    resolved = resolve_grid(grid)
+    check_grid(path, resolved)
     settings = list(dict.fromkeys(point.setting_name for point in grid))
     axis_values = {axis: list(choices) for axis, choices in plan.settings.items()}
     labels = {point.setting_name: setting_label(point.setting, axis_values) for point in grid}
     reference = plan.reference
     if reference is not None and not reference.is_file() and (path.parent / reference).is_file():
         reference = path.parent / reference
-    return _Loaded(entries=[Entry(p.method, p.setting_name, p.seed, p.out_dir) for p in grid],
+    return _Loaded(entries=[Entry(e.point.method, e.point.setting_name, e.point.seed, e.point.out_dir, e.config)
+                            for e in resolved],
                    methods=list(plan.methods), settings=settings, labels=labels, metric=plan.metric,
                    reference=reference, out=plan.runs_root / plan.name, plan_file=path)
 
@@ -527,105 +493,3 @@ def setting_label(setting: dict[str, str], axis_values: dict[str, list[str]]) ->
         else:
             parts.append(f"{AXIS_SYMBOLS.get(axis.lower(), axis)} = {value}")
     return ", ".join(parts)
-
-
-def read_reference(path: Path) -> dict[str, dict[str, Optional[float]]]:
-    """The reference CSV (see the module docstring): method -> column -> the paper's number (percent)."""
-    try:
-        lines = list(csv.reader(io.StringIO(Path(path).read_text(encoding="utf-8-sig"))))
-    except (OSError, UnicodeDecodeError, csv.Error) as err:
-        raise ConfigError("reference", "a readable CSV file (method, then one column per setting)",
-                          f"{path} ({err})") from err
-    header = [column.strip() for column in lines[0]] if lines else []
-    if not header or header[0] != "method":
-        raise ConfigError("reference", "a CSV whose first column is `method`", f"{path} (columns {header})")
-    table: dict[str, dict[str, Optional[float]]] = {}
-    for line, fields in enumerate(lines[1:], start=2):
-        if not any(text.strip() for text in fields):
-            continue
-        row = dict(zip(header, fields))
-        method = (row.get("method") or "").strip()
-        values = {}
-        for column, text in row.items():
-            if column == "method":
-                continue
-            number = (text or "").split("±")[0].strip()
-            if not number:
-                values[column] = None
-                continue
-            try:
-                values[column] = float(number)
-            except ValueError:
-                raise ConfigError("reference", "numbers in percent or empty fields",
-                                  f"{text!r} in {path}, line {line}, column {column}") from None
-        table[method] = values
-    return table
-
-
-def _fill_reference(cells: dict[tuple[str, str], Cell], path: Path, loaded: _Loaded, methods: list[str],
-                    scale: float) -> None:
-    if not path.is_file():
-        raise ConfigError("reference", "an existing CSV file of the papers' numbers", str(path))
-    reference = read_reference(path)
-    by_slug = {slug(name): values for name, values in reference.items()}
-    for method in methods:
-        values = reference.get(method) or by_slug.get(slug(method)) or {}
-        for setting in loaded.settings:
-            paper = values.get(setting, values.get(loaded.labels[setting]))
-            cells[method, setting].paper = None if paper is None else paper * scale
-
-
-# --------------------------------------------------------------------------------------------------
-# The plot.
-
-
-def mean_curve(runs: list[list[tuple[int, float]]], band: str) -> tuple[list[int], list[float], list[float],
-                                                                         list[float]]:
-    """Rounds, mean over the runs having that round, and the band's lower and upper edges."""
-    by_round: dict[int, list[float]] = {}
-    for points in runs:
-        for round_index, value in points:
-            by_round.setdefault(round_index, []).append(value)
-    rounds = sorted(by_round)
-    means = [statistics.fmean(by_round[r]) for r in rounds]
-    if band == "std":
-        spread = [statistics.stdev(by_round[r]) if len(by_round[r]) > 1 else 0.0 for r in rounds]
-        return rounds, means, [m - s for m, s in zip(means, spread)], [m + s for m, s in zip(means, spread)]
-    return rounds, means, [min(by_round[r]) for r in rounds], [max(by_round[r]) for r in rounds]
-
-
-def plot_curves(result: Table, path: Path, band: str = "minmax") -> None:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import MaxNLocator
-
-    panels = len(result.settings)
-    columns = min(panels, 3)
-    rows = math.ceil(panels / columns)
-    figure = Figure(figsize=(5 * columns, 3.8 * rows))
-    FigureCanvasAgg(figure)
-    axes_grid = figure.subplots(rows, columns, squeeze=False)
-    unit = " (%)" if result.percent else ""
-    for index, setting in enumerate(result.settings):
-        axes = axes_grid[index // columns][index % columns]
-        for method in result.methods:
-            runs = result.curves[method, setting]
-            if not runs:
-                continue
-            rounds, means, lower, upper = mean_curve(runs, band)
-            (line,) = axes.plot(rounds, means, marker="." if len(rounds) < 30 else None,
-                                label=f"{method} ({len(runs)})")
-            axes.fill_between(rounds, lower, upper, color=line.get_color(), alpha=0.2, linewidth=0)
-        axes.set_title(result.labels[setting])
-        axes.set_xlabel("round")
-        axes.xaxis.set_major_locator(MaxNLocator(integer=True))
-        axes.set_ylabel(result.metric + unit)
-        axes.grid(alpha=0.3)
-        if axes.get_legend_handles_labels()[0]:
-            axes.legend(fontsize="small")
-    for index in range(panels, rows * columns):
-        axes_grid[index // columns][index % columns].set_visible(False)
-    band_text = "min–max over seeds" if band == "minmax" else "± sample std over seeds"
-    figure.suptitle(f"{result.metric}: mean, band {band_text}", fontsize="medium")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)

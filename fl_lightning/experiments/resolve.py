@@ -1,0 +1,80 @@
+"""Each grid point's `fit` settings, resolved in this process as `fit` resolves its own, without training.
+
+A point's command line (`GridPoint.fit_arguments`) is parsed by the command line's one parse function,
+instantiated, and turned into the run's config by `fl_lightning.fit.fit_config`: the same checks as
+`fit` (types and values of every field, the algorithm's own arguments, the federation), and the same
+config dict that `fit` records in config.yaml and its checkpoints, so that a run folder can be
+compared with the point it belongs to (`fl_lightning.run_dir.check_same_experiment`). The devices are
+not checked here: a sweep gives each run its own, and an array task gets its allocation's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from fl_lightning.cli.parser import build_parser, parse_command_line
+from fl_lightning.errors import ConfigError
+from fl_lightning.experiments.plan import GridPoint
+from fl_lightning.fit import fit_config
+
+
+@dataclass
+class ResolvedPoint:
+    point: GridPoint
+    config: Optional[dict]
+    """The config dict `fit` builds for this point; None when its settings are refused."""
+    settings: Any = None
+    """The parsed, not instantiated, settings of the `fl-lightning` command line (for dumping them)."""
+    error: Optional[ConfigError] = None
+
+    @property
+    def rounds(self) -> Optional[int]:
+        return None if self.config is None else self.config["federation"]["rounds"]
+
+
+def resolve_grid(points: list[GridPoint]) -> list[ResolvedPoint]:
+    """Every point resolved; a point whose settings `fit` would refuse holds its error."""
+    parser = build_parser()
+    resolved = []
+    for point in points:
+        try:
+            settings = parse_command_line(point.fit_arguments(), parser)
+            arguments = parser.instantiate(settings).fit
+            arguments.pop("config", None)
+            resolved.append(ResolvedPoint(point, fit_config(**arguments).config, settings))
+        except ConfigError as err:
+            resolved.append(ResolvedPoint(point, None, error=err))
+    return resolved
+
+
+class PlanRefused(ConfigError):
+    """A plan refused for what several of its grid points hold, one line each."""
+
+    def __init__(self, field_name: str, expected: str, plan: Path, problems: list[str]):
+        listed = "\n".join(f"  {problem}" for problem in problems)
+        ValueError.__init__(self, f"{field_name}: expected {expected}, got {plan}, where\n{listed}")
+        self.field_name = field_name
+
+
+def describe_point(point: GridPoint) -> str:
+    return f"{point.method} | {point.setting_name} | seed {point.seed}"
+
+
+def check_grid(plan: Path, resolved: list[ResolvedPoint]) -> None:
+    """Refuse a plan any of whose points `fit` would refuse, naming each such point and its field."""
+    broken = [entry for entry in resolved if entry.error is not None]
+    if broken:
+        raise PlanRefused("plan", f"grid points whose settings fit accepts (every point is checked before any "
+                          f"run starts; {len(broken)} of {len(resolved)} are refused)", plan,
+                          [f"[{entry.point.index}] {describe_point(entry.point)}: {entry.error}" for entry in broken])
+
+
+def fit_settings_text(resolved: ResolvedPoint) -> str:
+    """The point's `fit` settings, every config fragment and override resolved, as YAML that
+    `fl-lightning fit --config` reads back."""
+    dumped = yaml.safe_load(build_parser().dump(resolved.settings))["fit"]
+    return yaml.safe_dump(dumped, sort_keys=False)

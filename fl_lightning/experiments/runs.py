@@ -1,0 +1,236 @@
+"""Reading a run folder written by `fl-lightning fit`: its config, its metrics, its state, and whether it
+holds the experiment asked for. One reader for `fl-lightning sweep` (what to skip, resume or start),
+`table` and `compare`; nothing here writes.
+
+- metrics.jsonl may end in a torn line: a run killed while appending leaves one until it resumes
+  (the resume rewrites the file from its checkpoint). That line is left out and reported
+  (`Run.torn_line`); an unreadable line before the last is no kill's doing and is refused, naming
+  the file and the line.
+- A run is over when its newest good checkpoint reached the rounds asked for or records a final
+  stop (an early stop that a rerun keeps): `fl_lightning.checkpoint.run_is_over`.
+- A folder holds another experiment when its checkpoint or config.yaml differs from the settings
+  asked for in a setting that defines the experiment: the check `fit` makes before it resumes
+  (`fl_lightning.run_dir.check_same_experiment`), made here before any run starts.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import re
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from fl_lightning.checkpoint import load_checkpoint, resume_candidates, run_is_over
+from fl_lightning.errors import ConfigError
+from fl_lightning.run_dir import CONFIG_FILE, DifferentExperiment, check_same_experiment, recorded_config
+from fl_lightning.run_logging import METRICS_FILE
+
+
+@dataclass
+class Run:
+    """A folder written by `fl-lightning fit`, as its config.yaml and metrics.jsonl tell it."""
+
+    path: Path
+    config: dict
+    history: list[dict]
+    torn_line: bool = False
+    """metrics.jsonl ended in a partial line (left out of `history`)."""
+
+    @property
+    def rounds_done(self) -> int:
+        return self.history[-1]["round"] if self.history else 0
+
+    @property
+    def rounds_planned(self) -> Optional[int]:
+        return (self.config.get("federation") or {}).get("rounds")
+
+    @property
+    def algorithm(self) -> str:
+        algorithm = self.config.get("algorithm") or {}
+        class_path = algorithm.get("class_path", "?") if isinstance(algorithm, dict) else str(algorithm)
+        return class_path.rsplit(".", 1)[-1]
+
+    def points(self, metric: str) -> list[tuple[int, float]]:
+        """(round, value) of every row that logged `metric`."""
+        return [(row["round"], row[metric]) for row in self.history if row.get(metric) is not None]
+
+    def metrics_logged(self) -> set[str]:
+        return {key for row in self.history for key, value in row.items() if value is not None} - {"round"}
+
+
+def read_run(path: Path) -> Run:
+    """The run in `path`: config.yaml (empty if absent) and the rows of metrics.jsonl."""
+    path = Path(path)
+    config = recorded_config(path)
+    history, torn = read_metric_rows(path)
+    return Run(path=path, config=config if isinstance(config, dict) else {}, history=history, torn_line=torn)
+
+
+def read_metric_rows(out_dir: Path) -> tuple[list[dict], bool]:
+    """The rows of out_dir/metrics.jsonl (none if absent), and whether a torn last line was left out."""
+    path = Path(out_dir) / METRICS_FILE
+    if not path.is_file():
+        return [], False
+    lines = path.read_text(errors="replace").splitlines()
+    rows = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            row = None
+        if isinstance(row, dict) and isinstance(row.get("round"), int):
+            rows.append(row)
+        elif number == len(lines):
+            return rows, True
+        else:
+            raise ConfigError("runs", f"{METRICS_FILE} of one JSON object per round (only a last line torn by a "
+                              "killed run is left out)", f"{path}, line {number}")
+    return rows, False
+
+
+@dataclass
+class RunState:
+    """A run folder as `fit --resume auto` would find it."""
+
+    round: Optional[int]
+    """Round of the newest checkpoint that passes its checks; None: there is none."""
+    rounds: Optional[int]
+    """Rounds asked for; None when unknown (the point's settings are refused)."""
+    started: bool
+    """The run wrote its config.yaml (it got as far as training)."""
+    finished: bool = False
+    """The newest good checkpoint reached `rounds` or records a final stop: `fit` would train nothing."""
+    hyperparameters: Optional[dict] = None
+    """The settings the newest good checkpoint records."""
+    problem: Optional[str] = None
+
+    @property
+    def stopped_early(self) -> bool:
+        return self.finished and self.rounds is not None and self.round < self.rounds
+
+    def describe(self) -> str:
+        if self.problem is not None:
+            return self.problem
+        if self.stopped_early:
+            return f"finished, stopped early at round {self.round}/{self.rounds}"
+        if self.finished:
+            return "finished"
+        if self.round is not None:
+            return f"partial at round {self.round}" + (f"/{self.rounds}" if self.rounds is not None else "")
+        return "started, no checkpoint yet" if self.started else "not started"
+
+
+def run_state(out_dir: Path, rounds: Optional[int]) -> RunState:
+    """Read a run folder's checkpoints (newest first, as `--resume auto` does) and config.yaml; trains nothing."""
+    candidates = resume_candidates(out_dir)
+    started = (Path(out_dir) / CONFIG_FILE).is_file()
+    for path in candidates:
+        try:
+            state = load_checkpoint(path)
+        except ValueError:
+            continue
+        return RunState(round=state["round"], rounds=rounds, started=started,
+                        finished=rounds is not None and state["round"] <= rounds and run_is_over(state, rounds),
+                        hyperparameters=state["hyperparameters"])
+    problem = "unusable: every checkpoint fails its checks" if candidates else None
+    return RunState(round=None, rounds=rounds, started=started, problem=problem)
+
+
+def other_experiment(out_dir: Path, config: dict, state: Optional[RunState] = None) -> Optional[str]:
+    """What makes the run in `out_dir` another experiment than `config` (the settings `fit` builds),
+    as `fit` would refuse it (`data.alpha 0.5 -> 0.1 (config.yaml)`); None when it is the same one (or
+    there is no run yet). Compared: the newest checkpoint's settings when `state` holds them, and config.yaml."""
+    rounds = config["federation"]["rounds"]
+    if state is not None and state.round is not None and state.round > rounds:
+        return f"federation.rounds: the checkpoint reached round {state.round}, past the {rounds} asked for"
+    records = [(recorded_config(out_dir), CONFIG_FILE)]
+    if state is not None and state.hyperparameters is not None:
+        records.insert(0, (state.hyperparameters, f"the checkpoint of round {state.round}"))
+    for recorded, source in records:
+        if recorded is None:
+            continue
+        try:
+            check_same_experiment(recorded, config, source, out_dir)
+        except DifferentExperiment as different:
+            return f"{different.fields()} ({source})"
+    return None
+
+
+# The one rule for a run's final / best / last-k value, for `table` and `compare`.
+
+
+def lower_is_better(metric: str) -> bool:
+    """Losses are minimised; every other metric (accuracies) is maximised."""
+    return "loss" in metric.lower()
+
+
+def best_value(values: list[float], metric: str) -> float:
+    return min(values) if lower_is_better(metric) else max(values)
+
+
+AT_CHOICES = "final, best or last:K (the mean of the last K evaluations, K >= 1)"
+
+
+def parse_at(at: str) -> tuple[str, int]:
+    """"final" -> ("final", 1), "best" -> ("best", 0), "last:5" -> ("last", 5)."""
+    if at == "final":
+        return "final", 1
+    if at == "best":
+        return "best", 0
+    match = re.fullmatch(r"last:(\d+)", at)
+    if match and int(match.group(1)) >= 1:
+        return "last", int(match.group(1))
+    raise ConfigError("at", AT_CHOICES, at)
+
+
+def value_at(values: list[float], metric: str, at: str) -> Optional[float]:
+    """One run's value of `metric` (its logged values in round order): final, best or last:k."""
+    if not values:
+        return None
+    rule, k = parse_at(at)
+    if rule == "best":
+        return best_value(values, metric)
+    return statistics.fmean(values[-k:])
+
+
+def find_runs(entries: list, recursive: bool) -> list[Path]:
+    """Run folders from folders and glob patterns, in the order given (a pattern's matches sorted).
+
+    A pattern keeps only the folders it matches that hold metrics.jsonl. A folder named outright is
+    kept as it is (the caller checks it), unless `recursive` and it holds no metrics.jsonl itself:
+    then the run folders below it are taken."""
+    found: list[Path] = []
+    for entry in entries:
+        entry = str(entry)
+        if glob.has_magic(entry):
+            candidates = [Path(p) for p in sorted(glob.glob(entry))]
+            if recursive:
+                candidates = [run for candidate in candidates for run in _runs_below(candidate)]
+            found += [c for c in candidates if (c / METRICS_FILE).is_file()]
+        elif recursive and not (Path(entry) / METRICS_FILE).is_file():
+            found += _runs_below(Path(entry))
+        else:
+            found.append(Path(entry))
+    return list(dict.fromkeys(found))
+
+
+def _runs_below(folder: Path) -> list[Path]:
+    if (folder / METRICS_FILE).is_file():
+        return [folder]
+    if not folder.is_dir():
+        return []
+    return sorted(p.parent for p in folder.rglob(METRICS_FILE))
+
+
+def run_labels(paths: list[Path]) -> list[str]:
+    """The shortest trailing part of each path that tells the runs apart: the folder name, or
+    `method/seed0`, ... when folder names repeat."""
+    parts = [Path(p).resolve().parts for p in paths]
+    for depth in range(1, max((len(p) for p in parts), default=1) + 1):
+        labels = ["/".join(p[-depth:]) for p in parts]
+        if len(set(labels)) == len(labels):
+            return labels
+    return [str(p) for p in paths]

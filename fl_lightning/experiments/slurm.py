@@ -1,0 +1,69 @@
+"""A sweep as one SLURM array job of slurm/sweep.sbatch, one task per grid point.
+
+Task I asks `fl-lightning sweep --index I --fit_config` for the point's settings resolved into one
+config file in its run folder, then launches `srun fl-lightning fit --config <that file>` with the
+allocation's devices, as slurm/fit.sbatch does (slurm/lib.sh: requeue on SIGUSR1, signal forwarding,
+resume). The whole plan is checked before anything is submitted (see sweep.py), so a typo in one
+method is an error at submission, not failing array tasks hours later.
+"""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from fl_lightning.checkpoint import write_text_atomically
+from fl_lightning.errors import ConfigError
+from fl_lightning.experiments.plan import GridPoint
+from fl_lightning.experiments.resolve import ResolvedPoint, describe_point, fit_settings_text
+
+if TYPE_CHECKING:
+    from fl_lightning.experiments.sweep import SweepOptions
+
+FIT_CONFIG_FILE = "sweep_fit.yaml"
+"""A grid point's resolved `fit` settings, written into its run folder for a SLURM array task."""
+SWEEP_SCRIPT = Path("slurm") / "sweep.sbatch"
+"""The array job's batch script, relative to the repository root (where jobs are submitted from)."""
+
+
+def write_fit_config(resolved: ResolvedPoint) -> Path:
+    """The point's `fit` settings, every config fragment and override resolved, in one file in its run
+    folder (out_dir included): what an array task launches, so that the devices of the allocation,
+    given after it, override whatever the plan sets."""
+    point = resolved.point
+    point.out_dir.mkdir(parents=True, exist_ok=True)
+    path = point.out_dir / FIT_CONFIG_FILE
+    header = (f"# Grid point {point.index} of plan {point.plan_name} ({describe_point(point)}), resolved by\n"
+              f"# `fl-lightning sweep --index {point.index} --fit_config true` for a SLURM array task.\n")
+    write_text_atomically(path, header + fit_settings_text(resolved))
+    return path
+
+
+def submit(plan_path: Path, points: list[GridPoint], options: SweepOptions) -> None:
+    """sbatch --array=0-(N-1)[%jobs] [resources] slurm/sweep.sbatch PLAN --runs_root ROOT"""
+    if not SWEEP_SCRIPT.is_file():
+        raise ConfigError("slurm", f"{SWEEP_SCRIPT} in the working folder: submit from the repository root",
+                          str(Path.cwd()))
+    array = f"0-{len(points) - 1}" + (f"%{options.jobs}" if options.jobs else "")
+    command = ["sbatch", f"--array={array}"]
+    ranks = max(options.gpus_per_run, 1)
+    if options.gpus_per_run:
+        command += [f"--ntasks-per-node={ranks}", f"--gpus-per-node={options.gpus_per_run}"]
+    if options.threads_per_run:
+        command.append(f"--cpus-per-task={max(1, options.threads_per_run // ranks)}")
+    command += [*options.sbatch_options, str(SWEEP_SCRIPT), str(plan_path), "--runs_root", str(options.runs_root)]
+    print(f"{len(points)} grid points as one array job: {shlex.join(command)}", flush=True)
+    if options.dry_run:
+        return
+    if shutil.which("sbatch") is None:
+        raise ConfigError("slurm", "SLURM's sbatch on PATH (run on the cluster's login node)", "no sbatch")
+    Path("logs").mkdir(exist_ok=True)  # sbatch does not create the folder of its --output
+    completed = subprocess.run(command, capture_output=True, text=True)
+    print(completed.stdout, end="", flush=True)  # "Submitted batch job <id>"
+    if completed.returncode != 0:
+        print(f"error: sbatch exited {completed.returncode}: {completed.stderr.strip()}", file=sys.stderr)
+        raise SystemExit(1)
