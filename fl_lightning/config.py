@@ -254,11 +254,14 @@ class LoggerArgs:
     project: str = "fl-lightning"
     """W&B project the run is logged to."""
     group: Optional[str] = None
-    """Runs of one experiment share a group; None uses dataset-alpha-model."""
+    """Runs of one experiment share a group (W&B averages a group); None uses
+    dataset-alpha<α>-model-method-<digest of the experiment's settings but the seed>, which holds
+    exactly the runs that differ only by seed."""
     name: Optional[str] = None
-    """Run name; None uses algorithm-seed."""
+    """Run name; None uses method-seed<seed>-<the group's digest>."""
     tags: list[str] = field(default_factory=list)
-    """Extra tags; the algorithm, dataset, alpha and model are always added."""
+    """Extra tags; method=, constraint=, dataset=, alpha= and model= are always added, unless a tag
+    given here has that key (key=value), which takes the place of the run's own."""
     progress_bar: bool = True
     """Show a progress bar over rounds (rank 0)."""
 

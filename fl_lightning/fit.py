@@ -64,13 +64,14 @@ from fl_lightning.run_dir import (
     RunDirLock,
     check_same_experiment,
     default_out_dir,
+    experiment_digest,
     holds_results,
     is_launching_process,
     recorded_config,
     remove_results,
     report_safe_changes,
 )
-from fl_lightning.run_logging import MetricsLog, WandbIdentity, new_run_id, new_wandb_run
+from fl_lightning.run_logging import MetricsLog, WandbIdentity, new_run_id, new_wandb_run, run_tags
 from fl_lightning.server_optimizers import ServerOptimizer, ServerSGD
 
 
@@ -237,13 +238,15 @@ def _build_and_train(*, algorithm, server_optimizer, model, data, federation, cl
 
     train_set, test_set, partition, validation = _split_data(data, federation, algorithm, seed, resume_state, out_dir)
     module = _build_module(model, algorithm, constraint, train_set, seed)
+    # W&B averages the runs of a group, so a default group holds exactly the runs that differ only by
+    # seed: it is named by the digest that names the default run folder, taken without the seed.
+    experiment = experiment_digest({name: value for name, value in config.items() if name != "seed"})
     identity = WandbIdentity(
         run_id=resume_state["run_id"] if resume_state is not None else new_run_id(),
-        name=logger.name or f"{method}-seed{seed}",
-        # W&B averages the runs of a group: one method per group, so a group is its seeds.
-        group=logger.group or f"{data.name}-alpha{data.alpha}-{model.name}-{method}",
-        tags=sorted({f"method={method}", f"constraint={type(constraint).__name__ if constraint else 'none'}",
-                     f"dataset={data.name}", f"alpha={data.alpha}", f"model={model.name}", *logger.tags}),
+        name=logger.name or f"{method}-seed{seed}-{experiment}",
+        group=logger.group or f"{data.name}-alpha{data.alpha}-{model.name}-{method}-{experiment}",
+        tags=run_tags({"method": method, "constraint": type(constraint).__name__ if constraint else "none",
+                       "dataset": data.name, "alpha": str(data.alpha), "model": model.name}, logger.tags),
     )
     if resume_state is not None and run_is_over(resume_state, federation.rounds):
         if launching:

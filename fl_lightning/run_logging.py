@@ -55,6 +55,10 @@ def new_run_id() -> str:
     return uuid.uuid4().hex[:12]
 
 
+DASHBOARD_KEYS = ("method", "plan", "setting")
+"""Tags whose values are also flat keys of the W&B run config, for a dashboard to group and filter by."""
+
+
 @dataclass
 class WandbIdentity:
     """How the run appears on the W&B dashboard."""
@@ -63,6 +67,20 @@ class WandbIdentity:
     name: str
     group: str
     tags: list[str]
+
+    def dashboard_config(self) -> dict[str, Optional[str]]:
+        """method, plan and setting from the run's `key=value` tags (null where there is no such tag:
+        a plain `fit` has no plan and no setting)."""
+        keyed = dict(tag.split("=", 1) for tag in self.tags if "=" in tag)
+        return {key: keyed.get(key) for key in DASHBOARD_KEYS}
+
+
+def run_tags(own: dict[str, str], extra: list[str]) -> list[str]:
+    """The run's `key=value` tags from `own`, but where `extra` (logger.tags) has a tag of the same key,
+    which takes its place (a sweep's `method=` is its plan's name for the method, so a run has one
+    `method=` tag), plus the other tags of `extra`; sorted."""
+    replaced = {tag.split("=", 1)[0] for tag in extra if "=" in tag}
+    return sorted({*(f"{key}={value}" for key, value in own.items() if key not in replaced), *extra})
 
 
 class WandbRun:
@@ -102,7 +120,7 @@ class WandbRun:
         return wandb.init(
             project=self.args.project, name=self.identity.name, group=self.identity.group, tags=self.identity.tags,
             dir=str(self.out_dir), id=self.identity.run_id, resume="allow", mode=mode, settings=settings,
-            config=hyperparameters,
+            config={**hyperparameters, **self.identity.dashboard_config()},
         )
 
     def replay(self, history: list[dict]) -> None:

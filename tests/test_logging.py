@@ -1,6 +1,7 @@
 """Run logs: metrics.jsonl and a Weights & Biases offline run (no network needed)."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +29,8 @@ def test_wandb_offline_run_holds_the_logged_metrics(tmp_path):
         assert {key: logged[key] for key in written} == written
     run_info = [r for r in records(run_file) if r.WhichOneof("record_type") == "run"][0].run
     assert {"method=fedavg", "dataset=digits", "constraint=none", "model=mlp"} <= set(run_info.tags)
-    assert run_info.display_name == "fedavg-seed0" and run_info.run_group == "digits-alpha0.5-mlp-fedavg"
+    assert re.fullmatch(r"digits-alpha0\.5-mlp-fedavg-[0-9a-f]{8}", run_info.run_group)
+    assert run_info.display_name == f"fedavg-seed0-{run_info.run_group.rsplit('-', 1)[1]}"
     summary = {item.key or ".".join(item.nested_key): json.loads(item.value_json)
                for r in records(run_file) if r.WhichOneof("record_type") == "summary" for item in r.summary.update}
     accuracies = [row["test_accuracy"] for row in read_metrics(tmp_path) if "test_accuracy" in row]

@@ -21,3 +21,15 @@ def history_rows(run_file: Path) -> list[dict]:
             rows.append(row)
     return rows
 
+
+def run_record(run_file: Path):
+    """The run's identity as the file records it: its `RunRecord` (display_name, run_group, tags, ...)."""
+    found = records(run_file)
+    runs = [r.run for r in found if r.WhichOneof("record_type") == "run"]
+    assert runs, f"{run_file} holds no run record: {[r.WhichOneof('record_type') for r in found]}"
+    return runs[0]
+
+
+def run_config(run_file: Path) -> dict:
+    """The run's W&B config as its run record holds it, {key: value}."""
+    return {item.key: json.loads(item.value_json) for item in run_record(run_file).config.update}

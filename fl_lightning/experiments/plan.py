@@ -66,7 +66,8 @@ class GridPoint:
             # One method per W&B group (W&B averages a group): a group is a cell's seeds.
             "--logger.group", f"{self.plan_name}-{self.setting_name}-{slug(self.method)}",
             "--logger.name", f"{slug(self.method)}-seed{self.seed}",
-            "--logger.tags", f"[plan={self.plan_name}, method={slug(self.method)}]",
+            # The plan's method name replaces fit's own `method=` tag; these three are also keys of the W&B config.
+            "--logger.tags", f"[plan={self.plan_name}, method={slug(self.method)}, setting={self.setting_name}]",
         ]
 
 
