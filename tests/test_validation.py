@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
 from reference import LinearProblem, small_setup
 
 from fl_lightning import fit as fit_module
@@ -20,9 +21,10 @@ from fl_lightning.callbacks import Callback
 from fl_lightning.config import DataArgs, FabricArgs
 from fl_lightning.data import hold_out_validation, load_dataset, partition_indices
 from fl_lightning.errors import ConfigError
+from fl_lightning.experiments.table import table
 from fl_lightning.fit import fit
 from fl_lightning.run_dir import check_same_experiment, experiment_digest, recorded_config
-from fl_lightning.run_logging import read_metrics
+from fl_lightning.run_logging import MetricsLog, read_metrics
 
 PER_CLIENT_KEYS = ("client_val_accuracy_mean", "client_val_accuracy_std", "client_val_accuracy_min",
                    "client_val_accuracy_p10")
@@ -205,3 +207,37 @@ def test_per_client_accuracies_on_two_ranks_are_a_direct_evaluation(cifar_root, 
     setup["fabric"] = FabricArgs(accelerator="cpu", devices=2, strategy="ddp_spawn", process_group_timeout_s=120)
     final = fit(algorithm=FedAvg(), **setup)
     check_against_direct_evaluation(cifar_root, tmp_path, final)
+
+
+# --- `table --at best` selects on the validation split -------------------------------------------------
+
+def write_run(out_dir: Path, evaluations: dict[int, dict]) -> None:
+    """A finished run folder of 4 rounds whose evaluation rows (round -> metrics) are `evaluations`."""
+    out_dir.mkdir(parents=True)
+    (out_dir / "config.yaml").write_text(yaml.safe_dump({"federation": {"rounds": 4}, "seed": 0}))
+    log = MetricsLog(out_dir, history=[])
+    for round_number in range(1, 5):
+        log.append({"round": round_number, "train_loss": 1.0, **evaluations.get(round_number, {})})
+
+
+def test_at_best_reports_the_test_metric_at_the_round_of_the_best_validation_metric(tmp_path, capsys):
+    # The test set's own best (round 2) is not the round the validation split picks (round 4).
+    write_run(tmp_path / "split", {2: {"test_accuracy": 0.70, "test_loss": 0.5, "val_accuracy": 0.60, "val_loss": 0.9},
+                                   4: {"test_accuracy": 0.65, "test_loss": 0.8, "val_accuracy": 0.80, "val_loss": 0.4}})
+    write_run(tmp_path / "no_split", {2: {"test_accuracy": 0.50, "test_loss": 0.7},
+                                      4: {"test_accuracy": 0.60, "test_loss": 0.9}})
+    runs = [str(tmp_path / "split"), str(tmp_path / "no_split")]
+    result = table(runs, metric="test_accuracy", at="best", out=tmp_path / "out")
+    ((setting,),) = {tuple(result.settings)}
+    assert result.cell("split", setting).values == [pytest.approx(65.0)]
+    assert result.cell("no_split", setting).values == [pytest.approx(60.0)]
+    markdown = capsys.readouterr().out
+    assert "at the evaluation of its best val_accuracy (model selection on the validation split" in markdown
+    assert "best: selected on the test set itself, the best test_accuracy" in markdown and "no_split" in markdown
+    losses = table(runs, metric="test_loss", at="best", out=tmp_path / "out")
+    assert losses.cell("split", setting).values == [pytest.approx(0.8)]  # at val_loss's minimum, round 4
+    assert losses.cell("no_split", setting).values == [pytest.approx(0.7)]
+    capsys.readouterr()
+    final = table(runs, metric="test_accuracy", at="final", out=tmp_path / "out")
+    assert final.cell("split", setting).values == [pytest.approx(65.0)]
+    assert "best:" not in capsys.readouterr().out
