@@ -369,6 +369,7 @@ class FederatedLoop:
         if self.validation is not None:
             metrics.update(self.validation_metrics())
         return metrics
+
     def validation_metrics(self) -> dict[str, float]:
         """val_accuracy and val_loss over every client's held-out samples together, and with
         data.per_client_eval the accuracy of each client on its own, summarised over the clients:
