@@ -16,14 +16,17 @@ $(STAMP): pyproject.toml
 quickstart: $(STAMP)
 	$(VENV)/bin/fl-lightning fit --config configs/quickstart.yaml
 
+# Two workers, the multiprocess tests on one of them (tests/conftest.py groups them for loadgroup).
+PYTEST_PARALLEL := -n 2 --dist loadgroup
+
 test: $(STAMP)
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q $(PYTEST_PARALLEL)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check fl_lightning tests benchmarks
 
 test-fast: $(STAMP)
-	$(PYTHON) -m pytest -q -m "not multiprocess"
+	$(PYTHON) -m pytest -q $(PYTEST_PARALLEL) -m "not multiprocess and not slow"
 
 benchmark: $(STAMP)
 	$(PYTHON) benchmarks/throughput.py

@@ -67,6 +67,7 @@ def distance_along_constant_direction(num_steps, lr, momentum, nesterov):
     return position
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("momentum, nesterov, effective_steps", [
     (0.0, False, False), (0.9, False, False), (0.9, False, True), (0.5, True, True)])
 def test_scaffold_matches_reference_with_controls_kept_across_skipped_rounds(
@@ -201,6 +202,7 @@ class MoonProblem:
         return F.cross_entropy(logits, torch.zeros(len(z), dtype=torch.long))
 
 
+@pytest.mark.slow
 def test_moon_matches_reference(cifar_root, tmp_path):
     mu, tau, lr = 5.0, 0.5, 0.05
     setup = moon_setup(cifar_root, tmp_path, rounds=4)
@@ -234,6 +236,7 @@ def test_moon_matches_reference(cifar_root, tmp_path):
         assert_close(checkpoint["client_states"][c]["previous_model"], previous)
 
 
+@pytest.mark.slow
 def test_moon_contrastive_term_is_zero_on_a_clients_first_round_only(cifar_root, tmp_path):
     def run(mu, rounds):
         setup = moon_setup(cifar_root, tmp_path / f"mu{mu}_rounds{rounds}", rounds=rounds, eval_every=rounds)
@@ -367,6 +370,7 @@ def test_two_ranks_give_the_same_model_as_one(cifar_root, tmp_path, name):
     torch.testing.assert_close(double, single, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", STATEFUL)
 def test_resume_from_mid_run_checkpoint_reproduces_the_uninterrupted_run(cifar_root, tmp_path, name):
     make = STATEFUL[name][0]

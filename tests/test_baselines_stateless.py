@@ -192,6 +192,7 @@ def test_fedsam_matches_reference_and_logs_the_first_pass_loss(cifar_root, tmp_p
     assert logged == pytest.approx(train_losses, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_fedsam_leaves_batchnorm_statistics_to_the_first_pass(cifar_root, tmp_path):
     """One local step from x: the running stats come from the forward pass at x alone, so they
     equal FedAvg's, whatever the ascent step does to the parameters."""

@@ -85,7 +85,8 @@ def test_algorithms_option_refuses_unknown_names(throughput):
 # resnet18 adds BatchNorm statistics to the average. It takes one local step: its local SGD steps
 # differ in the last bit (torch.optim.SGD computes p - lr * g in one rounding, LocalSGD in two), and
 # BatchNorm on random images amplifies that difference into the next step's gradient.
-@pytest.mark.parametrize(("model_name", "local_steps"), [("linear", 2), ("lenet5", 2), ("resnet18", 1)])
+@pytest.mark.parametrize(("model_name", "local_steps"),
+                         [("linear", 2), ("lenet5", 2), pytest.param("resnet18", 1, marks=pytest.mark.slow)])
 def test_fedavg_round_matches_the_naive_loop(throughput, model_name, local_steps):
     fabric = Fabric(accelerator="cpu", devices=1, precision="32-true")
     workload = throughput.Workload(num_clients=2, local_steps=local_steps, batch_size=8, device=fabric.device)
@@ -106,6 +107,7 @@ def test_fedavg_round_matches_the_naive_loop(throughput, model_name, local_steps
     assert any(not torch.equal(expected[name], initial[name]) for name in floating)
 
 
+@pytest.mark.slow
 def test_gpu_check_script_runs_tiny_on_the_cpu(tmp_path):
     """benchmarks/gpu_check.sh with its settings overridden: one small shape, one algorithm, CPU."""
     out = tmp_path / "check.json"

@@ -139,6 +139,7 @@ def assert_same_run(grouped, loop):
     torch.testing.assert_close(grouped_buffers, loop_buffers, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm_name", sorted(ALGORITHMS))
 def test_batchnorm_clients_grouped_match_the_loop(algorithm_name, group_sizes):
     """Equal steps (local_steps): every client of the round in one group, each with its own
@@ -149,6 +150,7 @@ def test_batchnorm_clients_grouped_match_the_loop(algorithm_name, group_sizes):
     assert_same_run(grouped, rounds_of(federated_loop(**settings, client_path="loop")))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm_name", sorted(set(ALGORITHMS) - {"ctpfl"}))
 def test_clients_with_fewer_steps_and_short_batches_are_masked_and_padded(algorithm_name, group_sizes):
     """local_epochs over unequal clients, without BatchNorm: the group runs the most steps of its
@@ -161,6 +163,7 @@ def test_clients_with_fewer_steps_and_short_batches_are_masked_and_padded(algori
     assert_same_run(grouped, rounds_of(federated_loop(**settings, client_path="loop")))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm_name", ["fedavg", "scaffold", "fedsam"])
 def test_const_constrained_clients_grouped_match_the_loop(algorithm_name, group_sizes):
     settings = dict(algorithm_name=algorithm_name, batch_norm=False, local_epochs=2)
