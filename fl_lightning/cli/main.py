@@ -1,5 +1,5 @@
 """The `fl-lightning` commands: `fit --config FILE [--group.field value ...]`, `sweep PLAN`,
-`table PLAN` and `compare --runs [DIR, ...]`.
+`table PLAN`, `dashboard PLAN` and `compare --runs [DIR, ...]`.
 
 Every bad input ends in one line on stderr, `error: <field>: expected ..., got ...`, and exit
 status 2, before any data is loaded or training starts (see `fl_lightning.cli.messages`).
@@ -7,6 +7,7 @@ status 2, before any data is loaded or training starts (see `fl_lightning.cli.me
 
 from __future__ import annotations
 
+import itertools
 import sys
 from typing import Optional
 
@@ -14,20 +15,21 @@ from fl_lightning.cli.parser import build_parser, parse_command_line
 from fl_lightning.cluster import RequeueFailed
 from fl_lightning.compare import compare
 from fl_lightning.errors import ConfigError
+from fl_lightning.experiments.dashboard import dashboard
 from fl_lightning.experiments.sweep import sweep
 from fl_lightning.experiments.table import table
 from fl_lightning.fit import fit
 
-COMMANDS = {"fit": fit, "compare": compare, "table": table, "sweep": sweep}
+COMMANDS = {"fit": fit, "compare": compare, "table": table, "sweep": sweep, "dashboard": dashboard}
 
 # Subcommands whose first argument may be the plan itself: `fl-lightning sweep PLAN`.
-PLAN_COMMANDS = ("sweep", "table")
+PLAN_COMMANDS = ("sweep", "table", "dashboard")
 
 
 def main(argv: Optional[list[str]] = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if len(argv) > 1 and argv[0] in PLAN_COMMANDS and not argv[1].startswith("-"):
-        argv = [argv[0], "--plan", *argv[1:]]
+    if argv and argv[0] in PLAN_COMMANDS:
+        argv = _plan_command_line(argv)
     try:
         if (model := _model_asked_about(argv)) is not None:
             from fl_lightning.models.registry import model_help
@@ -46,6 +48,25 @@ def main(argv: Optional[list[str]] = None) -> None:
     except (FloatingPointError, RequeueFailed) as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(1) from err
+
+
+def _plan_command_line(argv: list[str]) -> list[str]:
+    """`table A.yaml B.yaml --override K=V --override L=W` -> `table --plan+ A.yaml --plan+ B.yaml
+    --override+ K=V --override+ L=W`: the plans first (each a `--plan`), then every value of an option
+    given one at a time appended to its list (jsonargparse's `--name+`), as a repeated option would
+    otherwise keep its last value only. A single plan stays `--plan PLAN`."""
+    plans = list(itertools.takewhile(lambda arg: not arg.startswith("-"), argv[1:]))
+    arguments = [option for plan in plans for option in ("--plan", plan)] + argv[1 + len(plans):]
+    repeated_plans = sum(arg == "--plan" or arg.startswith("--plan=") for arg in arguments) > 1
+    rewritten = [argv[0]]
+    for position, arg in enumerate(arguments):
+        option, equals, value = arg.partition("=")
+        if not equals and position + 1 < len(arguments):
+            value = arguments[position + 1]
+        if (option == "--override" and not value.startswith("[")) or (option == "--plan" and repeated_plans):
+            arg = f"{option}+{equals}{value if equals else ''}"
+        rewritten.append(arg)
+    return rewritten
 
 
 def _model_asked_about(argv: list[str]) -> Optional[str]:

@@ -91,6 +91,7 @@ def dashboard(
     offline: bool = False,
     out: Optional[Path] = None,
     runs_root: Path = Path("runs"),
+    override: Optional[list[str]] = None,
 ) -> dict:
     """Create the W&B report comparing a plan's methods, a section per setting (or only write its spec).
 
@@ -107,8 +108,11 @@ def dashboard(
         offline: only write the spec, whether or not W&B can be reached.
         out: the spec's file; default runs/<plan>/dashboard.json.
         runs_root: the folder holding runs/<plan>/ (where the spec goes by default).
+        override: KEY=VALUE settings applied last to every grid point, as given to `fl-lightning sweep`
+            (repeat --override for several): the report of that variant of the plan (its runs are
+            tagged plan=<variant>).
     """
-    loaded = load_plan(Path(plan), runs_root=Path(runs_root))
+    loaded = load_plan(Path(plan), runs_root=Path(runs_root), overrides=override)
     points = loaded.grid()
     runs = _runs_settings(points, Path(plan))
     if project is None:
@@ -132,7 +136,8 @@ def dashboard(
     elif "offline" in runs.modes:
         print(f"note: runs logged offline reach W&B once synced: wandb sync "
               f"{Path(runs_root) / loaded.name}/*/*/seed*/wandb/offline-run-*")
-    later = shlex.join(["fl-lightning", "dashboard", str(plan), *_options(entity, project, title, band, runs)])
+    later = shlex.join(["fl-lightning", "dashboard", str(plan), *_options(entity, project, title, band, runs),
+                        *[f"--override={setting}" for setting in override or []]])
     why_offline = _why_offline(offline)
     if why_offline is not None:
         print(f"not created in W&B ({why_offline}); to create it, where W&B can be reached with an API key "

@@ -12,11 +12,18 @@
     seeds: [0, 1, 2]
     reference: references/fedconst_table1.csv   # optional: the paper's numbers (see table.py)
     metric: test_accuracy                       # optional: what the table reports
+    resources:                                  # optional: what each run needs (see resources.py)
+      gpus_per_run: 4          # GPUs (one rank each) of every run: the sweep's default --gpus_per_run;
+                               # a plan asking for GPUs is refused where its runs would get none
+      precision: bf16-mixed    # fabric.precision of every run (given before the plan's configs)
+      time_per_run: "24:00:00" # SLURM time limit of each array task (sbatch --time), quoted
 
 Each list holds config fragments (paths, relative to the working folder) and mappings of dotted
 settings. A run is `fl-lightning fit` with the plan's configs, then each setting axis's, then the
 method's (so a method always carries its own hyper-parameters, whatever the setting), then the
-seed, its out_dir runs/<plan>/<setting>/<method>/seed<k> and its W&B names.
+seed, then the command line's `--override KEY=VALUE` (overrides.py: an override that changes the
+experiment makes a variant of the plan, `<plan>@<hint>-<digest>`, with runs of its own), its out_dir
+runs/<plan>/<setting>/<method>/seed<k> and its W&B names.
 """
 
 from __future__ import annotations
@@ -25,11 +32,13 @@ import itertools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import yaml
 
 from fl_lightning.errors import ConfigError
+from fl_lightning.experiments.overrides import parse_overrides, variant_name
+from fl_lightning.experiments.resources import PlanResources, read_resources
 
 Part = Union[str, dict]
 """A config fragment's path, or a mapping of dotted settings."""
@@ -47,6 +56,8 @@ class GridPoint:
     parts: list[Part]
     out_dir: Path
     plan_name: str
+    overrides: dict[str, Any] = field(default_factory=dict)
+    """Dotted setting -> value, given after the seed (the command line's --override)."""
 
     @property
     def setting_name(self) -> str:
@@ -61,8 +72,11 @@ class GridPoint:
             else:
                 for key, value in part.items():
                     arguments += [f"--{key}", _command_line_value(value)]
+        arguments += ["--seed", str(self.seed)]
+        for key, value in self.overrides.items():
+            arguments += [f"--{key}", _command_line_value(value)]
         return arguments + [
-            "--seed", str(self.seed), "--out_dir", str(self.out_dir), "--resume", "auto",
+            "--out_dir", str(self.out_dir), "--resume", "auto",
             # One method per W&B group (W&B averages a group): a group is a cell's seeds.
             "--logger.group", f"{self.plan_name}-{self.setting_name}-{slug(self.method)}",
             "--logger.name", f"{slug(self.method)}-seed{self.seed}",
@@ -82,6 +96,11 @@ class Plan:
     reference: Optional[Path] = None
     metric: str = "test_accuracy"
     runs_root: Path = field(default=Path("runs"))
+    resources: PlanResources = field(default_factory=PlanResources)
+    overrides: dict[str, Any] = field(default_factory=dict)
+    """The command line's --override, applied last to every point; `name` is then the variant's."""
+    base_name: str = ""
+    """The plan file's own name (`name` without the variant)."""
 
     def grid(self) -> list[GridPoint]:
         """Every run, settings outermost, then methods, then seeds (seeds of a cell are neighbours)."""
@@ -93,11 +112,14 @@ class Plan:
             for method, method_parts in self.methods.items():
                 for seed in self.seeds:
                     point = GridPoint(index=len(points), method=method, setting=setting, seed=seed,
-                                      parts=[*self.configs, *setting_parts, *method_parts], out_dir=Path(),
-                                      plan_name=self.name)
+                                      parts=[*self._resource_parts(), *self.configs, *setting_parts, *method_parts],
+                                      out_dir=Path(), plan_name=self.name, overrides=dict(self.overrides))
                     point.out_dir = self.runs_root / self.name / point.setting_name / slug(method) / f"seed{seed}"
                     points.append(point)
         return points
+
+    def _resource_parts(self) -> list[Part]:
+        return [] if self.resources.precision is None else [{"fabric.precision": self.resources.precision}]
 
 
 def slug(name: str) -> str:
@@ -111,8 +133,9 @@ def _command_line_value(value) -> str:
     return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
 
 
-def load_plan(path: Path, runs_root: Path = Path("runs")) -> Plan:
-    """Read and check a plan file; every problem is a ConfigError naming the plan's key."""
+def load_plan(path: Path, runs_root: Path = Path("runs"), overrides: Optional[list[str]] = None) -> Plan:
+    """Read and check a plan file; every problem is a ConfigError naming the plan's key. `overrides`
+    (KEY=VALUE, the command line's --override) are applied last to every point (see overrides.py)."""
     path = Path(path)
     try:
         raw = yaml.safe_load(path.read_text())
@@ -120,10 +143,10 @@ def load_plan(path: Path, runs_root: Path = Path("runs")) -> Plan:
         raise ConfigError("plan", "a readable YAML plan file", f"{path} ({err})") from err
     if not isinstance(raw, dict):
         raise ConfigError("plan", "a mapping with name, methods, settings and seeds", str(path))
-    unknown = set(raw) - {"name", "configs", "methods", "settings", "seeds", "reference", "metric"}
+    unknown = set(raw) - {"name", "configs", "methods", "settings", "seeds", "reference", "metric", "resources"}
     if unknown:
-        raise ConfigError("plan", "only the keys name, configs, methods, settings, seeds, reference, metric",
-                          sorted(unknown))
+        raise ConfigError("plan", "only the keys name, configs, methods, settings, seeds, reference, metric, "
+                          "resources", sorted(unknown))
     name = raw.get("name") or path.stem
     if not isinstance(name, str) or slug(name) != name:
         raise ConfigError("plan.name", "a name of lower-case letters, digits and - _ . +", name)
@@ -152,7 +175,10 @@ def load_plan(path: Path, runs_root: Path = Path("runs")) -> Plan:
     for key, value in parts.items():
         _check_parts(key, value)
     reference = raw.get("reference")
-    return Plan(name=name, configs=raw.get("configs") or [], methods=methods,
+    parsed_overrides = parse_overrides(overrides)
+    return Plan(name=variant_name(name, parsed_overrides), base_name=name,
+                resources=read_resources(raw.get("resources")), overrides=parsed_overrides,
+                configs=raw.get("configs") or [], methods=methods,
                 settings={a: {str(v): p for v, p in c.items()} for a, c in settings.items()}, seeds=seeds, path=path,
                 reference=None if reference is None else Path(reference), metric=raw.get("metric", "test_accuracy"),
                 runs_root=runs_root)

@@ -44,7 +44,7 @@ def write_fit_config(resolved: ResolvedPoint) -> Path:
 
 
 def submit(plan_path: Path, points: list[GridPoint], options: SweepOptions) -> None:
-    """sbatch --array=0-(N-1)[%jobs] [resources] slurm/sweep.sbatch PLAN --runs_root ROOT"""
+    """sbatch --array=0-(N-1)[%jobs] [resources] slurm/sweep.sbatch PLAN --runs_root ROOT [--override=KEY=VALUE ...]"""
     if not SWEEP_SCRIPT.is_file():
         raise ConfigError("slurm", f"{SWEEP_SCRIPT} in the working folder: submit from the repository root",
                           str(Path.cwd()))
@@ -55,7 +55,8 @@ def submit(plan_path: Path, points: list[GridPoint], options: SweepOptions) -> N
         command += [f"--ntasks-per-node={ranks}", f"--gpus-per-node={options.gpus_per_run}"]
     if options.threads_per_run:
         command.append(f"--cpus-per-task={max(1, options.threads_per_run // ranks)}")
-    command += [*options.sbatch_options, str(SWEEP_SCRIPT), str(plan_path), "--runs_root", str(options.runs_root)]
+    command += [*options.sbatch_options, str(SWEEP_SCRIPT), str(plan_path), "--runs_root", str(options.runs_root),
+                *[f"--override={override}" for override in options.overrides]]
     print(f"{len(points)} grid points as one array job: {shlex.join(command)}", flush=True)
     if options.dry_run:
         return

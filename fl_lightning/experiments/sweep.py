@@ -28,8 +28,11 @@ from typing import Optional
 from jsonargparse.typing import NonNegativeInt, PositiveInt
 
 from fl_lightning.errors import ConfigError
+from fl_lightning.experiments import resources
+from fl_lightning.experiments.estimate import estimate_plan
 from fl_lightning.experiments.local import run_locally
-from fl_lightning.experiments.plan import load_plan
+from fl_lightning.experiments.overrides import describe_overrides
+from fl_lightning.experiments.plan import Plan, load_plan
 from fl_lightning.experiments.resolve import PlanRefused, ResolvedPoint, check_grid, describe_point, resolve_grid
 from fl_lightning.experiments.runs import RunState, other_experiment, run_state
 from fl_lightning.experiments.slurm import submit, write_fit_config
@@ -39,7 +42,7 @@ def sweep(
     plan: Path,
     list: bool = False,
     jobs: Optional[PositiveInt] = None,
-    gpus_per_run: NonNegativeInt = 0,
+    gpus_per_run: Optional[NonNegativeInt] = None,
     threads_per_run: Optional[PositiveInt] = None,
     index: Optional[NonNegativeInt] = None,
     slurm: bool = False,
@@ -47,6 +50,8 @@ def sweep(
     fit_config: bool = False,
     runs_root: Path = Path("runs"),
     dry_run: bool = False,
+    override: Optional[list[str]] = None,
+    estimate: bool = False,
 ) -> None:
     """Run every grid point of a sweep plan (methods x settings x seeds) that has not finished yet, here or on SLURM.
 
@@ -57,7 +62,9 @@ def sweep(
             the run folder and the plan, nothing is trained.
         jobs: runs at a time. Locally (default 1), processes on this machine; with --slurm, array tasks at
             once (sbatch --array=...%jobs; default: as many as SLURM allows).
-        gpus_per_run: GPUs (and ranks) of each run; 0 runs on the CPU with one rank. Locally each run gets
+        gpus_per_run: GPUs (and ranks) of each run; default the plan's resources.gpus_per_run, else 0. A
+            plan that asks for GPUs is refused where its runs would get none, unless this is given (0
+            trains them on the CPU on purpose). 0 runs on the CPU with one rank. Locally each run gets
             CUDA_VISIBLE_DEVICES of its own: jobs x gpus_per_run must not exceed the GPUs visible. With
             --slurm, each array task asks for --gpus-per-node and --ntasks-per-node of this many.
         threads_per_run: CPU threads of each run (OMP_NUM_THREADS, split over its ranks); locally by default
@@ -65,15 +72,23 @@ def sweep(
         index: run grid point INDEX only, in the foreground (its output on the terminal).
         slurm: submit the grid as one SLURM array job of slurm/sweep.sbatch, task I training point I
             (from the repository root, where logs/ receives the tasks' logs).
-        sbatch_options: more sbatch options for --slurm, e.g. [--time=06:00:00, --partition=gpu].
+        sbatch_options: more sbatch options for --slurm, e.g. [--time=06:00:00, --partition=gpu]; a --time
+            here overrides the plan's resources.time_per_run.
         fit_config: with --index, write the point's resolved `fit` settings to <run folder>/sweep_fit.yaml,
             print that path and exit without training (what each array task of slurm/sweep.sbatch launches).
         runs_root: folder under which run folders go: <runs_root>/<plan>/<setting>/<method>/seed<k>.
         dry_run: print what would be run or submitted, without doing it.
+        override: KEY=VALUE settings applied last to every grid point (repeat --override for several),
+            e.g. federation.rounds=20 or data.root=/scratch/data. One that changes the experiment makes a
+            variant of the plan, <plan>@<hint>-<digest>, with run folders of its own (printed).
+        estimate: time a round or two of one point per distinct (model, data, federation) here, in a
+            temporary folder, and print per point and in total the seconds per round, device-hours, peak
+            memory and checkpoint disk (see fl_lightning/experiments/estimate.py); trains nothing of the grid.
     """
     options = SweepOptions(jobs=jobs, gpus_per_run=gpus_per_run, threads_per_run=threads_per_run, index=index,
                            sbatch_options=sbatch_options or [], runs_root=Path(runs_root), dry_run=dry_run)
-    loaded = load_plan(Path(plan), runs_root=options.runs_root)
+    loaded = load_plan(Path(plan), runs_root=options.runs_root, overrides=override)
+    options.overrides = [*(override or [])]  # `list` is the option here
     points = loaded.grid()
     if index is not None and index >= len(points):
         raise ConfigError("index", f"a grid point of {plan}: 0-{len(points) - 1}", index)
@@ -82,11 +97,23 @@ def sweep(
     if slurm and (index is not None or fit_config):
         raise ConfigError("slurm", "false with --index or --fit_config (an array job runs every grid point; "
                           "`sbatch --array=I slurm/sweep.sbatch PLAN` reruns task I)", slurm)
+    if estimate and (list or slurm or index is not None or fit_config):
+        raise ConfigError("estimate", "true without --list, --slurm, --index or --fit_config (it times one point "
+                          "per distinct model, data and federation here: run it on a machine like the cluster's)",
+                          estimate)
+    if not fit_config:  # its output is the config's path alone, read by slurm/sweep.sbatch
+        describe_variant(loaded, options.runs_root)
     resolved = resolve_grid(points)
     if list:
         list_points(resolved)
         return
     check_grid(Path(plan), resolved)
+    resources.check_precision(loaded, resolved)
+    if not fit_config:
+        options.gpus_per_run = resources.gpus_per_run(loaded, resolved, gpus_per_run, slurm)
+    if estimate:
+        estimate_plan(loaded, resolved, options)
+        return
     # An array task (--index) reads its own run folder only: reading every checkpoint of the grid in
     # every task would cost far more than the task's start.
     chosen = resolved if index is None else [resolved[index]]
@@ -95,6 +122,7 @@ def sweep(
     if fit_config:
         print(write_fit_config(resolved[index]))
     elif slurm:
+        options.sbatch_options = [*resources.time_options(loaded, options.sbatch_options), *options.sbatch_options]
         submit(Path(plan), points, options)
     else:
         status = run_locally(chosen, states, options, on_terminal=index is not None)
@@ -111,6 +139,19 @@ class SweepOptions:
     sbatch_options: list[str] = field(default_factory=list)
     runs_root: Path = Path("runs")
     dry_run: bool = False
+    overrides: list[str] = field(default_factory=list)
+    """The command line's --override, as given (passed on to each SLURM array task)."""
+
+
+def describe_variant(plan: Plan, runs_root: Path) -> None:
+    if not plan.overrides:
+        return
+    if plan.name == plan.base_name:
+        print(f"overrides {describe_overrides(plan.overrides)}: the plan's own runs (no override changes the "
+              "experiment)", flush=True)
+    else:
+        print(f"plan variant {plan.name} of {plan.base_name} ({describe_overrides(plan.overrides)}): its runs "
+              f"in {runs_root / plan.name}", flush=True)
 
 
 def read_states(resolved: list[ResolvedPoint]) -> dict[int, RunState]:

@@ -55,7 +55,10 @@ single column; every run found is expected, so nothing is reported as not starte
 from __future__ import annotations
 
 import csv
+import dataclasses
+import hashlib
 import io
+import itertools
 import os
 import re
 import statistics
@@ -64,6 +67,7 @@ from pathlib import Path
 from typing import Literal, Optional, Union
 
 from fl_lightning.errors import ConfigError
+from fl_lightning.experiments.overrides import value_text
 from fl_lightning.experiments.plan import load_plan
 from fl_lightning.experiments.plot import plot_curves
 from fl_lightning.experiments.reference import paper_numbers
@@ -79,6 +83,7 @@ from fl_lightning.experiments.runs import (
     run_state,
     value_at,
 )
+from fl_lightning.run_dir import defining_settings
 from fl_lightning.run_logging import METRICS_FILE
 
 # --------------------------------------------------------------------------------------------------
@@ -204,14 +209,16 @@ def _csv_number(value: Optional[float]) -> str:
 def table(plan: Union[str, list[str]], metric: Optional[str] = None, at: str = "final",
           include_partial: bool = False, out: Optional[Path] = None, percent: Optional[bool] = None,
           decimals: Optional[int] = None, band: Literal["minmax", "std"] = "minmax",
-          reference: Optional[Path] = None, runs_root: Path = Path("runs")) -> Table:
+          reference: Optional[Path] = None, runs_root: Path = Path("runs"),
+          override: Optional[list[str]] = None) -> Table:
     """Tabulate a sweep as the papers do (methods x settings, mean ± std (n) over seeds) and plot its curves.
 
     Writes table.md, table.csv and plot.png into `out` and prints the Markdown table.
 
     Args:
-        plan: a sweep plan (YAML file), or run folders / glob patterns of run folders (a folder
-            that is not a run stands for the runs below it).
+        plan: a sweep plan (YAML file); several plans ([a.yaml, b.yaml], or given one after another) as
+            one table, the paper's that they split (see _from_plans); or run folders / glob patterns of
+            run folders (a folder that is not a run stands for the runs below it).
         metric: the column of metrics.jsonl to report; default the plan's `metric`, else test_accuracy.
         at: each run's value: final (the last logged), best or last:K (the mean of its last K
             evaluations). best of a test metric (test_accuracy) is its value at the round of the
@@ -230,9 +237,11 @@ def table(plan: Union[str, list[str]], metric: Optional[str] = None, at: str = "
         reference: CSV of the papers' numbers (method, one column per setting, percent); default
             the plan's `reference` when the metric is the plan's.
         runs_root: the folder holding runs/<plan>/ of a plan.
+        override: KEY=VALUE settings applied last to every grid point, as given to `fl-lightning sweep`
+            (repeat --override for several): the table of that variant of the plan.
     """
     parse_at(at)
-    loaded = _load_entries(plan, runs_root)
+    loaded = _load_entries(plan, runs_root, override)
     metric = metric or loaded.metric
     percent = "accuracy" in metric.lower() if percent is None else percent
     if decimals is None:
@@ -289,10 +298,14 @@ def table(plan: Union[str, list[str]], metric: Optional[str] = None, at: str = "
 
     if logged and metric not in logged:
         raise ConfigError("metric", f"a metric the runs logged: {', '.join(sorted(logged))}", metric)
-    has_reference = reference is not None
+    numbers = None
+    if reference is not None:
+        numbers = paper_numbers(Path(reference), methods, loaded.settings, loaded.labels)
+    elif loaded.papers is not None and metric == loaded.metric:
+        numbers = loaded.papers
+    has_reference = numbers is not None
     if has_reference:
         unit = 1.0 if percent else 0.01
-        numbers = paper_numbers(Path(reference), methods, loaded.settings, loaded.labels)
         for key, paper in numbers.items():
             cells[key].paper = None if paper is None else paper * unit
     for setting in loaded.settings:
@@ -409,12 +422,21 @@ class _Loaded:
     reference: Optional[Path]
     out: Path
     plan_file: Optional[Path] = None
+    papers: Optional[dict[tuple[str, str], Optional[float]]] = None
+    """(row, setting) -> the paper's number, from each plan's reference: a table of several plans."""
 
 
-def _load_entries(plan: Union[str, list[str]], runs_root: Path) -> _Loaded:
+def _load_entries(plan: Union[str, list[str]], runs_root: Path, overrides: Optional[list[str]] = None) -> _Loaded:
     if isinstance(plan, str) and Path(plan).is_file():
-        return _from_plan(Path(plan), Path(runs_root))
+        return _from_plan(Path(plan), Path(runs_root), overrides)
     entries_given = [plan] if isinstance(plan, (str, Path)) else list(plan)
+    if len(entries_given) > 1 and all(Path(entry).is_file() for entry in entries_given):
+        return _from_plans([Path(entry) for entry in entries_given], Path(runs_root), overrides)
+    if len(entries_given) == 1 and Path(entries_given[0]).is_file():
+        return _from_plan(Path(entries_given[0]), Path(runs_root), overrides)
+    if overrides:
+        raise ConfigError("override", "a plan to apply it to (run folders are tabulated as they were run)",
+                          overrides)
     paths = find_runs(entries_given, recursive=True)
     paths = [p for p in paths if (p / METRICS_FILE).is_file()]
     if not paths:
@@ -423,8 +445,8 @@ def _load_entries(plan: Union[str, list[str]], runs_root: Path) -> _Loaded:
     return _from_folders(paths)
 
 
-def _from_plan(path: Path, runs_root: Path) -> _Loaded:
-    plan = load_plan(path, runs_root=runs_root)
+def _from_plan(path: Path, runs_root: Path, overrides: Optional[list[str]] = None) -> _Loaded:
+    plan = load_plan(path, runs_root=runs_root, overrides=overrides)
     grid = plan.grid()
     resolved = resolve_grid(grid)
     check_grid(path, resolved)
@@ -438,6 +460,70 @@ def _from_plan(path: Path, runs_root: Path) -> _Loaded:
                             for e in resolved],
                    methods=list(plan.methods), settings=settings, labels=labels, metric=plan.metric,
                    reference=reference, out=plan.runs_root / plan.name, plan_file=path)
+
+
+def _from_plans(paths: list[Path], runs_root: Path, overrides: Optional[list[str]]) -> _Loaded:
+    """Several plans as one table, the paper's table that they split (FedCONST's Table 1: a plan per
+    model and federation). Columns are the plans' settings in the order the plans are given, each
+    once; rows are their methods in that order. Plans that share a column (a setting name) are told
+    apart by the settings that differ between them (`model.name` for FedCONST: lenet5, resnet18):
+    each of their rows is prefixed with its values (`lenet5: FedAvg`; a number with its setting's
+    name, `hidden=16: FedAvg`), so the table has a block of
+    rows per value; plans without a shared column add columns to the same rows. A cell that two
+    plans would fill is refused. Each plan's reference gives the numbers of its own cells."""
+    parts = [_from_plan(path, runs_root, overrides) for path in paths]
+    metrics = {str(part.plan_file): part.metric for part in parts}
+    if len(set(metrics.values())) > 1:
+        raise ConfigError("plan", "plans that report one metric (their `metric:`), to be one table", metrics)
+    blocks = _row_blocks(parts)
+    entries, methods, settings, owner = [], [], [], {}
+    papers: dict[tuple[str, str], Optional[float]] = {}
+    for part, block in zip(parts, blocks):
+        rows = {method: f"{block}: {method}" if block else method for method in part.methods}
+        for row, setting in itertools.product(rows.values(), part.settings):
+            if (row, setting) in owner:
+                raise ConfigError("plan", "plans that fill each cell of the table once", f"{row} | {setting} in "
+                                  f"{owner[row, setting]} and {part.plan_file}")
+            owner[row, setting] = part.plan_file
+        methods += [row for row in rows.values() if row not in methods]
+        settings += [setting for setting in part.settings if setting not in settings]
+        entries += [dataclasses.replace(entry, method=rows[entry.method]) for entry in part.entries]
+        if part.reference is not None:
+            numbers = paper_numbers(part.reference, part.methods, part.settings, part.labels)
+            papers.update({(rows[method], setting): number for (method, setting), number in numbers.items()})
+    parsed = {setting: _parse_setting_name(setting) or {} for setting in settings}
+    axis_values: dict[str, list[str]] = {}
+    for setting in parsed.values():
+        for axis, value in setting.items():
+            axis_values.setdefault(axis, []).append(value)
+    labels = {setting: setting_label(parsed[setting], axis_values) for setting in settings}
+    names = [part.out.name for part in parts]
+    digest = hashlib.sha256("+".join(names).encode()).hexdigest()[:8]
+    prefix = os.path.commonprefix(names).rstrip("_-.@") or "plans"
+    return _Loaded(entries=entries, methods=methods, settings=settings, labels=labels, metric=parts[0].metric,
+                   reference=None, out=Path(runs_root) / f"{prefix}+{len(parts)}plans-{digest}",
+                   papers=papers if any(part.reference is not None for part in parts) else None)
+
+
+def _row_blocks(parts: list[_Loaded]) -> list[str]:
+    """Per plan, what tells its rows apart from those of the plans that share a column with it: the
+    values of the settings that differ between such plans (every run of a plan sharing them), or ""."""
+    shared_by_all = []
+    for part in parts:
+        flat = [defining_settings(entry.config) for entry in part.entries]
+        shared_by_all.append({name: value for name, value in flat[0].items()
+                              if all(name in other and other[name] == value for other in flat[1:])})
+    telling = set()
+    for first, second in itertools.combinations(range(len(parts)), 2):
+        if set(parts[first].settings) & set(parts[second].settings):
+            a, b = shared_by_all[first], shared_by_all[second]
+            telling |= {name for name in a.keys() | b.keys() if name not in a or name not in b or a[name] != b[name]}
+    return [", ".join(_block_value(name, block.get(name, "?")) for name in sorted(telling)) for block in shared_by_all]
+
+
+def _block_value(name: str, value) -> str:
+    """`lenet5` (a name says what it is), `hidden=16` (a number does not)."""
+    return value if isinstance(value, str) else f"{name.rsplit('.', 1)[-1]}={value_text(value)}"
 
 
 _SEED = re.compile(r"seed(\d+)")

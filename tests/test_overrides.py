@@ -1,0 +1,126 @@
+"""`--override KEY=VALUE` of sweep, table and dashboard: applied last to every grid point; an override
+that changes the experiment makes a variant of the plan whose runs live apart and are tabulated
+apart, one that does not (data.root) keeps the plan's own runs."""
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from fl_lightning.cli.main import main as fl_lightning_main
+from fl_lightning.errors import ConfigError
+from fl_lightning.experiments.dashboard import dashboard
+from fl_lightning.experiments.overrides import parse_overrides, variant_name
+from fl_lightning.experiments.plan import load_plan
+from fl_lightning.experiments.table import table
+from fl_lightning.run_logging import read_metrics
+
+REPOSITORY = Path(__file__).resolve().parents[1]
+QUICKSTART = str(REPOSITORY / "configs" / "quickstart.yaml")
+TINY = {"model.options": {"hidden": 16, "depth": 1}, "federation.rounds": 2, "federation.local_steps": 1,
+        "federation.eval_every": 1, "checkpoint.every": 1, "logger.wandb_mode": "disabled",
+        "logger.progress_bar": False}
+
+
+def write_plan(path: Path) -> Path:
+    plan = {"name": "tiny", "configs": [QUICKSTART, TINY], "methods": {"FedAvg": [{"algorithm": "fedavg"}]},
+            "settings": {"alpha": {"0.5": [{"data.alpha": 0.5}]}}, "seeds": [0]}
+    path.write_text(yaml.safe_dump(plan, sort_keys=False))
+    return path
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("given, expected", [
+    (["rounds"], "KEY=VALUE with a dotted fit setting"),
+    (["federation rounds=2"], "KEY=VALUE with a dotted fit setting"),
+    (["seed=3"], "a setting other than seed, out_dir"),
+    (["logger.tags=[a]"], "a setting other than seed, out_dir"),
+    (["fabric.devices=2"], "the sweep gives each run its devices: --gpus_per_run"),
+    (["data.alpha=0.1", "data.alpha=0.2"], "each setting once"),
+])
+def test_bad_overrides_are_refused(given, expected):
+    with pytest.raises(ConfigError, match=expected) as refused:
+        parse_overrides(given)
+    assert refused.value.field_name == "override"
+
+
+def test_variant_names_are_readable_deterministic_and_distinct():
+    rounds = parse_overrides(["federation.rounds=20"])
+    assert variant_name("plan", rounds) == variant_name("plan", parse_overrides(["federation.rounds=20"]))
+    assert variant_name("plan", rounds).startswith("plan@rounds20-")
+    assert variant_name("plan", rounds) != variant_name("plan", parse_overrides(["federation.rounds=30"]))
+    # Two keys of one last name stay apart (the digest), and the order given does not matter.
+    both = ["federation.rounds=20", "data.alpha=0.1"]
+    assert variant_name("plan", parse_overrides(both)) == variant_name("plan", parse_overrides(both[::-1]))
+    assert variant_name("plan", parse_overrides(["a.rounds=20"])) != variant_name("plan", rounds)
+    # A value that is no short folder name gives the digest alone.
+    assert len(variant_name("plan", parse_overrides(["model.options={hidden: 8, depth: 2}"]))) == len("plan@") + 8
+    # Settings a resume may change keep the plan's name, but for the rounds (another table).
+    assert variant_name("plan", parse_overrides(["data.root=/scratch/data", "logger.wandb_mode=online"])) == "plan"
+    assert variant_name("plan", parse_overrides(["data.root=/scratch", *both])) == variant_name(
+        "plan", parse_overrides(both))
+
+
+def test_overrides_come_last_in_every_point(tmp_path):
+    plan = load_plan(write_plan(tmp_path / "plan.yaml"), runs_root=tmp_path / "runs",
+                     overrides=["federation.rounds=1", "data.alpha=0.1"])
+    point = plan.grid()[0]
+    arguments = point.fit_arguments()
+    seed = arguments.index("--seed")
+    assert arguments[seed + 2:seed + 6] == ["--federation.rounds", "1", "--data.alpha", "0.1"]
+    assert point.out_dir == tmp_path / "runs" / plan.name / "alpha-0.5" / "fedavg" / "seed0"
+    assert f"plan={plan.name}" in arguments[-1] and plan.name != "tiny"
+
+
+def test_a_variant_lives_apart_and_never_mixes_with_the_plan_in_a_table(tmp_path, capsys, monkeypatch, one_thread):
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    path = write_plan(tmp_path / "plan.yaml")
+    runs = tmp_path / "runs"
+    base = load_plan(path, runs_root=runs)
+    variant = load_plan(path, runs_root=runs, overrides=["federation.rounds=1"])
+    for plan in (base, variant):
+        for point in plan.grid():
+            fl_lightning_main(point.fit_arguments())
+    base_dir, variant_dir = base.grid()[0].out_dir, variant.grid()[0].out_dir
+    assert base_dir != variant_dir and variant_dir.parts[-4] == variant.name
+    assert [row["round"] for row in read_metrics(base_dir)] == [1, 2]
+    assert [row["round"] for row in read_metrics(variant_dir)] == [1]
+
+    base_table = table(plan=str(path), runs_root=runs)
+    variant_table = table(plan=str(path), runs_root=runs, override=["federation.rounds=1"])
+    (base_cell,), (variant_cell,) = base_table.cells.values(), variant_table.cells.values()
+    assert base_cell.values == [100 * read_metrics(base_dir)[-1]["test_accuracy"]]
+    assert variant_cell.values == [100 * read_metrics(variant_dir)[-1]["test_accuracy"]]
+    assert not base_table.notes and not variant_table.notes
+    assert (runs / "tiny" / "table.md").is_file() and (runs / variant.name / "table.md").is_file()
+
+    # On the command line, repeated; data.root does not change the experiment: the same variant.
+    capsys.readouterr()
+    fl_lightning_main(["sweep", str(path), "--runs_root", str(runs), "--override", "federation.rounds=1",
+                       "--override", "data.root=elsewhere", "--list"])
+    out = capsys.readouterr().out
+    assert (f"plan variant {variant.name} of tiny (federation.rounds=1, data.root=elsewhere): its runs in "
+            f"{runs / variant.name}") in out
+    assert f"finished  {variant_dir}" in out
+    assert out.splitlines()[-1] == "1 runs: 1 finished, 0 partial, 0 without a checkpoint"
+    fl_lightning_main(["sweep", str(path), "--runs_root", str(runs), "--override", "data.root=elsewhere", "--list"])
+    out = capsys.readouterr().out
+    assert "overrides data.root=elsewhere: the plan's own runs (no override changes the experiment)" in out
+    assert f"finished  {base_dir}" in out
+
+
+def test_the_dashboard_of_a_variant_shows_the_variants_runs(tmp_path, capsys):
+    path = write_plan(tmp_path / "plan.yaml")
+    spec = dashboard(path, offline=True, runs_root=tmp_path / "runs", override=["federation.rounds=1"])
+    variant = load_plan(path, overrides=["federation.rounds=1"]).name
+    assert spec["plan"] == variant and spec["sections"][0]["filters"]["tags"] == [f"plan={variant}"]
+    assert (tmp_path / "runs" / variant / "dashboard.json").is_file()
+    assert "--override=federation.rounds=1" in capsys.readouterr().out

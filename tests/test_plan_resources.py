@@ -1,0 +1,157 @@
+"""A plan's `resources:` (GPUs per run, precision, time per run): read and checked, the sweep's
+defaults locally and with --slurm, a GPU plan refused where its runs would train on the CPU unless the
+command line says so, and the shipped GPU plan states them. The suite has no GPU: every GPU run here
+is a dry run or a refusal."""
+
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fl_lightning.cli.main import main as fl_lightning_main
+from fl_lightning.errors import ConfigError
+from fl_lightning.experiments.plan import load_plan
+
+REPOSITORY = Path(__file__).resolve().parents[1]
+QUICKSTART = str(REPOSITORY / "configs" / "quickstart.yaml")
+TINY = {"model.options": {"hidden": 16, "depth": 1}, "federation.rounds": 2, "federation.local_steps": 1,
+        "logger.wandb_mode": "disabled"}
+GPU_RESOURCES = {"gpus_per_run": 2, "precision": "bf16-mixed", "time_per_run": "02:00:00"}
+
+
+@pytest.fixture(autouse=True)
+def no_gpu_and_outside_slurm(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU visible, on any machine
+    for name in list(os.environ):
+        if name.startswith("SLURM_"):
+            monkeypatch.delenv(name)
+
+
+def write_plan(path: Path, resources=None, configs=(), methods=None) -> Path:
+    plan = {"name": "gpuplan", "configs": [QUICKSTART, TINY, *configs],
+            "methods": methods or {"FedAvg": [{"algorithm": "fedavg"}]},
+            "settings": {"alpha": {"0.5": [{"data.alpha": 0.5}]}}, "seeds": [0]}
+    if resources is not None:
+        plan["resources"] = resources
+    path.write_text(yaml.safe_dump(plan, sort_keys=False))
+    return path
+
+
+def run_sweep(capsys, *arguments: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    try:
+        fl_lightning_main(["sweep", *arguments])
+        status = 0
+    except SystemExit as exited:
+        status = exited.code or 0
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+@pytest.fixture
+def at_repository_root(monkeypatch):
+    monkeypatch.chdir(REPOSITORY)  # --slurm submits from the repository root (slurm/sweep.sbatch)
+
+
+@pytest.mark.parametrize("resources, field, expected", [
+    ({"gpus": 4}, "plan.resources", "only the keys gpus_per_run, precision, time_per_run"),
+    ({"gpus_per_run": -1}, "plan.resources.gpus_per_run", "an integer >= 0"),
+    ({"gpus_per_run": True}, "plan.resources.gpus_per_run", "an integer >= 0"),
+    ({"precision": "bf16"}, "plan.resources.precision", "one of 32-true, bf16-mixed"),
+    ({"time_per_run": 86400}, "plan.resources.time_per_run", "quoted string"),  # YAML's reading of 24:00:00
+    ({"time_per_run": "a day"}, "plan.resources.time_per_run", "SLURM time limit"),
+    ([4], "plan.resources", "a mapping"),
+])
+def test_bad_resources_are_refused_naming_the_key(resources, field, expected, tmp_path):
+    with pytest.raises(ConfigError, match=expected) as refused:
+        load_plan(write_plan(tmp_path / "plan.yaml", resources))
+    assert refused.value.field_name == field
+
+
+def test_unquoted_time_in_yaml_is_refused(tmp_path):
+    path = tmp_path / "plan.yaml"
+    write_plan(path)
+    path.write_text(path.read_text() + "resources: {time_per_run: 24:00:00}\n")
+    with pytest.raises(ConfigError, match="plan.resources.time_per_run: expected a SLURM time limit as a quoted"):
+        load_plan(path)
+
+
+def test_a_gpu_plan_is_refused_locally_without_gpus(tmp_path, capsys):
+    plan = write_plan(tmp_path / "plan.yaml", GPU_RESOURCES)
+    status, out, err = run_sweep(capsys, str(plan), "--runs_root", str(tmp_path / "runs"), "--dry_run")
+    assert status == 2 and "[0]" not in out
+    assert err.startswith("error: gpus_per_run: expected GPUs visible here for plan gpuplan, whose resources ask "
+                          "for 2 per run"), err
+    assert "give --gpus_per_run 0 to train its runs on the CPU anyway, got '2 (plan.resources.gpus_per_run)'" in err
+
+
+def test_gpus_per_run_0_on_the_command_line_overrides_the_plan_and_says_so(tmp_path, capsys):
+    plan = write_plan(tmp_path / "plan.yaml", GPU_RESOURCES)
+    status, out, err = run_sweep(capsys, str(plan), "--runs_root", str(tmp_path / "runs"), "--dry_run",
+                                 "--gpus_per_run", "0")
+    assert status == 0, err
+    assert "note: --gpus_per_run 0 overrides the plan's resources.gpus_per_run: 2 (its runs train on the CPU)" in out
+    command = next(line for line in out.splitlines() if line.startswith("[0]"))
+    # The plan's precision comes first (a default every config may state again), the CPU last.
+    assert " fit --fabric.precision bf16-mixed --config " in command
+    assert command.endswith("--fabric.accelerator cpu --fabric.devices 1 --fabric.num_nodes 1 "
+                            "--logger.progress_bar false")
+
+
+def test_with_slurm_the_plans_resources_are_the_array_jobs(tmp_path, capsys, at_repository_root):
+    plan = write_plan(tmp_path / "plan.yaml", GPU_RESOURCES)
+    runs = str(tmp_path / "runs")
+    status, out, err = run_sweep(capsys, str(plan), "--runs_root", runs, "--slurm", "--dry_run",
+                                 "--sbatch_options", "[--partition=gpu]")
+    assert status == 0, err
+    assert (f"1 grid points as one array job: sbatch --array=0-0 --ntasks-per-node=2 --gpus-per-node=2 "
+            f"--time=02:00:00 --partition=gpu slurm/sweep.sbatch {plan} --runs_root {runs}") in out
+    # The command line's own --time and --gpus_per_run win, and say what they override.
+    status, out, err = run_sweep(capsys, str(plan), "--runs_root", runs, "--slurm", "--dry_run",
+                                 "--sbatch_options", "[--time=00:30:00]", "--gpus_per_run", "1")
+    assert status == 0, err
+    assert "note: --gpus_per_run 1 overrides the plan's resources.gpus_per_run: 2" in out
+    assert "note: --time=00:30:00 (--sbatch_options) overrides the plan's resources.time_per_run: 02:00:00" in out
+    assert ("sbatch --array=0-0 --ntasks-per-node=1 --gpus-per-node=1 --time=00:30:00 slurm/sweep.sbatch "
+            in out)
+
+
+def test_a_plan_whose_configs_ask_for_gpus_is_refused_without_resources(tmp_path, capsys, at_repository_root):
+    plan = write_plan(tmp_path / "plan.yaml", configs=[{"fabric.accelerator": "gpu"}])
+    runs = str(tmp_path / "runs")
+    for where in (["--slurm"], []):
+        status, out, err = run_sweep(capsys, str(plan), "--runs_root", runs, "--dry_run", *where)
+        assert status == 2 and "array job" not in out
+        assert err.startswith("error: gpus_per_run: expected GPUs for plan gpuplan, whose runs ask for them "
+                              "(fabric.accelerator gpu in the settings of 1 grid point(s), first [0])"), err
+    status, out, err = run_sweep(capsys, str(plan), "--runs_root", runs, "--dry_run", "--slurm", "--gpus_per_run", "0")
+    assert status == 0, err
+    assert "note: --gpus_per_run 0 runs on the CPU the 1 run(s) whose settings ask for fabric.accelerator gpu" in out
+    assert "sbatch --array=0-0 slurm/sweep.sbatch" in out
+
+
+def test_a_config_setting_another_precision_than_the_resources_is_refused(tmp_path, capsys):
+    plan = write_plan(tmp_path / "plan.yaml", {"precision": "bf16-mixed"},
+                      methods={"FedAvg": [{"algorithm": "fedavg"}],
+                               "FedAvg fp32": [{"algorithm": "fedavg"}, {"fabric.precision": "32-true"}]})
+    status, out, err = run_sweep(capsys, str(plan), "--runs_root", str(tmp_path / "runs"), "--dry_run")
+    assert status == 2
+    assert err.splitlines() == [
+        "error: plan.resources.precision: expected the precision of every grid point (bf16-mixed; a config that "
+        f"sets fabric.precision disagrees with it), got {plan}, where",
+        "  [1] FedAvg fp32 | alpha-0.5 | seed 0: fabric.precision 32-true"]
+    # An override of the precision is every point's, the resources' included.
+    status, out, err = run_sweep(capsys, str(plan), "--runs_root", str(tmp_path / "runs"), "--dry_run",
+                                 "--override", "fabric.precision=32-true")
+    assert status == 0, err
+    assert all("--fabric.precision 32-true --out_dir" in line
+               for line in out.splitlines() if line.startswith("["))
+
+
+def test_the_shipped_gpu_plan_states_its_resources(monkeypatch):
+    monkeypatch.chdir(REPOSITORY)
+    plan = load_plan(REPOSITORY / "configs" / "plans" / "ctpfl_table1.yaml")
+    assert (plan.resources.gpus_per_run, plan.resources.precision, plan.resources.time_per_run) == (
+        4, "bf16-mixed", "24:00:00")
+    assert plan.grid()[0].parts[0] == {"fabric.precision": "bf16-mixed"}
