@@ -3,15 +3,15 @@ top of a file and inside functions alike): no cycle between files, and no file i
 above its own.
 
 The layers, lowest first (LAYERS): the errors every layer may raise; helpers that import nothing of
-the package but errors; the data and model registries (which know nothing of the settings); the
-settings (config.py, which checks dataset and model names against those registries); the run folder,
-checkpoints, logging and the cluster; the pieces of training (the LightningModule, client updates,
-server optimizers, constraints); the algorithms; the callbacks and diagnostics; the federation; `fit`;
-the command line's parser in its three steps (messages, then the rewriting of arguments, then the
-parser), which the experiments use to read their grid points; the experiments (plans, sweeps,
-tables, compare); and last the commands, `fl_lightning.cli.main` and `python -m fl_lightning`. A
-module belongs to the layer of the longest prefix listed for it; within a layer any import is
-allowed that makes no cycle.
+the package but errors (dotted paths, the choices of settings, flat vectors); the data and model
+registries (which know nothing of the settings); the settings (config.py, which checks dataset and
+model names against those registries); the run folder, checkpoints, logging and the cluster; the
+pieces of training (the LightningModule, client updates, server optimizers, constraints); the
+algorithms; the callbacks and diagnostics; the federation; `fit`; the command line's parser in its
+three steps (messages, then the rewriting of arguments, then the parser), which the experiments use
+to read their grid points; the experiments (plans, sweeps, tables, compare); and last the commands,
+`fl_lightning.cli.main` and `python -m fl_lightning`. A module belongs to the layer of the longest
+prefix listed for it; within a layer any import is allowed that makes no cycle.
 
 Imports in `if TYPE_CHECKING:` blocks never run on import, so they make no cycle (they are how a
 module names a type of a module that imports it), but they may not reach above their layer either:
@@ -28,11 +28,12 @@ PACKAGE = Path(__file__).resolve().parent.parent / "fl_lightning"
 
 LAYERS = [
     ("errors", ["fl_lightning", "fl_lightning.errors"]),
-    ("helpers", ["fl_lightning.configurable", "fl_lightning.flat"]),
+    ("helpers", ["fl_lightning.choices", "fl_lightning.configurable", "fl_lightning.flat"]),
     ("data and models", ["fl_lightning.data", "fl_lightning.models"]),
     ("settings", ["fl_lightning.config"]),
     ("run folder, logging and cluster",
-     ["fl_lightning.run_dir", "fl_lightning.checkpoint", "fl_lightning.run_logging", "fl_lightning.cluster"]),
+     ["fl_lightning.run_dir", "fl_lightning.checkpoint", "fl_lightning.wandb_file", "fl_lightning.run_logging",
+      "fl_lightning.cluster"]),
     ("training pieces",
      ["fl_lightning.module", "fl_lightning.client", "fl_lightning.server_optimizers", "fl_lightning.constraints"]),
     ("algorithms", ["fl_lightning.algorithms", "fl_lightning.client_groups"]),
@@ -92,8 +93,9 @@ def import_graph(typing_only: bool = False) -> dict[str, set[str]]:
 
 
 def layer_of(module: str) -> int:
+    # The package itself is a layer's member by its name alone: as a prefix it would take in every module.
     matches = [(len(prefix), index) for index, (_, prefixes) in enumerate(LAYERS) for prefix in prefixes
-               if module == prefix or module.startswith(prefix + ".")]
+               if module == prefix or (prefix != "fl_lightning" and module.startswith(prefix + "."))]
     assert matches, f"{module} is in no layer: add it to LAYERS"
     return max(matches)[1]
 
