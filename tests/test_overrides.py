@@ -61,8 +61,11 @@ def test_variant_names_are_readable_deterministic_and_distinct():
     both = ["federation.rounds=20", "data.alpha=0.1"]
     assert variant_name("plan", parse_overrides(both)) == variant_name("plan", parse_overrides(both[::-1]))
     assert variant_name("plan", parse_overrides(["a.rounds=20"])) != variant_name("plan", rounds)
-    # A value that is no short folder name gives the digest alone.
+    # A value that is no short folder name gives the digest alone, and so does a hint too long for a W&B tag.
     assert len(variant_name("plan", parse_overrides(["model.options={hidden: 8, depth: 2}"]))) == len("plan@") + 8
+    long_name = "fedconst_table1_resnet18_cross-device"
+    assert variant_name(long_name, parse_overrides(["federation.local_steps=10"])) == f"{long_name}@" + variant_name(
+        "plan", parse_overrides(["federation.local_steps=10"]))[-8:]
     # Settings a resume may change keep the plan's name, but for the rounds (another table).
     assert variant_name("plan", parse_overrides(["data.root=/scratch/data", "logger.wandb_mode=online"])) == "plan"
     assert variant_name("plan", parse_overrides(["data.root=/scratch", *both])) == variant_name(

@@ -12,7 +12,8 @@ An override that changes the experiment moves the plan's runs into a variant of 
 `<plan>@<hint>-<digest>` (`ctpfl_table1@rounds20-1c0ffee5`): its own run folders
 runs/<variant>/..., its own W&B tag `plan=<variant>` and groups, its own table. The digest (8 hex
 digits of the experiment-changing overrides) tells variants apart; the hint (each key's last part
-and its value) is there to be read, and left out when it would not be a short, folder-safe name.
+and its value) is there to be read, and left out when it would not be a short, folder-safe name
+(or would make the W&B tag longer than W&B takes).
 So a scaled-down grid never shares a folder, a table or a W&B group with the full one. The settings
 that `fit` lets change on resume (fl_lightning.run_dir.SAFE_TO_CHANGE: data.root, logging,
 checkpoints, compute, ...) keep the plan's name and folders, except `federation.rounds`: more rounds
@@ -41,6 +42,8 @@ SET_BY_THE_SWEEP = ("fabric.accelerator", "fabric.devices", "fabric.num_nodes")
 _KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 _HINT = re.compile(r"[A-Za-z0-9._+-]+")
 HINT_LENGTH = 32
+TAG_LENGTH = 64
+"""W&B refuses longer tags; each run of a variant is tagged plan=<variant>."""
 
 
 def parse_overrides(overrides: Optional[list[str]]) -> dict[str, Any]:
@@ -78,9 +81,10 @@ def variant_name(plan_name: str, overrides: dict[str, Any]) -> str:
         return plan_name
     digest = hashlib.sha256(json.dumps(defining, sort_keys=True, default=str).encode()).hexdigest()[:8]
     hint = "+".join(f"{key.rsplit('.', 1)[-1]}{value_text(value)}" for key, value in defining.items())
-    if len(hint) > HINT_LENGTH or not _HINT.fullmatch(hint):
+    named = f"{plan_name}@{hint}-{digest}"
+    if len(hint) > HINT_LENGTH or not _HINT.fullmatch(hint) or len(f"plan={named}") > TAG_LENGTH:
         return f"{plan_name}@{digest}"
-    return f"{plan_name}@{hint}-{digest}"
+    return named
 
 
 def value_text(value: Any) -> str:
