@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import resource
 import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 from fl_lightning.checkpoint import checkpoint_dir, load_checkpoint, numbered_checkpoints
 from fl_lightning.errors import ConfigError
@@ -102,11 +101,12 @@ def _time_point(entries: list[ResolvedPoint], machine: Resources, devices: int, 
     rounds = min(TIMED_ROUNDS, entry.rounds)
     out_dir.mkdir(parents=True)
     report = out_dir / REPORT_FILE
-    # The point's own `fit` process (fit_command: python -m fl_lightning fit ...), run under this
-    # module's main, which records the process's peak memory after fit returns.
+    # The point's own `fit` process (fit_command: python -m fl_lightning fit ...), run under the
+    # command that records the process's peak memory after fit returns.
     fit = fit_command(dataclasses.replace(entry.point, out_dir=out_dir), machine)[3:]
-    command = [sys.executable, "-m", __name__, str(report), *fit, "--federation.rounds", str(rounds),
-               "--checkpoint.every", "1", "--logger.wandb_mode", "disabled", "--resume", "null"]
+    command = [sys.executable, "-m", "fl_lightning.cli.peak_memory", str(report), *fit,
+               "--federation.rounds", str(rounds), "--checkpoint.every", "1", "--logger.wandb_mode", "disabled",
+               "--resume", "null"]
     log = out_dir.parent / f"{out_dir.name}.{LOG_FILE}"
     with open(log, "wb") as handle:
         status = subprocess.run(command, env=run_environment(machine, 0), stdin=subprocess.DEVNULL, stdout=handle,
@@ -174,28 +174,3 @@ def _size(count: float) -> str:
         if count < 1024:
             return f"{count:.1f} {unit}"
     return f"{count / 1024:.1f} GiB"
-
-
-def _peak_bytes() -> int:
-    """This process's peak memory: its GPU's on a GPU, else the largest resident set of it and of the
-    processes it waited for (its ranks); Linux reports maxrss in KiB."""
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return int(torch.cuda.max_memory_allocated())
-    return 1024 * max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
-                      resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
-
-
-def main(argv: Optional[list[str]] = None) -> None:
-    """python -m fl_lightning.experiments.estimate REPORT fit ARGS...: `fl-lightning fit ARGS`, then
-    the process's peak memory written to REPORT."""
-    report, *fit_arguments = list(sys.argv[1:] if argv is None else argv)
-    from fl_lightning.cli.main import main as fl_lightning
-
-    fl_lightning(fit_arguments)
-    Path(report).write_text(json.dumps({"peak_bytes": _peak_bytes()}))
-
-
-if __name__ == "__main__":
-    main()

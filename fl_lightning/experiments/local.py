@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Optional
 from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.plan import GridPoint
 from fl_lightning.experiments.resolve import ResolvedPoint, describe_point
+from fl_lightning.experiments.resources import visible_gpus
 from fl_lightning.experiments.runs import RunState, run_state
 from fl_lightning.run_dir import FolderInUse, RunDirLock
 
@@ -74,16 +75,6 @@ def available_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
-
-
-def visible_gpus() -> list[str]:
-    """The GPUs this process may use: CUDA_VISIBLE_DEVICES if set, else every one torch sees."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return [gpu.strip() for gpu in visible.split(",") if gpu.strip()]
-    import torch
-
-    return [str(gpu) for gpu in range(torch.cuda.device_count())]
 
 
 def plan_resources(jobs: int, gpus_per_run: int, threads_per_run: Optional[int]) -> Resources:

@@ -89,10 +89,9 @@ def variant_name(plan_name: str, overrides: dict[str, Any]) -> str:
 
 def value_text(value: Any) -> str:
     """A value as a grid point's command line gives it to `fit` (`20`, `0.1`, `[1, 2]`)."""
-    # plan.py reads overrides with this module: imported here, not at the top, to keep the two apart.
-    from fl_lightning.experiments.plan import _command_line_value
-
-    return _command_line_value(value)
+    if isinstance(value, str):
+        return value
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
 
 
 def describe_overrides(overrides: dict[str, Any]) -> str:

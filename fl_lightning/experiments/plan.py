@@ -37,7 +37,7 @@ from typing import Any, Optional, Union
 import yaml
 
 from fl_lightning.errors import ConfigError
-from fl_lightning.experiments.overrides import parse_overrides, variant_name
+from fl_lightning.experiments.overrides import parse_overrides, value_text, variant_name
 from fl_lightning.experiments.resources import PlanResources, read_resources
 
 Part = Union[str, dict]
@@ -71,10 +71,10 @@ class GridPoint:
                 arguments += ["--config", part]
             else:
                 for key, value in part.items():
-                    arguments += [f"--{key}", _command_line_value(value)]
+                    arguments += [f"--{key}", value_text(value)]
         arguments += ["--seed", str(self.seed)]
         for key, value in self.overrides.items():
-            arguments += [f"--{key}", _command_line_value(value)]
+            arguments += [f"--{key}", value_text(value)]
         return arguments + [
             "--out_dir", str(self.out_dir), "--resume", "auto",
             # One method per W&B group (W&B averages a group): a group is a cell's seeds.
@@ -125,12 +125,6 @@ class Plan:
 def slug(name: str) -> str:
     """A folder- and tag-safe form of a method name: "FedAvg + CONST" -> "fedavg+const"."""
     return re.sub(r"[^a-z0-9+=._-]+", "-", name.lower().replace(" + ", "+")).strip("-")
-
-
-def _command_line_value(value) -> str:
-    if isinstance(value, str):
-        return value
-    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
 
 
 def load_plan(path: Path, runs_root: Path = Path("runs"), overrides: Optional[list[str]] = None) -> Plan:

@@ -12,14 +12,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import yaml
 
 from fl_lightning.cli.parser import build_parser, parse_command_line
 from fl_lightning.errors import ConfigError
-from fl_lightning.experiments.plan import GridPoint
 from fl_lightning.fit import fit_config
+
+if TYPE_CHECKING:
+    from fl_lightning.experiments.plan import GridPoint
 
 
 @dataclass

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import typing
 from dataclasses import dataclass
@@ -80,8 +81,6 @@ def gpus_per_run(plan: Plan, resolved: list[ResolvedPoint], given: Optional[int]
                   f"fabric.accelerator {on_gpus[0].config['fabric']['accelerator']}", flush=True)
         return given
     if asked and not slurm:
-        from fl_lightning.experiments.local import visible_gpus
-
         if not visible_gpus():
             raise ConfigError("gpus_per_run", f"GPUs visible here for plan {plan.name}, whose resources ask for "
                               f"{asked} per run (none is: no CUDA device, or CUDA_VISIBLE_DEVICES empty); give "
@@ -125,3 +124,13 @@ def time_options(plan: Plan, sbatch_options: list[str]) -> list[str]:
         print(f"note: {given[-1]} (--sbatch_options) overrides the plan's resources.time_per_run: {time}", flush=True)
         return []
     return [f"--time={time}"]
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use: CUDA_VISIBLE_DEVICES if set, else every one torch sees."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [gpu.strip() for gpu in visible.split(",") if gpu.strip()]
+    import torch
+
+    return [str(gpu) for gpu in range(torch.cuda.device_count())]
