@@ -250,7 +250,8 @@ class ShowProgress(Callback):
         if self._bar is not None:
             self._bar.close()
         if fabric.global_rank == 0 and not loop.failed:
-            print(summary_line(loop.history, loop.rounds, loop.out_dir, loop.stop_reasons), flush=True)
+            print(summary_line(loop.history, loop.rounds, loop.out_dir, loop.stop_reasons, loop.final_stop),
+                  flush=True)
 
 
 class StopOnSignal(Callback):

@@ -215,10 +215,18 @@ def round_line(metrics: dict, rounds: int) -> str:
     return "  ".join(parts)
 
 
-def summary_line(history: list[dict], rounds: int, out_dir: Path, stop_reasons: set[str]) -> str:
+def summary_line(history: list[dict], rounds: int, out_dir: Path, stop_reasons: set[str],
+                 final_stop: Optional[str] = None) -> str:
+    """The run's last line; `final_stop` is the reason of a stop for good (an early stop), which the same
+    command does not continue, unlike an interruption."""
     final_round = history[-1]["round"] if history else 0
     why = "; ".join(sorted(stop_reasons)) or "requested by another rank"
-    state = "finished" if final_round == rounds else f"stopped ({why}; checkpoint saved)"
+    if final_round == rounds:
+        state = "finished"
+    elif final_stop is not None:
+        state = f"stopped for good ({final_stop}; the same command trains nothing more)"
+    else:
+        state = f"stopped ({why}; checkpoint saved)"
     accuracies = [row["test_accuracy"] for row in history if row.get("test_accuracy") is not None]
     accuracy = f"; final test_accuracy {accuracies[-1]:.4f}, best {max(accuracies):.4f}" if accuracies else ""
     return f"{state} at round {final_round}/{rounds}{accuracy}; outputs in {out_dir}"

@@ -121,7 +121,8 @@ def test_an_early_stopped_run_trains_nothing_when_run_again_also_with_more_round
     stopped_at = len(read_metrics(out_dir))
     assert stopped_at < 30
     checkpoints = {p.name: p.read_bytes() for p in checkpoint_dir(out_dir).iterdir()}
-    capsys.readouterr()
+    assert f"stopped for good (early stopping: test_accuracy has not improved for 2 evaluations; the same command " \
+           f"trains nothing more) at round {stopped_at}/30" in capsys.readouterr().out
 
     for rounds in ("30", "60"):
         fit([*arguments, "--federation.rounds", rounds], out_dir)
