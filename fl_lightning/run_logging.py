@@ -151,7 +151,7 @@ class WandbRun:
         accuracies = [row["test_accuracy"] for row in history if row.get("test_accuracy") is not None]
         if self._run is not None and accuracies:
             summary = {"final_test_accuracy": accuracies[-1], "best_test_accuracy": max(accuracies),
-                       "rounds_done": history[-1]["round"]}
+                       "rounds_done": history[-1]["round"], **selected_on_validation(history)}
             self._call("write the summary", lambda: self._run.summary.update(summary))
         if self._run is not None:
             run_file = Path(self._run.settings.sync_file)
@@ -204,6 +204,19 @@ def _shut_down_wandb_service() -> None:
         # The service died of the job's SIGTERM already (scancel, preemption; W&B exits with its
         # non-zero status): nothing is left to close, and a call that failed on it has said so.
         pass
+
+
+def selected_on_validation(history: list[dict]) -> dict:
+    """The test accuracy at the evaluation of best validation accuracy (the earliest, on a tie), as
+    `fl-lightning table --at best` reports it: a model chosen without the test set. Empty without a
+    validation split (data.validation), where best_test_accuracy is the only best there is."""
+    evaluated = [row for row in history
+                 if row.get("val_accuracy") is not None and row.get("test_accuracy") is not None]
+    if not evaluated:
+        return {}
+    chosen = max(evaluated, key=lambda row: (row["val_accuracy"], -row["round"]))
+    return {"best_val_accuracy": chosen["val_accuracy"], "test_accuracy_at_best_val": chosen["test_accuracy"],
+            "round_of_best_val": chosen["round"]}
 
 
 def round_line(metrics: dict, rounds: int) -> str:

@@ -24,7 +24,7 @@ from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.table import table
 from fl_lightning.fit import fit
 from fl_lightning.run_dir import check_same_experiment, experiment_digest, recorded_config
-from fl_lightning.run_logging import MetricsLog, read_metrics
+from fl_lightning.run_logging import MetricsLog, read_metrics, selected_on_validation
 
 PER_CLIENT_KEYS = ("client_val_accuracy_mean", "client_val_accuracy_std", "client_val_accuracy_min",
                    "client_val_accuracy_p10")
@@ -241,3 +241,15 @@ def test_at_best_reports_the_test_metric_at_the_round_of_the_best_validation_met
     final = table(runs, metric="test_accuracy", at="final", out=tmp_path / "out")
     assert final.cell("split", setting).values == [pytest.approx(65.0)]
     assert "best:" not in capsys.readouterr().out
+
+
+def test_the_wandb_summary_reports_the_test_accuracy_of_the_round_chosen_on_validation():
+    history = [{"round": 1, "val_accuracy": 0.5, "test_accuracy": 0.40},
+               {"round": 2, "val_accuracy": 0.7, "test_accuracy": 0.55},
+               {"round": 3, "train_loss": 0.1},
+               {"round": 4, "val_accuracy": 0.7, "test_accuracy": 0.60},
+               {"round": 5, "val_accuracy": 0.6, "test_accuracy": 0.65}]
+    # The earliest of the tied best validation rounds, never the test set's own best (round 5).
+    assert selected_on_validation(history) == {"best_val_accuracy": 0.7, "test_accuracy_at_best_val": 0.55,
+                                               "round_of_best_val": 2}
+    assert selected_on_validation([{"round": 1, "test_accuracy": 0.4}]) == {}
