@@ -164,6 +164,7 @@ def test_fedavg_m_divides_each_update_by_the_clients_own_step_count(cifar_root, 
     assert_close(final, mixed_direction_reference(problem, setup, 0.3, gamma=1.0, batches=batches))
 
 
+@pytest.mark.slow
 def test_fedsam_matches_reference_and_logs_the_first_pass_loss(cifar_root, tmp_path):
     setup = small_setup(cifar_root, tmp_path)
     rho = 0.5

@@ -28,6 +28,7 @@ def throughput():
 TINY = ["--model", "linear", "--clients", "2", "--local-steps", "2", "--batch-size", "8", "--repeats", "1"]
 
 
+@pytest.mark.slow
 def test_prints_every_method_with_a_positive_rate(throughput, capsys):
     medians = throughput.main([*TINY, "--algorithms", "fedavg,ctpfl"])
     printed = capsys.readouterr().out
@@ -50,6 +51,7 @@ def test_prints_every_method_with_a_positive_rate(throughput, capsys):
     assert "precision 32-true" in printed
 
 
+@pytest.mark.slow
 def test_json_holds_every_setting_and_method(throughput, tmp_path, capsys):
     path = tmp_path / "out" / "throughput.json"
     throughput.main([*TINY, "--channels", "1", "--image-size", "8", "--num-classes", "5", "--channels-last",

@@ -65,6 +65,7 @@ def expected_hooks(first_round: int, last_round: int, eval_every: int, rounds: i
     return lines + [f"fit_end {last_round}"]
 
 
+@pytest.mark.slow
 def test_hooks_fire_in_order_and_a_yaml_callback_interrupts_a_run_that_then_resumes(tmp_path):
     out_dir = tmp_path / "run"
     config = hooks_config(tmp_path,

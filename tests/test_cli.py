@@ -173,6 +173,7 @@ def test_print_config_round_trips(capsys):
     assert printed["federation"]["num_clients"] == 10
 
 
+@pytest.mark.slow
 def test_written_config_reads_back(tmp_path, capsys):
     out_dir = tmp_path / "run"
     main(["fit", "--config", QUICKSTART, "--federation.rounds", "1", "--logger.progress_bar", "false",
@@ -222,6 +223,7 @@ def test_sweep_and_table_take_the_plan_as_their_first_argument(tmp_path, capsys)
     assert "fedavg" in listed and "seed1" in listed and "not started" in listed
 
 
+@pytest.mark.slow
 def test_help_and_a_refused_config_never_import_lightning(tmp_path):
     """Lightning, most of what start-up cost (docs/performance.md), is imported when a run launches,
     not to parse or refuse one: checked in a fresh interpreter."""

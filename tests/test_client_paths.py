@@ -172,6 +172,7 @@ def test_const_constrained_clients_grouped_match_the_loop(algorithm_name, group_
     assert_same_run(grouped, rounds_of(federated_loop(**settings, client_path="loop", constraint=CONST())))
 
 
+@pytest.mark.slow
 def test_batchnorm_clients_group_only_with_clients_of_the_same_batch_sizes(group_sizes):
     """Padding would change BatchNorm's batch statistics: unequal clients are not grouped."""
     settings = dict(algorithm_name="fedavg", batch_norm=True, local_epochs=1)
@@ -182,6 +183,7 @@ def test_batchnorm_clients_group_only_with_clients_of_the_same_batch_sizes(group
     assert_same_run(grouped, rounds_of(federated_loop(**settings, client_path="loop")))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("weighting", ["uniform", "num_samples"])
 def test_fused_ctpfl_clients_with_batchnorm_match_the_loop(weighting, fused_group_sizes, group_sizes):
     """CTP-FL's clients share their query points: a group's weighted mean upload is one backward
@@ -264,6 +266,7 @@ class RecordsUploads(Callback):
         self.uploads[client.round, client.client_id] = uploads[PSEUDO_GRADIENT].clone()
 
 
+@pytest.mark.slow
 def test_a_callback_reads_each_fused_clients_own_upload_and_training_stays_the_same(fused_group_sizes, monkeypatch):
     """A fused client's own upload is computed, alone, only when a callback reads it; the model
     trained is bitwise the one trained without the callback."""
@@ -285,6 +288,7 @@ def test_a_callback_reads_each_fused_clients_own_upload_and_training_stays_the_s
         torch.testing.assert_close(fused_recorder.uploads[key], upload, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_stateful_clients_group_with_clients_that_have_the_same_state(group_sizes):
     """MOON branches on whether a client has a previous model: first-time and returning clients
     of a round form separate groups, and the result is still the loop's."""
@@ -294,6 +298,7 @@ def test_stateful_clients_group_with_clients_that_have_the_same_state(group_size
     assert_same_run(grouped, rounds_of(federated_loop(**settings, client_path="loop"), rounds=4))
 
 
+@pytest.mark.slow
 def test_group_size_bounds_the_groups(group_sizes):
     settings = dict(algorithm_name="scaffold", batch_norm=True, local_steps=2)
     grouped = rounds_of(federated_loop(**settings, client_path="grouped", group_size=2))
@@ -301,6 +306,7 @@ def test_group_size_bounds_the_groups(group_sizes):
     assert_same_run(grouped, rounds_of(federated_loop(**settings, client_path="loop")))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm_name, group_run", [("scaffold", "_run_group"), (FUSED_CTPFL, "_run_fused")])
 def test_a_group_out_of_gpu_memory_is_computed_again_in_halves(algorithm_name, group_run, monkeypatch):
     """A group that does not fit is split until its halves do; they start from the same state, so
@@ -348,6 +354,7 @@ def test_auto_groups_on_a_gpu_and_loops_on_the_cpu_unless_the_clients_are_fused(
     assert not uses_grouped_path("loop", torch.device("cuda", 0))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm_name", ["fedavg", "ctpfl"])
 def test_batchnorm_clients_grouped_in_bfloat16_match_the_loop_in_bfloat16(algorithm_name, group_sizes):
     """Under vmap, batch norm cannot mix bfloat16 inputs with float32 statistics; the grouped path
@@ -360,6 +367,7 @@ def test_batchnorm_clients_grouped_in_bfloat16_match_the_loop_in_bfloat16(algori
     torch.testing.assert_close(grouped_params, loop_params, rtol=0, atol=0.05)
 
 
+@pytest.mark.slow
 def test_compiled_client_steps_give_the_same_model():
     settings = dict(algorithm_name="scaffold", batch_norm=True, local_steps=2, client_path="loop")
     compiled = federated_loop(**settings, compile_steps=True)
@@ -407,6 +415,7 @@ def test_a_tied_weight_gets_the_gradient_of_both_uses():
     torch.testing.assert_close(gradient, torch.cat([g.reshape(-1) for g in expected]))
 
 
+@pytest.mark.slow
 def test_a_grouped_run_resumed_ends_bitwise_where_an_uninterrupted_one_does(tmp_path):
     """Grouping depends only on what a checkpoint restores (each client's state and steps)."""
     arguments = ["fit", "--config", QUICKSTART, "--compute.client_path", "grouped", "--algorithm", "scaffold",

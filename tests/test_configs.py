@@ -123,6 +123,7 @@ def data_root(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setting, algorithm, const", SHIPPED, ids=IDS)
 def test_every_shipped_composition_trains_one_round(setting, algorithm, const, data_root, tmp_path):
     files = composition(setting, algorithm, const)

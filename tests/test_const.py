@@ -63,6 +63,7 @@ def run_local_sgd(global_params, project, nesterov, steps=150):
     return params
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("granularity, nesterov", [("channel", False), ("channel", True), ("layer", False),
                                                    ("model", True)])
 def test_local_sgd_keeps_both_constraints(granularity, nesterov):
@@ -85,6 +86,7 @@ def test_without_the_projection_the_same_quantities_are_large():
     assert centring > 1e-2 and orthogonality > 1e-2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("centralize, orthogonal", [(True, False), (False, True)])
 def test_each_constraint_alone_keeps_only_its_own_invariant(centralize, orthogonal):
     network = lenet()
@@ -163,6 +165,7 @@ def global_and_local_model(make, constraint, root, out_dir, rounds=3):
     return global_model, local_model, flat_model(network)[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("make", [FedAvg, SCAFFOLD, lambda: MOON(projection_dim=32)],
                          ids=["fedavg", "scaffold", "moon"])
 def test_local_models_keep_the_constraints_in_federated_training(cifar_root, tmp_path, make):
@@ -174,6 +177,7 @@ def test_local_models_keep_the_constraints_in_federated_training(cifar_root, tmp
     assert violations(global_model, global_model, layout)[0] < TOLERANCE
 
 
+@pytest.mark.slow
 def test_without_the_constraint_federated_training_breaks_both_invariants(cifar_root, tmp_path):
     global_model, local_model, layout = global_and_local_model(FedAvg, None, cifar_root, tmp_path)
     centring, orthogonality = violations(local_model, global_model, layout)

@@ -24,6 +24,7 @@ from fl_lightning.experiments.dashboard import (
 )
 from fl_lightning.experiments.plan import load_plan
 
+pytestmark = pytest.mark.slow  # end to end: the tests train runs in-process or in subprocesses
 ROOT = Path(__file__).parent.parent
 SMOKE = "configs/plans/smoke.yaml"
 

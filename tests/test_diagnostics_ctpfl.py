@@ -100,6 +100,7 @@ def test_the_measured_bias_on_a_quadratic_is_minus_h_over_2_H_v(span, weight_dec
             assert metrics["ctpfl/bias_curvature"] <= torch.linalg.eigvalsh(curvature).abs().max().item() + 1e-4
 
 
+@pytest.mark.slow
 def test_the_direction_is_unbiased_for_the_path_averaged_gradient_under_full_participation():
     """Eq. 12: with every client taking part, E[v^{r+1} | x^r, v^r] = (1/K) sum_k grad F(z_k^r),
     however different the clients; it is not grad F(x^r). The diagnostic's g(x^r) is unbiased for
@@ -143,6 +144,7 @@ class NoBufferNet(nn.Module):
         return self.layers(x)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("network, client_path", [("batchnorm", "loop"), ("batchnorm", "grouped"),
                                                   ("no buffers", "grouped")])
 def test_a_zero_span_measures_no_bias(network, client_path):
@@ -176,6 +178,7 @@ CTPFL_RUN = [*TINY, "--algorithm", "ctpfl", "--algorithm.span", "0.3", "--server
              "--federation.rounds", "5"]
 
 
+@pytest.mark.slow
 def test_a_ctpfl_run_with_both_diagnostics_trains_the_same_model(tmp_path, reductions):
     main(["fit", *CTPFL_RUN, "--config", callbacks_config(tmp_path, *DIAGNOSTICS), "--out_dir", str(tmp_path / "with")])
     main(["fit", *CTPFL_RUN, "--out_dir", str(tmp_path / "without")])

@@ -211,6 +211,7 @@ def test_landscape_of_a_quadratic_is_its_matrix():
     assert values["hessian/trace"] == pytest.approx(np.mean([(z @ matrix @ z).item() for z in probes]), rel=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("split, hvp, method, iterations", [
     ("train", "jvp", "lanczos", 60), ("test", "jvp", "lanczos", 60), ("test", "double_backward", "lanczos", 60),
     ("train", "double_backward", "power", 100)])
@@ -270,6 +271,7 @@ def final_checkpoint(out_dir: Path) -> dict:
     return torch.load(checkpoint_dir(out_dir) / "last.ckpt", weights_only=False)
 
 
+@pytest.mark.slow
 def test_a_run_with_the_landscape_measured_trains_the_same_model(tmp_path, reductions):
     config = callbacks_config(tmp_path, {"class_path": "fl_lightning.diagnostics.landscape.Landscape",
                                          "init_args": {"every": 2, "subset_size": 100, "iterations": 10,

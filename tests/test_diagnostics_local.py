@@ -295,6 +295,7 @@ ALL = ["local_updates.ClientDrift", "local_updates.DriftDiversity", "local_updat
 SMALL = {"gsnr.GradientVariance": {"num_batches": 3}, "gsnr.GSNR": {"num_batches": 4}}
 
 
+@pytest.mark.slow
 def test_end_to_end_metrics_on_scheduled_rounds_only_and_training_unchanged(tmp_path):
     """Quickstart with CONST (so that GradientVariance projects): the diagnostics' metrics are in
     metrics.jsonl on rounds 2, 4 (every 2) and 5 (the last) only, and the final model is the one

@@ -21,6 +21,7 @@ import torch
 from fl_lightning.checkpoint import checkpoint_dir, load_checkpoint, numbered_checkpoints
 from fl_lightning.cli.main import main
 
+pytestmark = pytest.mark.slow  # every test runs fl-lightning in subprocesses
 REPOSITORY = Path(__file__).resolve().parents[1]
 QUICKSTART = REPOSITORY / "configs" / "quickstart.yaml"
 FIT = [sys.executable, "-m", "fl_lightning", "fit"]

@@ -19,6 +19,7 @@ def offline_run_files(out_dir: Path) -> list[Path]:
     return sorted((out_dir / "wandb").glob("offline-run-*/run-*.wandb"))
 
 
+@pytest.mark.slow
 def test_wandb_offline_run_holds_the_logged_metrics(tmp_path):
     main(["fit", "--config", QUICKSTART, "--federation.rounds", "2", "--federation.eval_every", "2",
           "--logger.wandb_mode", "offline", "--logger.progress_bar", "false", "--out_dir", str(tmp_path)])
@@ -37,6 +38,7 @@ def test_wandb_offline_run_holds_the_logged_metrics(tmp_path):
     assert (summary["final_test_accuracy"], summary["best_test_accuracy"]) == (accuracies[-1], max(accuracies))
 
 
+@pytest.mark.slow
 def test_resumed_offline_run_replays_the_rounds_before_the_checkpoint(tmp_path):
     """A resumed run writes a new offline file; it must hold every round, so that syncing it
     alone gives the whole history."""
@@ -58,6 +60,7 @@ def test_metrics_log_starts_from_the_checkpoint_history(tmp_path):
     assert read_metrics(tmp_path) == [{"round": 1}, {"round": 2}, {"round": 3}, {"round": 4, "train_loss": 0.5}]
 
 
+@pytest.mark.slow
 def test_unreachable_wandb_server_falls_back_to_offline(tmp_path, monkeypatch):
     # A closed local port stands in for an unreachable server: the connection is refused at once.
     monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")
@@ -115,6 +118,7 @@ def test_every_round_is_in_the_wandb_file_when_fit_returns_on_a_loaded_machine(t
             process.wait()
 
 
+@pytest.mark.slow
 def test_a_wandb_file_that_stays_unwritten_is_reported_naming_what_it_lacks(tmp_path, monkeypatch, capsys):
     from fl_lightning import run_logging
 

@@ -16,6 +16,7 @@ from fl_lightning.errors import ConfigError
 from fl_lightning.run_dir import check_same_experiment, default_out_dir
 from fl_lightning.run_logging import read_metrics
 
+pytestmark = pytest.mark.slow  # end to end: the tests train runs in-process or in subprocesses
 QUICKSTART = str(Path(__file__).parent.parent / "configs" / "quickstart.yaml")
 ROUNDS = 4
 BASE = ["fit", "--config", QUICKSTART, "--model.options", "{hidden: 16, depth: 1}", "--federation.local_steps", "2",

@@ -81,6 +81,7 @@ def test_server_optimizer_under_fedavg_matches_reference(cifar_root, tmp_path, n
     assert_close(final, x)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_server_optimizer_under_ctpfl_matches_reference(cifar_root, tmp_path, name):
     """CTP-FL hands the server v = the mean gradient along the shared path, so Delta = -v."""

@@ -274,6 +274,7 @@ def check_row(parsed, row: Row, method_parts: list) -> None:
         assert parsed.model.bias is False and parsed.model.norm == "none"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_every_point_parses_to_its_column_and_its_row(name, parser):
     plan, expected = load(name), EXPECTED[name]
@@ -302,6 +303,7 @@ def reference_columns(path: str) -> list[str]:
     return [column.strip() for column in Path(path).read_text().splitlines()[0].split(",")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(name for name, grid in EXPECTED.items() if grid.reference))
 def test_reference_names_the_plans_methods_and_settings(name, tmp_path):
     plan = load(name)
@@ -377,6 +379,7 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.mark.slow
 def test_smoke_plan_trains_every_point_and_tabulates(tmp_path, one_thread):
     runs = tmp_path / "runs"
     plan = load_plan(PLANS / "smoke.yaml", runs_root=runs)

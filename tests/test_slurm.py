@@ -497,6 +497,7 @@ def test_a_sweep_task_without_its_plan_or_index_stops_before_srun(environment, a
     assert launched(tmp_path) == ([], {})
 
 
+@pytest.mark.slow
 def test_each_sweep_task_launches_its_grid_point(tmp_path, capsys, monkeypatch):
     """With the real `fl-lightning sweep --fit_config`: task I launches fit on point I's settings,
     resolved into its run folder, and the allocation's devices win over the plan's (the quickstart
@@ -526,6 +527,7 @@ def test_each_sweep_task_launches_its_grid_point(tmp_path, capsys, monkeypatch):
     assert [p.method for p in points] == ["FedAvg", "FedProx"]
 
 
+@pytest.mark.slow
 def test_a_sweep_task_outside_the_grid_fails_before_srun(tmp_path):
     environment = allocation_environment(SLURM_ARRAY_TASK_ID="2", STAND_IN_PYTHON=sys.executable)
     job = run_script(SWEEP_SCRIPT, tmp_path, environment)

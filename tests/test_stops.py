@@ -18,6 +18,7 @@ from test_faults import RUN_TIMEOUT_S, SLURM_JOB_ID, fit_command, process_enviro
 # `show job` reports the state in $STAND_IN_DIR/job_state; `requeue` is recorded, then either fails
 # with the message in $STAND_IN_DIR/requeue_error or does what Slurm does on a requeue: SIGTERM to
 # every process of the job step (the fit process and its children) before it returns.
+pytestmark = pytest.mark.slow  # end to end: the tests train runs in-process or in subprocesses
 STAND_IN_SCONTROL = """#!/bin/bash
 if [[ $1 == show ]]; then echo "JobId=$4 JobName=fl JobState=$(cat "$STAND_IN_DIR/job_state")"; exit 0; fi
 echo "$@" >> "$STAND_IN_DIR/calls.txt"

@@ -94,6 +94,7 @@ def wait_until(condition, process: subprocess.Popen, what: str) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_interrupted_sweep_resumes_without_retraining_finished_runs(tmp_path, capsys, monkeypatch):
     (tmp_path / "gate_callbacks.py").write_text(GATE_MODULE)
     monkeypatch.chdir(tmp_path)
@@ -177,6 +178,7 @@ def finish(process: subprocess.Popen) -> int:
             process.kill()
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_two_sweeps_of_one_plan_split_the_grid(tmp_path, monkeypatch):
     (tmp_path / "gate_callbacks.py").write_text(GATE_MODULE)
@@ -212,6 +214,7 @@ def test_two_sweeps_of_one_plan_split_the_grid(tmp_path, monkeypatch):
         assert (point.out_dir / LOG_FILE).read_text().count("=== ") == 1  # one sweep wrote each log
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_sighup_stops_the_runs_at_a_round_boundary_and_leaves_none_training(tmp_path, monkeypatch):
     (tmp_path / "gate_callbacks.py").write_text(GATE_MODULE)
@@ -239,6 +242,7 @@ def test_sighup_stops_the_runs_at_a_round_boundary_and_leaves_none_training(tmp_
     lock.release()
 
 
+@pytest.mark.slow
 def test_a_failing_method_is_reported_and_the_others_finish(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     # A batch larger than every client: fit refuses it once the data is split (exit status 2), which
@@ -314,6 +318,7 @@ def test_a_plan_with_a_refused_point_is_refused_whole_before_anything_runs(where
     assert not record.exists() and not runs.exists()  # nothing submitted, nothing run
 
 
+@pytest.mark.slow
 def test_run_folders_of_another_experiment_are_refused_before_anything_runs_and_left_out_of_the_table(
         tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)

@@ -19,6 +19,7 @@ from fl_lightning.experiments.runs import value_at
 from fl_lightning.experiments.table import order_methods, setting_label, table
 from fl_lightning.run_logging import MetricsLog
 
+pytestmark = pytest.mark.slow  # end to end: the tests train runs in-process or in subprocesses
 PNG = b"\x89PNG\r\n\x1a\n"
 ROUNDS = 4  # evaluations at rounds 2 and 4
 REPOSITORY = Path(__file__).resolve().parents[1]

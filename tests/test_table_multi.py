@@ -14,6 +14,7 @@ from fl_lightning.experiments.plan import load_plan
 from fl_lightning.experiments.table import table
 from fl_lightning.run_logging import read_metrics
 
+pytestmark = pytest.mark.slow  # end to end: the tests train runs in-process or in subprocesses
 REPOSITORY = Path(__file__).resolve().parents[1]
 QUICKSTART = str(REPOSITORY / "configs" / "quickstart.yaml")
 CONST = str(REPOSITORY / "configs" / "const.yaml")

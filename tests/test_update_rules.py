@@ -41,6 +41,7 @@ def test_fedavg_matches_reference(cifar_root, tmp_path, momentum, weight_decay):
     assert_close(final, x)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("span, local_epochs", [(0.0, 3), (0.3, 3), (None, 3), (0.3, 1)])
 def test_ctpfl_matches_algorithm_1(cifar_root, tmp_path, span, local_epochs):
     setup = small_setup(cifar_root, tmp_path, local_epochs=local_epochs, rounds=4)

@@ -26,6 +26,7 @@ from fl_lightning.fit import fit
 from fl_lightning.run_dir import check_same_experiment, experiment_digest, recorded_config
 from fl_lightning.run_logging import MetricsLog, read_metrics, selected_on_validation
 
+pytestmark = pytest.mark.slow  # end to end: the tests train runs in-process or in subprocesses
 PER_CLIENT_KEYS = ("client_val_accuracy_mean", "client_val_accuracy_std", "client_val_accuracy_min",
                    "client_val_accuracy_p10")
 
