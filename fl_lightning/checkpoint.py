@@ -25,6 +25,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from fl_lightning import atomic_files
 from fl_lightning.errors import ConfigError
 
 LAST = "last.ckpt"
@@ -93,27 +94,9 @@ def remove_orphan_shards(out_dir: Path) -> None:
             shard.unlink(missing_ok=True)
 
 
-def _atomic_replace(write, target: Path) -> None:
-    """Write through `write(tmp_path)` then rename over `target`: readers see the old file or the
-    complete new one, never a partial write."""
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def _save_file(obj: dict, target: Path) -> None:
     obj = {**obj, DIGEST: content_digest(obj)}
-
-    def write(tmp: Path) -> None:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-
-    _atomic_replace(write, target)
+    atomic_files.write_atomically(target, lambda file: torch.save(obj, file))
 
 
 def _load_verified(path: Path, **load_options) -> dict:
@@ -128,16 +111,6 @@ def _load_verified(path: Path, **load_options) -> dict:
     if content_digest(state) != expected:
         raise ValueError(f"checkpoint {path} fails its {DIGEST} check: its content was altered after saving")
     return state
-
-
-def write_text_atomically(path: Path, text: str) -> None:
-    def write(tmp: Path) -> None:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-
-    _atomic_replace(write, Path(path))
 
 
 def client_shard_path(folder: Path, round_completed: int, rank: int) -> Path:
@@ -167,7 +140,7 @@ def save_checkpoint(state: dict, out_dir: Path, keep: int) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     numbered = folder / f"round_{state['round']:06d}.ckpt"
     _save_file(state, numbered)
-    _atomic_replace(lambda tmp: os.link(numbered, tmp), folder / LAST)
+    atomic_files.replace_atomically(lambda temporary: os.link(numbered, temporary), folder / LAST)
     for stale in numbered_checkpoints(folder)[:-keep]:
         # Shards first: the main file is what marks a checkpoint complete, so it goes last.
         for shard in folder.glob(stale.name.removesuffix(".ckpt") + ".clients_rank*.pt"):

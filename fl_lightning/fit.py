@@ -21,6 +21,7 @@ from jsonargparse import lazy_instance
 from jsonargparse.typing import NonNegativeInt
 
 from fl_lightning.algorithms import Algorithm
+from fl_lightning.atomic_files import write_text_atomically
 from fl_lightning.callbacks import (
     Callback,
     Evaluate,
@@ -39,7 +40,6 @@ from fl_lightning.checkpoint import (
     remove_orphan_shards,
     remove_temporary_files,
     run_is_over,
-    write_text_atomically,
 )
 from fl_lightning.cluster import Ranks, check_signal_name, check_slurm_allocation, ranks_of
 from fl_lightning.config import (

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from fl_lightning.checkpoint import write_text_atomically
+from fl_lightning.atomic_files import write_text_atomically
 from fl_lightning.cluster import slurm_job_id
 from fl_lightning.config import LoggerArgs
 from fl_lightning.wandb_file import history_steps, is_finished, read_records

@@ -28,7 +28,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "fl_lightning"
 
 LAYERS = [
     ("errors", ["fl_lightning", "fl_lightning.errors"]),
-    ("helpers", ["fl_lightning.choices", "fl_lightning.configurable", "fl_lightning.flat"]),
+    ("helpers",
+     ["fl_lightning.atomic_files", "fl_lightning.choices", "fl_lightning.configurable", "fl_lightning.flat"]),
     ("data and models", ["fl_lightning.data", "fl_lightning.models"]),
     ("settings", ["fl_lightning.config"]),
     ("run folder, logging and cluster",

@@ -38,16 +38,16 @@ LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "WORLD_SIZE
 RECORDING_DRIVER = """
 import os, sys
 from pathlib import Path
-from fl_lightning import checkpoint
+from fl_lightning import atomic_files
 record = Path(sys.argv[1]) / f"writes_node{os.environ['NODE_RANK']}.txt"
-original = checkpoint._atomic_replace
+original = atomic_files.replace_atomically
 
 def recorded(write, target):
     original(write, target)
     with open(record, "a") as f:
         f.write(Path(target).name + "\\n")
 
-checkpoint._atomic_replace = recorded
+atomic_files.replace_atomically = recorded
 sys.argv = ["fl-lightning", *sys.argv[2:]]
 from fl_lightning.__main__ import main
 main()

@@ -27,7 +27,6 @@ from __future__ import annotations
 import inspect
 import os
 import pickle
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +35,7 @@ from typing import Callable, get_args
 import numpy as np
 import torch
 
+from fl_lightning.atomic_files import write_atomically
 from fl_lightning.choices import DatasetName
 from fl_lightning.configurable import missing_module, resolve_dotted_path, why_unresolved
 from fl_lightning.errors import ConfigError
@@ -284,7 +284,9 @@ def _load_tiny_imagenet(root: Path, download: bool) -> tuple[ImageDataset, Image
             from torchvision.datasets.utils import download_and_extract_archive
 
             _download(TINY_IMAGENET_URL, root, lambda: download_and_extract_archive(TINY_IMAGENET_URL, str(root)))
-        _write_atomically(_decode_tiny_imagenet(folder), cache)
+        # A run killed mid-write must not leave a truncated cache that later runs would trust.
+        decoded = _decode_tiny_imagenet(folder)
+        write_atomically(cache, lambda file: torch.save(decoded, file))
     tensors = torch.load(cache, weights_only=True)
     num_classes = len(tensors["wnids"])
     return (
@@ -339,18 +341,6 @@ def _decode_jpegs(paths: list[Path]) -> torch.Tensor:
         for _ in pool.map(decode_into, range(len(paths))):
             pass
     return torch.from_numpy(images)
-
-
-def _write_atomically(obj: dict, path: Path) -> None:
-    # A run killed mid-write must not leave a truncated cache that later runs would trust.
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(handle, "wb") as f:
-            torch.save(obj, f)
-        os.replace(temporary, path)
-    except BaseException:
-        os.unlink(temporary)
-        raise
 
 
 def _load_digits(root: Path, download: bool) -> tuple[ImageDataset, ImageDataset]:

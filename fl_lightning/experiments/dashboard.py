@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional
 
-from fl_lightning.checkpoint import write_text_atomically
+from fl_lightning.atomic_files import write_text_atomically
 from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.plan import GridPoint, Plan, load_plan
 from fl_lightning.experiments.resolve import check_grid, resolve_grid

@@ -29,6 +29,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
+from fl_lightning.cluster import available_cores
 from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.plan import GridPoint
 from fl_lightning.experiments.resolve import ResolvedPoint, describe_point
@@ -68,13 +69,6 @@ class Resources:
         if self.gpu_slots is None:
             return f"on the CPU, {self.threads} thread(s) each"
         return f"on {self.devices} GPU(s) each ({self.threads} CPU thread(s) per rank)"
-
-
-def available_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 def plan_resources(jobs: int, gpus_per_run: int, threads_per_run: Optional[int]) -> Resources:

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fl_lightning.checkpoint import write_text_atomically
+from fl_lightning.atomic_files import write_text_atomically
 from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.plan import GridPoint
 from fl_lightning.experiments.resolve import ResolvedPoint, describe_point, fit_settings_text
