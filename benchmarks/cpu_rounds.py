@@ -53,11 +53,10 @@ from torch import nn
 
 from fl_lightning.algorithms import FedAvg
 from fl_lightning.client import CLIENT_STREAM, batch_positions, seeded_generator
-from fl_lightning.config import ClientOptimizerArgs, ComputeArgs, DataArgs, FederationArgs
+from fl_lightning.config import ClientOptimizerArgs, ComputeArgs, DataArgs, FederationArgs, ModelArgs
 from fl_lightning.data import ImageDataset, load_dataset, partition_indices
-from fl_lightning.federation import FederatedLoop, FederatedRun, aggregation_weights, sample_clients
-from fl_lightning.models import create_model
-from fl_lightning.module import ClassificationModule
+from fl_lightning.federation import FederatedLoop, aggregation_weights, sample_clients
+from fl_lightning.run_setup import RunData, RunSettings, build_run, initial_network
 from fl_lightning.server_optimizers import ServerSGD
 
 REPOSITORY = Path(__file__).resolve().parents[1]
@@ -154,22 +153,23 @@ class PlainLoop:
 
 
 class InProcess:
-    """(b) and (c): a `FederatedLoop` set up as `federation.train()` sets it up on one rank."""
+    """(b) and (c): a `FederatedLoop` set up as `federation.train()` sets it up on one rank, its run
+    assembled as `fit` assembles it from the settings of `fit_command`."""
 
-    def __init__(self, name: str, client_path: str, fabric: Fabric, network: nn.Module, train: ImageDataset,
-                 test: ImageDataset, partition: list, workload: Workload):
+    def __init__(self, name: str, client_path: str, fabric: Fabric, train: ImageDataset, test: ImageDataset,
+                 partition: list, workload: Workload):
         self.name = name
-        run = FederatedRun(
-            algorithm=FedAvg(), server_optimizer=ServerSGD(lr=1.0),
-            module=ClassificationModule(copy.deepcopy(network), train.num_classes), train=train, test=test,
-            partition=partition,
+        settings = RunSettings(
+            algorithm=FedAvg(), model=ModelArgs(name=MODEL),
+            data=DataArgs(alpha=ALPHA, min_samples=MIN_SAMPLES, augment=False),
             federation=FederationArgs(rounds=10**6, num_clients=workload.num_clients,
                                       clients_per_round=workload.clients_per_round,
                                       local_steps=workload.local_steps, batch_size=workload.batch_size),
-            data=DataArgs(augment=False), client_optimizer=ClientOptimizerArgs(lr=LR, momentum=MOMENTUM),
-            checkpoint_keep=1, seed=SEED, out_dir=Path("benchmark-run"), run_id="benchmark", hyperparameters={},
-            compute=ComputeArgs(client_path=client_path),
+            client_optimizer=ClientOptimizerArgs(lr=LR, momentum=MOMENTUM), server_optimizer=ServerSGD(lr=1.0),
+            compute=ComputeArgs(client_path=client_path), seed=SEED,
         )
+        run = build_run(settings, out_dir=Path("benchmark-run"), run_id="benchmark", hyperparameters={},
+                        data=RunData(train, test, partition))
         self.loop = FederatedLoop(fabric, run)
 
     def run_round(self, round_index: int) -> None:
@@ -225,12 +225,10 @@ def run_workload(workload: Workload, args: argparse.Namespace, fabric: Fabric, t
                  test: ImageDataset) -> dict:
     partition = partition_indices(train.labels.numpy(), workload.num_clients, "dirichlet", alpha=ALPHA,
                                   min_samples=MIN_SAMPLES, seed=SEED)
-    torch.manual_seed(SEED)  # as fit builds the initial model
-    network = create_model(MODEL, num_classes=train.num_classes, in_channels=train.images.shape[1],
-                           image_size=train.images.shape[-1])
+    network = initial_network(ModelArgs(name=MODEL), train, SEED)  # the model InProcess starts from
     methods = [PlainLoop(network, train, partition, workload),
-               InProcess(LOOP, "loop", fabric, network, train, test, partition, workload),
-               InProcess(GROUPED, "grouped", fabric, network, train, test, partition, workload)]
+               InProcess(LOOP, "loop", fabric, train, test, partition, workload),
+               InProcess(GROUPED, "grouped", fabric, train, test, partition, workload)]
     threads = torch.get_num_threads()
     seconds: dict[str, list[float]] = {method.name: [] for method in methods}
     for method in methods:  # warm-up round

@@ -16,7 +16,6 @@ diagnostics leave training unchanged, so both federations end with the same mode
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
 import sys
 import time
@@ -27,14 +26,13 @@ import torch
 from lightning.fabric import Fabric
 
 from fl_lightning.algorithms.ctpfl import CTPFL
-from fl_lightning.config import ClientOptimizerArgs, DataArgs, FederationArgs
+from fl_lightning.config import DataArgs, FederationArgs, ModelArgs
 from fl_lightning.data import ImageDataset
 from fl_lightning.data.datasets import CIFAR10_MEAN, CIFAR10_STD
 from fl_lightning.diagnostics.ctpfl import DisplacementBias
 from fl_lightning.diagnostics.landscape import Landscape
-from fl_lightning.federation import FederatedLoop, FederatedRun
-from fl_lightning.models import create_model
-from fl_lightning.module import ClassificationModule
+from fl_lightning.federation import FederatedLoop
+from fl_lightning.run_setup import RunData, RunSettings, build_run
 from fl_lightning.server_optimizers import ServerSGD
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py, also when loaded by path
@@ -73,20 +71,21 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def federation(fabric: Fabric, network: torch.nn.Module, args: argparse.Namespace) -> FederatedLoop:
-    """A CTP-FL loop set up as `federation.train` sets one up on one rank, on random data."""
+def federation(fabric: Fabric, args: argparse.Namespace) -> FederatedLoop:
+    """A CTP-FL loop set up as `federation.train` sets one up on one rank, on random data, its run
+    assembled as `fit` assembles it (the model initialised from the seed)."""
     total = args.clients * SAMPLES_PER_CLIENT
     images, labels = random_images(total)
     dataset = ImageDataset(images, labels, NUM_CLASSES, CIFAR10_MEAN, CIFAR10_STD)
-    run = FederatedRun(
-        algorithm=CTPFL(), server_optimizer=ServerSGD(lr=SERVER_LR),
-        module=ClassificationModule(copy.deepcopy(network), NUM_CLASSES), train=dataset, test=dataset,
-        partition=[indices.numpy() for indices in torch.arange(total).split(SAMPLES_PER_CLIENT)],
+    settings = RunSettings(
+        algorithm=CTPFL(), model=ModelArgs(name=args.model), data=DataArgs(augment=False),
         federation=FederationArgs(rounds=10**6, num_clients=args.clients, clients_per_round=args.clients,
                                   local_steps=args.local_steps, batch_size=args.batch_size),
-        data=DataArgs(augment=False), client_optimizer=ClientOptimizerArgs(),
-        checkpoint_keep=1, seed=SEED, out_dir=Path("benchmark-run"), run_id="benchmark", hyperparameters={},
+        server_optimizer=ServerSGD(lr=SERVER_LR), seed=SEED,
     )
+    partition = [indices.numpy() for indices in torch.arange(total).split(SAMPLES_PER_CLIENT)]
+    run = build_run(settings, out_dir=Path("benchmark-run"), run_id="benchmark", hyperparameters={},
+                    data=RunData(dataset, dataset, partition))
     return FederatedLoop(fabric, run)
 
 
@@ -105,14 +104,12 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, float]:
     """Print the settings and the table; return the median seconds by row."""
     args = parse_args(argv)
     apply_threads(args.threads)
-    torch.manual_seed(SEED)
-    network = create_model(args.model, NUM_CLASSES, CHANNELS, IMAGE_SIZE)
     diagnostics = [DisplacementBias(every=args.every),
                    Landscape(every=args.every, subset_size=args.subset_size, batch_size=args.subset_size,
                              iterations=args.iterations, probes=args.probes, hvp=args.hvp)]
     plain_fabric = Fabric(accelerator=args.device, devices=1, precision=args.precision)
     measured_fabric = Fabric(accelerator=args.device, devices=1, precision=args.precision, callbacks=diagnostics)
-    plain, measured = federation(plain_fabric, network, args), federation(measured_fabric, network, args)
+    plain, measured = federation(plain_fabric, args), federation(measured_fabric, args)
     measured_fabric.call("on_fit_start", measured_fabric, measured)
 
     seconds: dict[str, list[float]] = {PLAIN: [], UNMEASURED: [], MEASURED: [], BIAS: [], LANDSCAPE: []}

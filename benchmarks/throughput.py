@@ -5,11 +5,14 @@ model copy and a `torch.optim.SGD` per client (FedAvg as most FL frameworks run 
 
 A client-sample is one sample in one local-training mini-batch; a round of S clients with K local
 steps of batch B processes S * K * B of them, and centralised training takes K steps of batch
-S * B. fl-lightning runs each algorithm of `--algorithms` (FedAvg, SCAFFOLD, FedProx, CTP-FL) on
-both client paths of `ComputeArgs.client_path`: `loop` (one client after another) and `grouped`
-(a rank's clients computed together; CTP-FL's fused, one backward pass per query point). Every
-method reads the same random uint8 images of the chosen shape from the device through the same
-normalising transform (no augmentation, no download), so only the training loops differ.
+S * B. fl-lightning runs each algorithm of `--algorithms` (by default FedAvg, SCAFFOLD, FedProx and
+CTP-FL; also FedAvgM and MOON) on both client paths of `ComputeArgs.client_path`: `loop` (one
+client after another) and `grouped` (a rank's clients computed together; CTP-FL's fused, one
+backward pass per query point), each run assembled as `fl-lightning fit` assembles it
+(`fl_lightning.run_setup.build_run`: the algorithm's server optimizer and model). Every method
+reads the same random uint8 images of the chosen shape, split IID over the clients as `fit` splits
+them, from the device through the same normalising transform (no augmentation, no download), so
+only the training loops differ.
 
 For each fl-lightning method the last timed round also measures the share of the round spent
 outside the clients' updates (`outside clients`): sampling, the aggregation and its all-reduce, the
@@ -51,13 +54,12 @@ from lightning.fabric import Fabric
 from torch import nn
 
 import fl_lightning.federation
-from fl_lightning.algorithms import CTPFL, SCAFFOLD, FedAvg, FedProx
+from fl_lightning.algorithms import CTPFL, MOON, SCAFFOLD, FedAvg, FedAvgM, FedProx
 from fl_lightning.client import CLIENT_STREAM, Batch, batch_positions, seeded_generator
-from fl_lightning.config import ClientOptimizerArgs, ComputeArgs, DataArgs, FederationArgs
-from fl_lightning.data import DeviceTransform, ImageDataset
-from fl_lightning.federation import FederatedLoop, FederatedRun
-from fl_lightning.models import create_model
-from fl_lightning.module import ClassificationModule
+from fl_lightning.config import ClientOptimizerArgs, ComputeArgs, DataArgs, FederationArgs, ModelArgs
+from fl_lightning.data import DeviceTransform, ImageDataset, partition_indices
+from fl_lightning.federation import FederatedLoop
+from fl_lightning.run_setup import RunData, RunSettings, build_run, initial_network
 from fl_lightning.server_optimizers import ServerSGD
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py, also when loaded by path
@@ -87,7 +89,10 @@ ALGORITHMS = {
     "scaffold": ("SCAFFOLD", SCAFFOLD, 1.0),
     "fedprox": ("FedProx", FedProx, 1.0),
     "ctpfl": ("CTP-FL", CTPFL, LEARNING_RATE),
+    "fedavgm": ("FedAvgM", FedAvgM, 1.0),
+    "moon": ("MOON", MOON, 1.0),
 }
+DEFAULT_ALGORITHMS = ("fedavg", "scaffold", "fedprox", "ctpfl")
 WARM_UP_ROUNDS = 1
 
 
@@ -112,9 +117,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--image-size", type=int, default=IMAGE_SIZE,
                         help=f"side of the square images (default: {IMAGE_SIZE})")
     parser.add_argument("--num-classes", type=int, default=NUM_CLASSES, help=f"classes (default: {NUM_CLASSES})")
-    parser.add_argument("--algorithms", type=algorithm_list, default=list(ALGORITHMS),
-                        help=f"comma-separated fl-lightning algorithms, each run on the loop and the grouped "
-                             f"client path (default: {','.join(ALGORITHMS)})")
+    parser.add_argument("--algorithms", type=algorithm_list, default=list(DEFAULT_ALGORITHMS),
+                        help=f"comma-separated fl-lightning algorithms of {', '.join(ALGORITHMS)}, each run on the "
+                             f"loop and the grouped client path (default: {','.join(DEFAULT_ALGORITHMS)})")
     parser.add_argument("--group-size", type=int, default=None,
                         help="ComputeArgs.group_size of the grouped path (default: all of the rank's clients)")
     parser.add_argument("--channels-last", action="store_true",
@@ -133,8 +138,9 @@ class Workload:
         total = num_clients * SAMPLES_PER_CLIENT
         images, labels = random_images(total, channels, image_size, num_classes)
         self.images, self.labels = images.to(device), labels.to(device)
-        # Kept on the CPU, as federation.train() keeps the partition.
-        self.client_indices = list(torch.arange(total).split(SAMPLES_PER_CLIENT))
+        # As fit splits a dataset (data.partition iid), kept on the CPU as federation.train() keeps it.
+        self.partition = partition_indices(labels.numpy(), num_clients, "iid", seed=SEED)
+        self.client_indices = [torch.as_tensor(part) for part in self.partition]
         self.mean, self.std = normalisation(channels)
         # No augmentation: the benchmark compares training loops, and every method normalises alike.
         self.transform = DeviceTransform(self.mean, self.std, augment=False)
@@ -143,6 +149,10 @@ class Workload:
         self.batch_size = batch_size
         self.channels, self.image_size, self.num_classes = channels, image_size, num_classes
         self.channels_last = channels_last
+
+    @property
+    def dataset(self) -> ImageDataset:
+        return ImageDataset(self.images, self.labels, self.num_classes, self.mean, self.std)
 
     @property
     def samples_per_round(self) -> int:
@@ -233,27 +243,30 @@ class NaiveFederated:
             global_state[name].copy_(tensor)
 
 
+def run_settings(model_name: str, workload: Workload, algorithm: str, compute: ComputeArgs) -> RunSettings:
+    """The settings of a `fit` run that trains this workload's round (data.name aside: the benchmark
+    gives its random images)."""
+    _, factory, server_lr = ALGORITHMS[algorithm]
+    return RunSettings(
+        algorithm=factory(), model=ModelArgs(name=model_name), data=DataArgs(partition="iid", augment=False),
+        federation=FederationArgs(rounds=10**6, num_clients=workload.num_clients,
+                                  clients_per_round=workload.num_clients, local_steps=workload.local_steps,
+                                  batch_size=workload.batch_size),
+        client_optimizer=ClientOptimizerArgs(lr=LEARNING_RATE), server_optimizer=ServerSGD(lr=server_lr),
+        compute=compute, seed=SEED,
+    )
+
+
 class FlLightning:
     """The product's round: a `FederatedLoop` set up as `federation.train()` sets it up on one rank,
     timed through its `run_round` (every client's update, the aggregation and the server step)."""
 
-    def __init__(self, fabric: Fabric, network: nn.Module, workload: Workload, algorithm: str,
-                 compute: ComputeArgs):
+    def __init__(self, fabric: Fabric, model_name: str, workload: Workload, algorithm: str, compute: ComputeArgs):
         self.name = fl_lightning_name(algorithm, compute.client_path)
         self.algorithm, self.client_path = algorithm, compute.client_path
-        _, factory, server_lr = ALGORITHMS[algorithm]
-        dataset = ImageDataset(workload.images, workload.labels, workload.num_classes, workload.mean, workload.std)
-        run = FederatedRun(
-            algorithm=factory(), server_optimizer=ServerSGD(lr=server_lr),
-            module=ClassificationModule(copy.deepcopy(network), workload.num_classes), train=dataset, test=dataset,
-            partition=[indices.numpy() for indices in workload.client_indices],
-            federation=FederationArgs(rounds=10**6, num_clients=workload.num_clients,
-                                      clients_per_round=workload.num_clients, local_steps=workload.local_steps,
-                                      batch_size=workload.batch_size),
-            data=DataArgs(augment=False), client_optimizer=ClientOptimizerArgs(lr=LEARNING_RATE),
-            checkpoint_keep=1, seed=SEED, out_dir=Path("benchmark-run"), run_id="benchmark", hyperparameters={},
-            compute=compute,
-        )
+        dataset = workload.dataset
+        run = build_run(run_settings(model_name, workload, algorithm, compute), out_dir=Path("benchmark-run"),
+                        run_id="benchmark", hyperparameters={}, data=RunData(dataset, dataset, workload.partition))
         self.loop = FederatedLoop(fabric, run)
         self.module = self.loop.module
 
@@ -287,18 +300,17 @@ class FlLightning:
 Method = Centralised | NaiveFederated | FlLightning
 
 
-def build_methods(fabric: Fabric, model_name: str, workload: Workload, algorithms: Sequence[str] = tuple(ALGORITHMS),
+def build_methods(fabric: Fabric, model_name: str, workload: Workload, algorithms: Sequence[str] = DEFAULT_ALGORITHMS,
                   group_size: Optional[int] = None) -> list[Method]:
     """The ceiling, the naive loop, then each algorithm on the loop and the grouped path, all from the
-    same initial model."""
-    torch.manual_seed(SEED)
-    network = create_model(model_name, workload.num_classes, workload.channels, workload.image_size)
+    same initial model (as fit initialises it; prepared by each algorithm)."""
+    network = initial_network(ModelArgs(name=model_name), workload.dataset, SEED)
     methods: list[Method] = [Centralised(fabric, network, workload), NaiveFederated(fabric, network, workload)]
     for algorithm in algorithms:
         for client_path in CLIENT_PATHS:
             compute = ComputeArgs(client_path=client_path, group_size=group_size,
                                   channels_last=workload.channels_last)
-            methods.append(FlLightning(fabric, network, workload, algorithm, compute))
+            methods.append(FlLightning(fabric, model_name, workload, algorithm, compute))
     return methods
 
 

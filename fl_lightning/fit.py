@@ -54,10 +54,9 @@ from fl_lightning.config import (
 )
 from fl_lightning.configurable import Configurable, resolve_dotted_path
 from fl_lightning.constraints import Constraint
-from fl_lightning.data import class_histogram, hold_out_validation, load_dataset, partition_indices, plot_partition
+from fl_lightning.data import class_histogram, plot_partition
 from fl_lightning.errors import ConfigError
 from fl_lightning.flat import FlatLayout
-from fl_lightning.models import create_model
 from fl_lightning.run_dir import (
     CONFIG_FILE,
     VALIDATION_FILE,
@@ -72,6 +71,7 @@ from fl_lightning.run_dir import (
     report_safe_changes,
 )
 from fl_lightning.run_logging import MetricsLog, WandbIdentity, new_run_id, new_wandb_run, run_tags
+from fl_lightning.run_setup import RunSettings, as_lists, build_run
 from fl_lightning.server_optimizers import ServerOptimizer, ServerSGD
 
 
@@ -124,15 +124,19 @@ def fit(
 
     Returns the final global parameters as one flat tensor, in the module's parameter order.
     """
-    settings = fit_config(
+    checked = fit_config(
         algorithm=algorithm, model=model, data=data, federation=federation, client_optimizer=client_optimizer,
         server_optimizer=server_optimizer, constraint=constraint, fabric=fabric, compute=compute, logger=logger,
         checkpoint=checkpoint, callbacks=callbacks, seed=seed, out_dir=out_dir, resume=resume, overwrite=overwrite,
     )
     fabric.validate()
     check_slurm_allocation(fabric)
-    config, out_dir, method, server_optimizer = (settings.config, settings.out_dir, settings.method,
-                                                 settings.server_optimizer)
+    settings = RunSettings(
+        algorithm=algorithm, model=model, data=data, federation=federation, client_optimizer=client_optimizer,
+        server_optimizer=checked.server_optimizer, constraint=constraint, fabric=fabric, compute=compute,
+        logger=logger, checkpoint=checkpoint, callbacks=list(callbacks or []), seed=seed,
+    )
+    out_dir = checked.out_dir
     _check_writable(out_dir)
     launching = is_launching_process()
     lock = RunDirLock(out_dir)
@@ -143,13 +147,8 @@ def fit(
             print(f"run folder: {out_dir}", flush=True)
             remove_temporary_files(out_dir)
             remove_orphan_shards(out_dir)
-        resume_state = _resume_state(resume, overwrite, out_dir, config, federation.rounds, launching)
-        return _build_and_train(
-            algorithm=algorithm, server_optimizer=server_optimizer, model=model, data=data, federation=federation,
-            client_optimizer=client_optimizer, constraint=constraint, fabric=fabric, compute=compute, logger=logger,
-            checkpoint=checkpoint, callbacks=list(callbacks or []), seed=seed, out_dir=out_dir, config=config,
-            method=method, resume_state=resume_state, launching=launching,
-        )
+        resume_state = _resume_state(resume, overwrite, out_dir, checked.config, federation.rounds, launching)
+        return _build_and_train(settings, checked, resume_state, launching)
     finally:
         lock.release()
 
@@ -163,7 +162,7 @@ class FitConfig:
     out_dir: Path
     method: str
     server_optimizer: ServerOptimizer
-    """The server optimizer the algorithm steps with (the configured one, or the algorithm's own)."""
+    """The configured server optimizer (a fresh instance of the signature's default)."""
 
 
 def fit_config(*, algorithm: Algorithm, model: ModelArgs, data: DataArgs, federation: FederationArgs,
@@ -175,7 +174,7 @@ def fit_config(*, algorithm: Algorithm, model: ModelArgs, data: DataArgs, federa
     needed, and turned into the run's settings: what `fit` trains, and what a sweep checks each grid
     point against before any run starts."""
     configured_server_optimizer = _materialise(server_optimizer)
-    stepping_optimizer = algorithm.server_optimizer_for(configured_server_optimizer)
+    algorithm.server_optimizer_for(configured_server_optimizer)  # refuses one the algorithm cannot step with
     _validate_settings(federation, client_optimizer, checkpoint, resume, overwrite)
     method = algorithm.method_name() + ("+const" if constraint is not None else "")
     config = _as_config({
@@ -188,7 +187,7 @@ def fit_config(*, algorithm: Algorithm, model: ModelArgs, data: DataArgs, federa
     out_dir = Path(out_dir) if out_dir is not None else default_out_dir(
         config, f"{method}-{data.name}-{model.name}-seed{seed}")
     config["out_dir"] = str(out_dir)
-    return FitConfig(config=config, out_dir=out_dir, method=method, server_optimizer=stepping_optimizer)
+    return FitConfig(config=config, out_dir=out_dir, method=method, server_optimizer=configured_server_optimizer)
 
 
 def _validate_settings(federation: FederationArgs, client_optimizer: ClientOptimizerArgs, checkpoint: CheckpointArgs,
@@ -231,13 +230,11 @@ def _resume_state(resume, overwrite: bool, out_dir: Path, config: dict, rounds: 
     return state
 
 
-def _build_and_train(*, algorithm, server_optimizer, model, data, federation, client_optimizer, constraint, fabric,
-                     compute, logger, checkpoint, callbacks, seed, out_dir, config, method, resume_state, launching
+def _build_and_train(settings: RunSettings, checked: FitConfig, resume_state: Optional[dict], launching: bool
                      ) -> torch.Tensor:
-    from fl_lightning.federation import FederatedRun  # imports Lightning, which the command line need not wait for
-
-    train_set, test_set, partition, validation = _split_data(data, federation, algorithm, seed, resume_state, out_dir)
-    module = _build_module(model, algorithm, constraint, train_set, seed)
+    config, out_dir, method = checked.config, checked.out_dir, checked.method
+    model, data, logger, constraint, seed = (settings.model, settings.data, settings.logger, settings.constraint,
+                                             settings.seed)
     # W&B averages the runs of a group, so a default group holds exactly the runs that differ only by
     # seed: it is named by the digest that names the default run folder, taken without the seed.
     experiment = experiment_digest({name: value for name, value in config.items() if name != "seed"})
@@ -248,72 +245,23 @@ def _build_and_train(*, algorithm, server_optimizer, model, data, federation, cl
         tags=run_tags({"method": method, "constraint": type(constraint).__name__ if constraint else "none",
                        "dataset": data.name, "alpha": str(data.alpha), "model": model.name}, logger.tags),
     )
-    if resume_state is not None and run_is_over(resume_state, federation.rounds):
+    run = build_run(settings, out_dir=out_dir, run_id=identity.run_id, hyperparameters=config,
+                    resume_state=resume_state)
+    module, rounds = run.module, settings.federation.rounds
+    if resume_state is not None and run_is_over(resume_state, rounds):
         if launching:
-            _complete_logs_of_finished_run(logger, out_dir, identity, config, resume_state, federation.rounds)
+            _complete_logs_of_finished_run(logger, out_dir, identity, config, resume_state, rounds)
         module.load_state_dict(resume_state["model"])
         return FlatLayout.of(module.named_parameters()).flatten(dict(module.named_parameters()))
 
-    run = FederatedRun(
-        algorithm=algorithm, server_optimizer=server_optimizer, module=module, train=train_set, test=test_set,
-        partition=partition, validation=validation, federation=federation, data=data, client_optimizer=client_optimizer,
-        checkpoint_keep=checkpoint.keep, seed=seed, out_dir=out_dir, run_id=identity.run_id,
-        hyperparameters=config, constraint=constraint, resume_state=resume_state, compute=compute,
-    )
-    engine = _build_fabric(fabric, _run_callbacks(federation, logger, checkpoint, callbacks, out_dir, identity))
+    engine = _build_fabric(settings.fabric, _run_callbacks(settings.federation, logger, settings.checkpoint,
+                                                           settings.callbacks, out_dir, identity))
     # Ranks return nothing: a spawned rank's return value travels through a pipe that a model
     # would block. The final model is the last checkpoint, always written at the end.
     engine.launch(_train_and_record, run)
     final = torch.load(checkpoint_dir(out_dir) / LAST, map_location="cpu", weights_only=False)
     module.load_state_dict(final["model"])
     return FlatLayout.of(module.named_parameters()).flatten(dict(module.named_parameters()))
-
-
-def _split_data(data: DataArgs, federation: FederationArgs, algorithm: Algorithm, seed: int,
-                resume_state: Optional[dict], out_dir: Path):
-    """The dataset, the clients' training samples and their held-out validation samples (None without
-    data.validation), checked against the federation and the checkpoint."""
-    train_set, test_set = load_dataset(data.name, data.root, data.download)
-    partition = partition_indices(
-        train_set.labels.numpy(), federation.num_clients, data.partition, alpha=data.alpha,
-        min_samples=data.min_samples, shards_per_client=data.shards_per_client, seed=seed,
-    )
-    validation = None
-    if data.validation is not None:
-        partition, validation = hold_out_validation(partition, data.validation, seed)
-    algorithm.check_federation(federation, [len(p) for p in partition])
-    largest_client = max(len(p) for p in partition)
-    # Under local_epochs a batch larger than a client is its whole data (full-batch steps); under
-    # local_steps every batch of every client would repeat samples.
-    if federation.local_steps is not None and federation.batch_size > largest_client:
-        raise ConfigError("federation.batch_size", f"at most the largest client's number of samples ({largest_client}) "
-                          "with local_steps", federation.batch_size)
-    if resume_state is not None and [list(p) for p in partition] != resume_state["partition"]:
-        raise ConfigError("resume", "a checkpoint made with the same data, partition and seed", str(out_dir))
-    if resume_state is not None and _as_lists(validation) != resume_state.get("validation"):
-        raise ConfigError("resume", "a checkpoint made with the same validation samples (data, partition, seed and "
-                          "data.validation)", str(out_dir))
-    return train_set, test_set, partition, validation
-
-
-def _as_lists(parts: Optional[list]) -> Optional[list[list[int]]]:
-    """Per-client indices as a checkpoint and the run files hold them."""
-    return None if parts is None else [p.tolist() for p in parts]
-
-
-def _build_module(model: ModelArgs, algorithm: Algorithm, constraint: Optional[Constraint], train_set, seed: int):
-    from fl_lightning.module import ClassificationModule
-
-    torch.manual_seed(seed)  # the same initial global model on every rank
-    network = create_model(model.name, num_classes=train_set.num_classes, in_channels=train_set.images.shape[1],
-                           image_size=train_set.images.shape[-1], norm=model.norm, bias=model.bias, **model.options)
-    network = algorithm.prepare_model(network)
-    if constraint is not None:
-        if not algorithm.trains_locally:
-            raise ConfigError("constraint", f"null for {type(algorithm).__name__}, which trains no local model",
-                              type(constraint).__name__)
-        constraint.prepare_model(network)
-    return ClassificationModule(network, train_set.num_classes)
 
 
 def _run_callbacks(federation: FederationArgs, logger: LoggerArgs, checkpoint: CheckpointArgs,
@@ -381,7 +329,7 @@ def _write_run_files(run) -> None:
                           json.dumps({str(i): p.tolist() for i, p in enumerate(run.partition)}))
     if run.validation is not None:
         write_text_atomically(out / VALIDATION_FILE,
-                              json.dumps({str(i): p for i, p in enumerate(_as_lists(run.validation))}))
+                              json.dumps({str(i): p for i, p in enumerate(as_lists(run.validation))}))
     histogram = class_histogram(run.train.labels.numpy(), run.partition, run.train.num_classes)
     plot_partition(histogram, out / "partition.png")
 

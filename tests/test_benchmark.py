@@ -1,18 +1,24 @@
-"""The throughput benchmark runs end to end (every method, its table and its JSON), and its
-fl-lightning FedAvg path computes the same round as its naive one-model-copy-per-client reference, so
-the speed comparison is like for like."""
+"""The throughput benchmark runs end to end (every method, its table and its JSON), its fl-lightning
+FedAvg path computes the same round as its naive one-model-copy-per-client reference, so the speed
+comparison is like for like, and its FedAvgM and MOON rounds are the ones `fit` trains."""
 
+import dataclasses
 import importlib.util
 import json
 import os
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
 import torch
 from lightning.fabric import Fabric
+
+from fl_lightning.config import ComputeArgs, FabricArgs, LoggerArgs
+from fl_lightning.fit import fit
+from fl_lightning.flat import FlatLayout
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "throughput.py"
 
@@ -107,6 +113,40 @@ def test_fedavg_round_matches_the_naive_loop(throughput, model_name, local_steps
         torch.testing.assert_close(actual[name], expected[name], msg=f"{model_name}: {name} differs")
     # Both moved away from the shared start, so the match is not two untouched copies.
     assert any(not torch.equal(expected[name], initial[name]) for name in floating)
+
+
+@pytest.mark.parametrize("algorithm", ["fedavgm", "moon"])
+def test_benchmark_rounds_are_the_rounds_fit_trains(throughput, algorithm, tmp_path, monkeypatch):
+    """Two rounds of the benchmark's FedAvgM (its server momentum acts from the second) and MOON (its
+    projection head, its contrastive term from the second round) give bitwise the model that `fit`
+    trains with the benchmark's settings on the benchmark's images."""
+    fabric = Fabric(accelerator="cpu", devices=1, precision="32-true")
+    workload = throughput.Workload(num_clients=2, local_steps=2, batch_size=8, device=fabric.device, channels=1,
+                                   image_size=8)
+    compute = ComputeArgs(client_path="loop")
+    # fit reads the benchmark's images as a dataset of the user's (data.name: module.function).
+    loader = types.ModuleType("benchmark_images")
+    loader.load = lambda root, download: (workload.dataset, workload.dataset)
+    monkeypatch.setitem(sys.modules, loader.__name__, loader)
+    settings = throughput.run_settings("mlp", workload, algorithm, compute)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        benchmark = throughput.FlLightning(fabric, "mlp", workload, algorithm, compute)
+        for round_index in range(2):
+            benchmark.run_round(round_index)
+        trained = fit(
+            algorithm=settings.algorithm, model=settings.model,
+            data=dataclasses.replace(settings.data, name="benchmark_images.load"),
+            federation=dataclasses.replace(settings.federation, rounds=2), client_optimizer=settings.client_optimizer,
+            server_optimizer=settings.server_optimizer, fabric=FabricArgs(accelerator="cpu", devices=1),
+            compute=compute, logger=LoggerArgs(progress_bar=False), seed=settings.seed, out_dir=tmp_path / "run",
+            resume=None,
+        )
+    finally:
+        torch.set_num_threads(threads)
+    module = benchmark.loop.module
+    assert torch.equal(FlatLayout.of(module.named_parameters()).flatten(dict(module.named_parameters())), trained)
 
 
 @pytest.mark.slow

@@ -36,9 +36,10 @@ from fl_lightning.client_groups import group_size_for, uses_grouped_path
 from fl_lightning.config import ClientOptimizerArgs, ComputeArgs, DataArgs, FederationArgs
 from fl_lightning.constraints import CONST
 from fl_lightning.data import ImageDataset
-from fl_lightning.federation import FederatedLoop, FederatedRun, FlatGlobalModel
+from fl_lightning.federation import FederatedLoop, FlatGlobalModel
 from fl_lightning.models import FeatureClassifier
 from fl_lightning.module import ClassificationModule
+from fl_lightning.run_setup import RunData, RunSettings, build_run
 from fl_lightning.server_optimizers import ServerSGD
 
 QUICKSTART = str(Path(__file__).parent.parent / "configs" / "quickstart.yaml")
@@ -80,28 +81,26 @@ def federated_loop(algorithm_name: str, *, batch_norm: bool, client_path: str, l
                    client_sizes: tuple[int, ...] = CLIENT_SIZES, weighting=None, callbacks=None) -> FederatedLoop:
     algorithm = ALGORITHMS[algorithm_name]()
     torch.manual_seed(0)
-    network = algorithm.prepare_model(SmallConvNet(batch_norm, bias=constraint is None))
-    if constraint is not None:
-        constraint.prepare_model(network)
+    network = SmallConvNet(batch_norm, bias=constraint is None)
     generator = torch.Generator().manual_seed(1)
     images = torch.randint(0, 256, (sum(client_sizes), 3, 8, 8), dtype=torch.uint8, generator=generator)
     labels = torch.randint(0, NUM_CLASSES, (sum(client_sizes),), generator=generator)
     dataset = ImageDataset(images, labels, NUM_CLASSES, (0.5,) * 3, (0.25,) * 3)
     partition = np.split(np.arange(sum(client_sizes)), np.cumsum(client_sizes)[:-1])
     server_lr = 0.5 if algorithm_name.startswith("ctpfl") else 1.0
-    run = FederatedRun(
-        algorithm=algorithm, server_optimizer=algorithm.server_optimizer_for(ServerSGD(lr=server_lr)),
-        module=ClassificationModule(network, NUM_CLASSES), train=dataset, test=dataset, partition=partition,
+    settings = RunSettings(
+        algorithm=algorithm, server_optimizer=ServerSGD(lr=server_lr),
         federation=FederationArgs(rounds=10**6, num_clients=len(client_sizes), clients_per_round=clients_per_round,
                                   local_steps=local_steps, local_epochs=local_epochs, batch_size=5,
                                   weighting=weighting),
         data=DataArgs(augment=True, crop_padding=1),
         client_optimizer=ClientOptimizerArgs(lr=0.05, momentum=0.9, weight_decay=1e-3, grad_clip_norm=2.0),
-        checkpoint_keep=1, seed=0, out_dir=Path("unused"), run_id="test", hyperparameters={},
         constraint=constraint,
         compute=ComputeArgs(client_path=client_path, group_size=group_size, channels_last=channels_last,
                             compile=compile_steps),
     )
+    run = build_run(settings, out_dir=Path("unused"), run_id="test", hyperparameters={},
+                    data=RunData(dataset, dataset, partition), network=network)
     return FederatedLoop(Fabric(accelerator="cpu", devices=1, precision=precision, callbacks=callbacks), run)
 
 

@@ -7,6 +7,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,7 @@ import pytest
 import torch
 from test_diagnostics_landscape import (
     TINY,
+    Center,
     QuadraticModule,
     callbacks_config,
     federated_loop,
@@ -44,9 +46,10 @@ def quadratic_loop(span: float, callbacks: list, weight_decay: float = 0.0, serv
     images = torch.cat([torch.randint(60 * i, 60 * i + 60, (SAMPLES_PER_CLIENT, 1, 1, DIMENSION), dtype=torch.uint8,
                                       generator=generator) for i in range(CLIENTS)])
     partition = [np.arange(i * SAMPLES_PER_CLIENT, (i + 1) * SAMPLES_PER_CLIENT) for i in range(CLIENTS)]
-    fabric, loop = federated_loop(QuadraticModule(HESSIAN), images, torch.zeros(len(images), dtype=torch.long),
+    fabric, loop = federated_loop(Center(len(HESSIAN)), images, torch.zeros(len(images), dtype=torch.long),
                                   partition, CTPFL(span=span, weight_decay=weight_decay), callbacks, local_steps=4,
-                                  batch_size=2, server_lr=server_lr)
+                                  batch_size=2, server_lr=server_lr,
+                                  module_type=partial(QuadraticModule, hessian=HESSIAN))
     centres = loop.test_transform(images).flatten(1).double()
     # F = (1/N) sum_i F_i (uniform weights, CTP-FL's default): grad F(z) = A (z - mean of client means).
     mean_centre = torch.stack([centres[p].mean(0) for p in partition]).mean(0)

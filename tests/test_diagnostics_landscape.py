@@ -3,6 +3,7 @@ diagnostic on a quadratic and on a tiny BatchNorm network against torch.autograd
 of the same loss; and in a real run, its metrics on its rounds only, one reduction each, and a
 final model bitwise equal to the run without it."""
 
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -26,9 +27,10 @@ from fl_lightning.diagnostics.landscape import (
     power_extremes,
 )
 from fl_lightning.errors import ConfigError
-from fl_lightning.federation import FederatedLoop, FederatedRun
+from fl_lightning.federation import FederatedLoop
 from fl_lightning.module import ClassificationModule
 from fl_lightning.run_logging import read_metrics
+from fl_lightning.run_setup import RunData, RunSettings, build_run
 from fl_lightning.server_optimizers import ServerSGD
 
 QUICKSTART = str(Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml")
@@ -55,8 +57,8 @@ class QuadraticModule(ClassificationModule):
     """Loss 1/2 (x - c)^T A (x - c) averaged over a batch of centres c (each sample's pixels): a
     quadratic in the parameters x with Hessian A on every batch."""
 
-    def __init__(self, hessian: torch.Tensor):
-        super().__init__(Center(len(hessian)), num_classes=2)
+    def __init__(self, network: Center, num_classes: int, hessian: torch.Tensor):
+        super().__init__(network, num_classes)
         self.hessian = hessian.float()  # a plain attribute: neither a parameter nor a buffer
 
     def training_step(self, batch, batch_idx: int = 0) -> torch.Tensor:
@@ -65,26 +67,26 @@ class QuadraticModule(ClassificationModule):
         return 0.5 * ((offset @ self.hessian) * offset).sum(1).mean()
 
 
-def federated_loop(module: ClassificationModule, images: torch.Tensor, labels: torch.Tensor,
+def federated_loop(network: nn.Module, images: torch.Tensor, labels: torch.Tensor,
                    partition: list[np.ndarray], algorithm, callbacks: list, *, local_steps: int = 2,
                    batch_size: int = 4, server_lr: float = 0.5, clients_per_round: int = None, augment: bool = False,
                    seed: int = 0, num_classes: int = 2, rounds: int = 10**6, test: tuple = None,
-                   client_path: str = "loop") -> tuple[Fabric, FederatedLoop]:
+                   client_path: str = "loop", module_type=None) -> tuple[Fabric, FederatedLoop]:
     """A loop set up as `federation.train` sets one up on a single rank; the test split is the
     training data unless `test` gives (images, labels)."""
     channels = images.shape[1]
     dataset = ImageDataset(images, labels, num_classes, (0.5,) * channels, (0.25,) * channels)
     test_set = dataset if test is None else ImageDataset(*test, num_classes, (0.5,) * channels, (0.25,) * channels)
-    run = FederatedRun(
-        algorithm=algorithm, server_optimizer=ServerSGD(lr=server_lr), module=module, train=dataset, test=test_set,
-        partition=partition,
+    settings = RunSettings(
+        algorithm=algorithm, server_optimizer=ServerSGD(lr=server_lr),
         federation=FederationArgs(rounds=rounds, num_clients=len(partition),
                                   clients_per_round=clients_per_round or len(partition), local_steps=local_steps,
                                   batch_size=batch_size),
         data=DataArgs(augment=augment, crop_padding=1), client_optimizer=ClientOptimizerArgs(lr=0.1),
-        checkpoint_keep=1, seed=seed, out_dir=Path("unused"), run_id="test", hyperparameters={},
-        compute=ComputeArgs(client_path=client_path),
+        seed=seed, compute=ComputeArgs(client_path=client_path),
     )
+    run = build_run(settings, out_dir=Path("unused"), run_id="test", hyperparameters={},
+                    data=RunData(dataset, test_set, partition), network=network, module_type=module_type)
     fabric = Fabric(accelerator="cpu", devices=1, callbacks=callbacks)
     return fabric, FederatedLoop(fabric, run)
 
@@ -125,7 +127,7 @@ def tiny_network_problem(samples: int = 48):
     partition = [np.arange(i, samples, 4) for i in range(4)]
     test = (torch.randint(0, 256, (30, 1, 4, 4), dtype=torch.uint8, generator=generator),
             torch.randint(0, 3, (30,), generator=generator))
-    return ClassificationModule(network, num_classes=3), images, labels, partition, test
+    return network, images, labels, partition, test
 
 
 def exact_hessian(loop: FederatedLoop, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -199,8 +201,8 @@ def test_landscape_of_a_quadratic_is_its_matrix():
     images = torch.randint(0, 256, (40, 1, 1, 6), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     partition = [np.arange(0, 20), np.arange(20, 40)]
     landscape = Landscape(subset_size=16, batch_size=5, iterations=6, probes=4, seed=7)
-    fabric, loop = federated_loop(QuadraticModule(matrix), images, torch.zeros(40, dtype=torch.long), partition,
-                                  CTPFL(span=0.5), [landscape])
+    fabric, loop = federated_loop(Center(len(matrix)), images, torch.zeros(40, dtype=torch.long), partition,
+                                  CTPFL(span=0.5), [landscape], module_type=partial(QuadraticModule, hessian=matrix))
     run_rounds(fabric, loop, 2)
     values = landscape.measure(loop)
     assert values["hessian/lambda_max"] == pytest.approx(6.0, rel=1e-4)
@@ -216,10 +218,10 @@ def test_landscape_of_a_quadratic_is_its_matrix():
     ("train", "jvp", "lanczos", 60), ("test", "jvp", "lanczos", 60), ("test", "double_backward", "lanczos", 60),
     ("train", "double_backward", "power", 100)])
 def test_landscape_of_a_tiny_batchnorm_network_matches_autograd_hessian(split, hvp, method, iterations):
-    module, images, labels, partition, test = tiny_network_problem()
+    network, images, labels, partition, test = tiny_network_problem()
     landscape = Landscape(split=split, subset_size=20, batch_size=12, iterations=iterations, probes=5, hvp=hvp,
                           method=method, seed=3)
-    fabric, loop = federated_loop(module, images, labels, partition, FedAvg(), [landscape], num_classes=3, test=test)
+    fabric, loop = federated_loop(network, images, labels, partition, FedAvg(), [landscape], num_classes=3, test=test)
     inputs, subset_labels = landscape.subset(loop)
     assert len(subset_labels) == 20
     pool = loop.test_transform(test[0] if split == "test" else images)
@@ -241,9 +243,9 @@ def test_landscape_of_a_tiny_batchnorm_network_matches_autograd_hessian(split, h
 
 
 def test_landscape_leaves_the_model_its_buffers_and_the_global_random_stream_alone():
-    module, images, labels, partition, _ = tiny_network_problem()
+    network, images, labels, partition, _ = tiny_network_problem()
     landscape = Landscape(subset_size=20, iterations=5, probes=2)
-    fabric, loop = federated_loop(module, images, labels, partition, FedAvg(), [landscape], num_classes=3)
+    fabric, loop = federated_loop(network, images, labels, partition, FedAvg(), [landscape], num_classes=3)
     params, buffers = loop.global_model.params.clone(), loop.global_model.buffers.clone()
     rng = torch.get_rng_state()
     loop.module.train()

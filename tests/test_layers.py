@@ -39,7 +39,7 @@ LAYERS = [
      ["fl_lightning.module", "fl_lightning.client", "fl_lightning.server_optimizers", "fl_lightning.constraints"]),
     ("algorithms", ["fl_lightning.algorithms", "fl_lightning.client_groups"]),
     ("callbacks", ["fl_lightning.callbacks", "fl_lightning.diagnostics"]),
-    ("federation", ["fl_lightning.federation"]),
+    ("federation", ["fl_lightning.federation", "fl_lightning.run_setup"]),
     ("fit", ["fl_lightning.fit"]),
     ("parse errors", ["fl_lightning.cli", "fl_lightning.cli.messages"]),
     ("command line rewriting", ["fl_lightning.cli.arguments"]),

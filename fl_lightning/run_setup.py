@@ -1,0 +1,141 @@
+"""A federated run assembled from its settings: the clients' data (loaded and split as `fit` does,
+or given), the initial model (created from the seed, then prepared by the algorithm and the
+constraint) and the server optimizer the algorithm steps with (`Algorithm.server_optimizer_for`).
+`fit`, the benchmarks and the tests build every `FederatedRun` through `build_run`, so that what
+they train is the algorithm they name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+from fl_lightning.algorithms import Algorithm
+from fl_lightning.callbacks import Callback
+from fl_lightning.config import (
+    CheckpointArgs,
+    ClientOptimizerArgs,
+    ComputeArgs,
+    DataArgs,
+    FabricArgs,
+    FederationArgs,
+    LoggerArgs,
+    ModelArgs,
+)
+from fl_lightning.constraints import Constraint
+from fl_lightning.data import ImageDataset, hold_out_validation, load_dataset, partition_indices
+from fl_lightning.errors import ConfigError
+from fl_lightning.models import create_model
+from fl_lightning.server_optimizers import ServerOptimizer, ServerSGD
+
+if TYPE_CHECKING:
+    from fl_lightning.federation import FederatedRun
+    from fl_lightning.module import ClassificationModule
+
+
+@dataclass
+class RunSettings:
+    """A run's groups of settings, as `fit.fit` takes them (see there), less its run folder's."""
+
+    algorithm: Algorithm
+    model: ModelArgs = field(default_factory=ModelArgs)
+    data: DataArgs = field(default_factory=DataArgs)
+    federation: FederationArgs = field(default_factory=FederationArgs)
+    client_optimizer: ClientOptimizerArgs = field(default_factory=ClientOptimizerArgs)
+    server_optimizer: ServerOptimizer = field(default_factory=ServerSGD)
+    """The configured server optimizer; the run steps with `algorithm.server_optimizer_for` of it."""
+    constraint: Optional[Constraint] = None
+    fabric: FabricArgs = field(default_factory=FabricArgs)
+    compute: ComputeArgs = field(default_factory=ComputeArgs)
+    logger: LoggerArgs = field(default_factory=LoggerArgs)
+    checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
+    callbacks: list[Callback] = field(default_factory=list)
+    seed: int = 0
+
+
+@dataclass
+class RunData:
+    """The datasets and each client's training-set indices (and held-out validation indices, or None)."""
+
+    train: ImageDataset
+    test: ImageDataset
+    partition: list[np.ndarray]
+    validation: Optional[list[np.ndarray]] = None
+
+
+def build_run(settings: RunSettings, *, out_dir: Path, run_id: str, hyperparameters: dict,
+              resume_state: Optional[dict] = None, data: Optional[RunData] = None,
+              network: Optional[nn.Module] = None,
+              module_type: Optional[Callable[[nn.Module, int], ClassificationModule]] = None) -> FederatedRun:
+    """The run of these settings. `data` replaces the dataset that settings.data names and its split
+    (the caller's data is not checked against the federation); `network` replaces the model that
+    settings.model names, already initialised by the caller, and is prepared all the same;
+    `module_type` (network, num_classes) -> module replaces ClassificationModule (a module whose
+    training_step computes another loss)."""
+    # Both import Lightning, which parsing and refusing a command line need not wait for.
+    from fl_lightning.federation import FederatedRun
+    from fl_lightning.module import ClassificationModule
+
+    algorithm, constraint = settings.algorithm, settings.constraint
+    data = data if data is not None else load_run_data(settings, resume_state, out_dir)
+    if network is None:
+        network = initial_network(settings.model, data.train, settings.seed)
+    network = algorithm.prepare_model(network)
+    if constraint is not None:
+        if not algorithm.trains_locally:
+            raise ConfigError("constraint", f"null for {type(algorithm).__name__}, which trains no local model",
+                              type(constraint).__name__)
+        constraint.prepare_model(network)
+    module = (module_type or ClassificationModule)(network, data.train.num_classes)
+    return FederatedRun(
+        algorithm=algorithm, server_optimizer=algorithm.server_optimizer_for(settings.server_optimizer), module=module,
+        train=data.train, test=data.test, partition=data.partition, validation=data.validation,
+        federation=settings.federation, data=settings.data, client_optimizer=settings.client_optimizer,
+        checkpoint_keep=settings.checkpoint.keep, seed=settings.seed, out_dir=out_dir, run_id=run_id,
+        hyperparameters=hyperparameters, constraint=constraint, resume_state=resume_state,
+        compute=settings.compute,
+    )
+
+
+def initial_network(model: ModelArgs, train: ImageDataset, seed: int) -> nn.Module:
+    """The network settings.model names, initialised from the seed: the same on every rank."""
+    torch.manual_seed(seed)
+    return create_model(model.name, num_classes=train.num_classes, in_channels=train.images.shape[1],
+                        image_size=train.images.shape[-1], norm=model.norm, bias=model.bias, **model.options)
+
+
+def load_run_data(settings: RunSettings, resume_state: Optional[dict], out_dir: Path) -> RunData:
+    """The dataset, the clients' training samples and their held-out validation samples (None without
+    data.validation), checked against the federation and the checkpoint."""
+    data, federation, seed = settings.data, settings.federation, settings.seed
+    train_set, test_set = load_dataset(data.name, data.root, data.download)
+    partition = partition_indices(
+        train_set.labels.numpy(), federation.num_clients, data.partition, alpha=data.alpha,
+        min_samples=data.min_samples, shards_per_client=data.shards_per_client, seed=seed,
+    )
+    validation = None
+    if data.validation is not None:
+        partition, validation = hold_out_validation(partition, data.validation, seed)
+    settings.algorithm.check_federation(federation, [len(p) for p in partition])
+    largest_client = max(len(p) for p in partition)
+    # Under local_epochs a batch larger than a client is its whole data (full-batch steps); under
+    # local_steps every batch of every client would repeat samples.
+    if federation.local_steps is not None and federation.batch_size > largest_client:
+        raise ConfigError("federation.batch_size", f"at most the largest client's number of samples ({largest_client}) "
+                          "with local_steps", federation.batch_size)
+    if resume_state is not None and [list(p) for p in partition] != resume_state["partition"]:
+        raise ConfigError("resume", "a checkpoint made with the same data, partition and seed", str(out_dir))
+    if resume_state is not None and as_lists(validation) != resume_state.get("validation"):
+        raise ConfigError("resume", "a checkpoint made with the same validation samples (data, partition, seed and "
+                          "data.validation)", str(out_dir))
+    return RunData(train_set, test_set, partition, validation)
+
+
+def as_lists(parts: Optional[list]) -> Optional[list[list[int]]]:
+    """Per-client indices as a checkpoint and the run files hold them."""
+    return None if parts is None else [p.tolist() for p in parts]
