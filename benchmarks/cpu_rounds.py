@@ -52,7 +52,7 @@ from lightning.fabric import Fabric
 from torch import nn
 
 from fl_lightning.algorithms import FedAvg
-from fl_lightning.client import CLIENT_STREAM, batch_positions, seeded_generator
+from fl_lightning.clients.run import CLIENT_STREAM, batch_positions, seeded_generator
 from fl_lightning.config import ClientOptimizerArgs, ComputeArgs, DataArgs, FederationArgs, ModelArgs
 from fl_lightning.data import ImageDataset, load_dataset, partition_indices
 from fl_lightning.federation import FederatedLoop, aggregation_weights, sample_clients

@@ -55,7 +55,7 @@ from torch import nn
 
 import fl_lightning.federation
 from fl_lightning.algorithms import CTPFL, MOON, SCAFFOLD, FedAvg, FedAvgM, FedProx
-from fl_lightning.client import CLIENT_STREAM, Batch, batch_positions, seeded_generator
+from fl_lightning.clients.run import CLIENT_STREAM, Batch, batch_positions, seeded_generator
 from fl_lightning.config import ClientOptimizerArgs, ComputeArgs, DataArgs, FederationArgs, ModelArgs
 from fl_lightning.data import DeviceTransform, ImageDataset, partition_indices
 from fl_lightning.federation import FederatedLoop

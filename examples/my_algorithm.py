@@ -8,7 +8,7 @@ model far; it logs the norm of each round's aggregated update.
 import torch
 
 from fl_lightning.algorithms.base import PSEUDO_GRADIENT, Algorithm, train_locally
-from fl_lightning.client import ClientRun, clip_to_norm
+from fl_lightning.clients import ClientRun, clip_to_norm
 from fl_lightning.errors import ConfigError
 
 

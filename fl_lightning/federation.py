@@ -27,8 +27,10 @@ from fl_lightning.checkpoint import (
     save_checkpoint,
     save_client_shard,
 )
-from fl_lightning.client import SAMPLING_STREAM, LocalTrainer, seeded_generator
-from fl_lightning.client_groups import client_updates, group_size_for, normalise_batches_in_float32, uses_grouped_path
+from fl_lightning.clients.groups import client_updates, normalise_batches_in_float32
+from fl_lightning.clients.paths import ClientPath
+from fl_lightning.clients.run import SAMPLING_STREAM, seeded_generator
+from fl_lightning.clients.trainer import LocalSettings, LocalTrainer, TrainingData
 from fl_lightning.config import ClientOptimizerArgs, ComputeArgs, DataArgs, FederationArgs
 from fl_lightning.constraints import Constraint
 from fl_lightning.data import DeviceTransform, ImageDataset
@@ -229,13 +231,8 @@ class FederatedLoop:
         self.client_states = ClientStates({c: s for c, s in saved_states.items()
                                            if c % fabric.world_size == fabric.global_rank})
         self.trainer = self._local_trainer(device)
-        self.fused = self.algorithm.fuses_clients
-        if self.fused and self.stateful:
-            raise TypeError(f"{type(self.algorithm).__name__}.fuses_clients is true, but a fused group keeps no "
-                            f"client state ({', '.join(self.algorithm.client_state)}): it must be false")
-        self.grouped = uses_grouped_path(run.compute.client_path, device, self.fused)
-        self.group_size = group_size_for(run.compute.group_size, device, self.fused, run.federation.batch_size)
-        if self.grouped:
+        self.client_path = ClientPath.of(run.compute, self.algorithm, device, run.federation.batch_size)
+        if self.client_path.grouped:
             normalise_batches_in_float32(self.module)
         self.test_images, self.test_labels = run.test.images.to(device), run.test.labels.to(device)
         self.test_transform = DeviceTransform(run.test.mean, run.test.std, augment=False)
@@ -258,16 +255,11 @@ class FederatedLoop:
 
     def _local_trainer(self, device: torch.device) -> LocalTrainer:
         run, global_model = self.run, self.global_model
-        return LocalTrainer(
-            self.fabric, self.module, images=run.train.images.to(device), labels=run.train.labels.to(device),
-            transform=DeviceTransform(run.train.mean, run.train.std, augment=run.data.augment,
-                                      crop_padding=run.data.crop_padding),
-            param_layout=global_model.param_layout, buffer_layout=global_model.buffer_layout,
-            global_params=global_model.params, global_buffers=global_model.buffers,
-            client_indices=[torch.as_tensor(p, dtype=torch.long) for p in run.partition], seed=run.seed,
-            federation=run.federation, optimizer_args=run.client_optimizer, constraint=run.constraint,
-            channels_last=run.compute.channels_last, compile_steps=run.compute.compile,
-        )
+        data = TrainingData(run.train.images.to(device), run.train.labels.to(device),
+                            DeviceTransform(run.train.mean, run.train.std, augment=run.data.augment,
+                                            crop_padding=run.data.crop_padding))
+        settings = LocalSettings(run.seed, run.federation, run.client_optimizer, run.constraint, run.compute)
+        return LocalTrainer(self.fabric, self.module, data, global_model, run.partition, settings)
 
     @property
     def completed_rounds(self) -> int:
@@ -308,8 +300,7 @@ class FederatedLoop:
                               fabric.device)
         hooks_seconds = 0.0  # diagnostics' time on their rounds, left out of the round's own time
         runs = self._client_runs(clients, round_index)
-        for client, contribution, uploads in client_updates(algorithm, runs, self.grouped, self.group_size,
-                                                            weights if self.fused else None):
+        for client, contribution, uploads in client_updates(algorithm, runs, self.client_path, weights):
             if self.stateful:
                 self.client_states.put(client.client_id, client.state)
             hook_started = time.perf_counter()
@@ -383,7 +374,7 @@ class FederatedLoop:
             for start in range(0, len(share.samples), batch_size):
                 samples = share.samples[start:start + batch_size]
                 correct, losses = self.module.sample_outcomes(
-                    (self.validation_transform(trainer.train_images[samples]), trainer.train_labels[samples]))
+                    (self.validation_transform(trainer.data.images[samples]), trainer.data.labels[samples]))
                 outcomes[:, start:start + batch_size] = torch.stack([correct.float(), losses])
         counts = torch.zeros(2, len(held_out), device=fabric.device)
         counts[:, share.clients] = share.sum_by_client(outcomes)

@@ -14,7 +14,8 @@ from fl_lightning.algorithms.feddyn import FedDyn
 from fl_lightning.algorithms.moon import MOON
 from fl_lightning.algorithms.scaffold import SCAFFOLD
 from fl_lightning.checkpoint import load_checkpoint
-from fl_lightning.client import CLIENT_STREAM, LocalTrainer, batch_positions, seeded_generator
+from fl_lightning.clients.run import CLIENT_STREAM, batch_positions, seeded_generator
+from fl_lightning.clients.trainer import LocalSettings, LocalTrainer, TrainingData
 from fl_lightning.config import ClientOptimizerArgs, FabricArgs, FederationArgs, ModelArgs
 from fl_lightning.errors import ConfigError
 from fl_lightning.federation import FlatGlobalModel, sample_clients
@@ -295,13 +296,9 @@ def test_moon_represents_the_global_and_previous_models_in_eval_mode():
     inputs, labels = torch.randn(num_samples, in_features), torch.randint(num_classes, (num_samples,))
 
     fabric = Fabric(accelerator="cpu", devices=1, precision="32-true")
-    trainer = LocalTrainer(
-        fabric, module, images=inputs, labels=labels, transform=UnchangedFeatures(),
-        param_layout=model.param_layout, buffer_layout=model.buffer_layout, global_params=model.params,
-        global_buffers=model.buffers, client_indices=[torch.arange(num_samples)], seed=SEED,
-        federation=FederationArgs(num_clients=1, clients_per_round=1, local_epochs=epochs, batch_size=num_samples),
-        optimizer_args=ClientOptimizerArgs(lr=lr),
-    )
+    federation = FederationArgs(num_clients=1, clients_per_round=1, local_epochs=epochs, batch_size=num_samples)
+    trainer = LocalTrainer(fabric, module, TrainingData(inputs, labels, UnchangedFeatures()), model,
+                           [torch.arange(num_samples)], LocalSettings(SEED, federation, ClientOptimizerArgs(lr=lr)))
     client = trainer.client_run(0, 1, {"previous_model": previous_params.clone(),
                                        "previous_buffers": previous_buffers.clone()})
     local = model.params - algorithm.client_update(client)[PSEUDO_GRADIENT]

@@ -11,7 +11,7 @@ from fl_lightning.algorithms.fedavgm import FedAvgM
 from fl_lightning.algorithms.fedcm import FedCM
 from fl_lightning.algorithms.fedprox import FedProx
 from fl_lightning.algorithms.fedsam import FedSAM
-from fl_lightning.client import CLIENT_STREAM, batch_positions, seeded_generator
+from fl_lightning.clients.run import CLIENT_STREAM, batch_positions, seeded_generator
 from fl_lightning.config import ClientOptimizerArgs
 from fl_lightning.errors import ConfigError
 from fl_lightning.federation import sample_clients

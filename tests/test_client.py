@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from fl_lightning.client import LocalSGD, clip_to_norm
+from fl_lightning.clients import LocalSGD, clip_to_norm
 from fl_lightning.config import ClientOptimizerArgs
 
 

@@ -14,7 +14,8 @@ import torch
 from lightning.fabric import Fabric
 from torch import nn
 
-import fl_lightning.client_groups as client_groups
+import fl_lightning.clients.groups as client_groups
+import fl_lightning.clients.paths as client_paths
 from fl_lightning.algorithms import (
     CTPFL,
     MOON,
@@ -31,8 +32,8 @@ from fl_lightning.algorithms.base import PSEUDO_GRADIENT
 from fl_lightning.callbacks import Callback
 from fl_lightning.checkpoint import LAST, checkpoint_dir
 from fl_lightning.cli.main import main
-from fl_lightning.client import LocalTrainer
-from fl_lightning.client_groups import group_size_for, uses_grouped_path
+from fl_lightning.clients.paths import ClientPath, Grouping, group_size_for, uses_grouped_path
+from fl_lightning.clients.trainer import LocalSettings, LocalTrainer, TrainingData
 from fl_lightning.config import ClientOptimizerArgs, ComputeArgs, DataArgs, FederationArgs
 from fl_lightning.constraints import CONST
 from fl_lightning.data import ImageDataset
@@ -226,7 +227,7 @@ def test_fused_groups_on_the_cpu_take_at_most_512_samples_per_pass_unless_group_
     assert [group_size_for(None, cpu, True, batch_size) for batch_size in (10, 50, 600)] == [51, 10, 1]
     assert group_size_for(None, cpu, False, 50) is None and group_size_for(None, gpu, True, 50) is None
     assert group_size_for(3, cpu, True, 50) == 3
-    monkeypatch.setattr(client_groups, "CPU_FUSED_SAMPLES", 10)  # two clients' batches of 5
+    monkeypatch.setattr(client_paths, "CPU_FUSED_SAMPLES", 10)  # two clients' batches of 5
     rounds_of(federated_loop(FUSED_CTPFL, batch_norm=True, local_steps=2, client_path="auto"), rounds=1)
     assert fused_group_sizes == [2, 2]
 
@@ -273,7 +274,7 @@ def test_a_callback_reads_each_fused_clients_own_upload_and_training_stays_the_s
     calls: list[bool] = []
     original = CTPFL.client_update
     monkeypatch.setattr(CTPFL, "client_update", lambda self, client: calls.append(
-        client.client_weights is not None) or original(self, client))
+        client.execution.client_weights is not None) or original(self, client))
     plain = rounds_of(federated_loop(**settings, client_path="grouped"))
     assert calls == [True] * 3  # one fused update per round, nothing else
     calls.clear()
@@ -343,12 +344,26 @@ def test_a_client_rule_that_cannot_run_grouped_names_the_setting_that_runs_it(mo
         loop.run_round(0)
 
 
+def test_how_a_ranks_clients_run_is_one_value_decided_from_the_settings_and_the_algorithm(fused_group_sizes):
+    def path(algorithm_name, client_path, group_size=None):
+        return federated_loop(algorithm_name, batch_norm=True, local_steps=2, client_path=client_path,
+                              group_size=group_size).client_path
+
+    assert path(FUSED_CTPFL, "loop") == ClientPath(Grouping.ALONE)
+    assert path("fedavg", "grouped") == ClientPath(Grouping.VECTORISED)
+    assert path("fedavg", "grouped", group_size=2) == ClientPath(Grouping.VECTORISED, 2)
+    assert path("ctpfl", "grouped") == ClientPath(Grouping.VECTORISED)  # clipped: not affine, not fused
+    # On the CPU, fused passes of at most CPU_FUSED_SAMPLES samples: batches of 5.
+    assert path(FUSED_CTPFL, "grouped") == ClientPath(Grouping.FUSED, client_paths.CPU_FUSED_SAMPLES // 5)
+    assert path(FUSED_CTPFL, "grouped", group_size=3) == ClientPath(Grouping.FUSED, 3)
+
+
 def test_auto_groups_on_a_gpu_and_loops_on_the_cpu_unless_the_clients_are_fused(fused_group_sizes):
     assert uses_grouped_path("auto", torch.device("cuda", 0))
     assert not uses_grouped_path("auto", torch.device("cpu"))
     assert uses_grouped_path("auto", torch.device("cpu"), fused=True)
-    assert federated_loop(FUSED_CTPFL, batch_norm=True, local_steps=2, client_path="auto").grouped
-    assert not federated_loop("ctpfl", batch_norm=True, local_steps=2, client_path="auto").grouped
+    assert federated_loop(FUSED_CTPFL, batch_norm=True, local_steps=2, client_path="auto").client_path.grouped
+    assert not federated_loop("ctpfl", batch_norm=True, local_steps=2, client_path="auto").client_path.grouped
     assert uses_grouped_path("grouped", torch.device("cpu"))
     assert not uses_grouped_path("loop", torch.device("cuda", 0))
 
@@ -406,10 +421,8 @@ def test_a_tied_weight_gets_the_gradient_of_both_uses():
     loss = module.training_step((inputs, labels))
     expected = torch.autograd.grad(loss, list(module.parameters()))
     model = FlatGlobalModel.bind(module, torch.device("cpu"))
-    trainer = LocalTrainer(Fabric(accelerator="cpu", devices=1), module, images=inputs, labels=labels, transform=None,
-                           param_layout=model.param_layout, buffer_layout=model.buffer_layout,
-                           global_params=model.params, global_buffers=model.buffers, client_indices=[], seed=0,
-                           federation=FederationArgs(), optimizer_args=ClientOptimizerArgs())
+    trainer = LocalTrainer(Fabric(accelerator="cpu", devices=1), module, TrainingData(inputs, labels, None), model, [],
+                           LocalSettings(0, FederationArgs(), ClientOptimizerArgs()))
     _, gradient = trainer.loss_and_grad(model.params, model.buffers, (inputs, labels))
     torch.testing.assert_close(gradient, torch.cat([g.reshape(-1) for g in expected]))
 

@@ -7,7 +7,7 @@ from reference import small_setup
 from fl_lightning.algorithms import FedAvg
 from fl_lightning.algorithms.moon import MOON
 from fl_lightning.algorithms.scaffold import SCAFFOLD
-from fl_lightning.client import LocalSGD
+from fl_lightning.clients import LocalSGD
 from fl_lightning.config import ClientOptimizerArgs, ModelArgs
 from fl_lightning.constraints import CONST
 from fl_lightning.errors import ConfigError

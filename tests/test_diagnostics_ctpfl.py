@@ -28,6 +28,7 @@ from torch import nn
 
 from fl_lightning.algorithms import CTPFL, FedAvg
 from fl_lightning.cli.main import main
+from fl_lightning.clients.run import CLIENT_STREAM, batch_positions, seeded_generator
 from fl_lightning.diagnostics.ctpfl import DisplacementBias
 from fl_lightning.errors import ConfigError
 from fl_lightning.module import ClassificationModule
@@ -66,15 +67,42 @@ def test_batches_looked_at_again_are_the_clients_own_and_leave_its_generator_alo
                                   augment=True, num_classes=3)
     client = loop.trainer.client_run(2, 7, {})
     trained = list(client.batches())
-    state = client._generator.get_state()
+    state = client.execution.generator.get_state()
     replayed = list(client.batches())
-    assert torch.equal(client._generator.get_state(), state)
+    assert torch.equal(client.execution.generator.get_state(), state)
     assert len(replayed) == len(trained) == 5
     for (inputs, targets), (again, again_targets) in zip(trained, replayed):
         assert torch.equal(inputs, again) and torch.equal(targets, again_targets)
     # Augmentation is on: the same samples without the same crops and flips would differ.
-    plain = loop.trainer.transform(loop.trainer.train_images[client._sample_indices[client._positions[0]]])
+    plain, _ = loop.trainer.training_batch(client.execution.sample_indices[client.execution.positions[0]])
     assert not torch.equal(plain, trained[0][0])
+
+
+def test_what_a_diagnostic_asks_a_client_leaves_its_round_as_it_was():
+    module, images, labels, partition, _ = tiny_network_problem()
+    fabric, loop = federated_loop(module, images, labels, partition, CTPFL(), [], local_steps=5, batch_size=4,
+                                  augment=True, num_classes=3)
+    client = loop.trainer.client_run(2, 7, {})
+    trained = list(client.batches())
+    state, buffers = client.execution.generator.get_state(), client.buffers.clone()
+    global_buffers = loop.global_model.buffers.clone()  # BatchNorm's running statistics
+    params = client.global_params + 0.1
+    # The gradient a training pass takes (from the global buffers, as this client's are now), but
+    # neither the client's buffers, nor its losses, nor the global buffers change.
+    _, expected = client.loss_and_grad(params, trained[0], training_pass=False)
+    assert torch.equal(client.gradient_at(params, trained[0]), expected)
+    assert client.losses == [] and torch.equal(client.buffers, buffers)
+    assert torch.equal(loop.global_model.buffers, global_buffers)
+    # Batches drawn at the training positions from a generator where training's stood after the
+    # batch order are the training batches: drawn as training draws them.
+    generator = seeded_generator(loop.run.seed, CLIENT_STREAM, 7, 2)
+    batch_positions(client.num_samples, 4, 5, None, generator)
+    for (inputs, targets), (drawn, drawn_targets) in zip(trained, client.draw_batches(client.execution.positions,
+                                                                                      generator)):
+        assert torch.equal(inputs, drawn) and torch.equal(targets, drawn_targets)
+    assert torch.equal(client.generator(1001).get_state(), seeded_generator(loop.run.seed, 1001, 7, 2).get_state())
+    assert torch.equal(client.execution.generator.get_state(), state)
+    assert loop.trainer.training_pool().tolist() == sorted(int(i) for part in partition for i in part)
 
 
 @pytest.mark.parametrize("span, weight_decay", [(0.4, 0.0), (1.2, 0.0), (0.4, 0.1)])

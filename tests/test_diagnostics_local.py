@@ -15,6 +15,7 @@ import yaml
 from fl_lightning.algorithms.base import PSEUDO_GRADIENT
 from fl_lightning.checkpoint import checkpoint_dir
 from fl_lightning.cli.main import main
+from fl_lightning.clients.run import seeded_generator
 from fl_lightning.diagnostics.gsnr import GSNR, GradientVariance, WeightNorms
 from fl_lightning.diagnostics.local_updates import ClientConsistency, ClientDrift, DriftDiversity, UpdateCosine
 from fl_lightning.errors import ConfigError
@@ -57,17 +58,18 @@ class StubFabric:
 
 class StubTrainer:
     """Sample k of client m has the known "gradient" data[m][k] (float32; a linear loss), whatever
-    the parameters. Every gradient draws from the global random state and writes into the buffers it
-    is given, so the tests see whether a diagnostic restores the one and copies the other."""
+    the parameters. Every gradient draws from the global random state, so the tests see whether a
+    diagnostic restores it."""
 
     def __init__(self, data: list[torch.Tensor]):
         self.samples = torch.cat(data).float()
         offsets = [0, *itertools.accumulate(len(d) for d in data)]
         self.client_indices = [torch.arange(a, b) for a, b in zip(offsets, offsets[1:])]
         self.seed = 3
-        self.federation = SimpleNamespace(batch_size=1)
-        self.global_buffers = torch.zeros(2)
         self.batches: list[torch.Tensor] = []
+
+    def client(self, client_id: int, round_index: int, params: torch.Tensor, projection=None) -> "StubClient":
+        return StubClient(self, client_id, round_index, params, projection)
 
     def make_batches(self, sample_indices, positions, generator):
         batches = []
@@ -77,16 +79,32 @@ class StubTrainer:
             batches.append((self.samples[indices], indices))
         return batches
 
-    def loss_and_grad(self, params, buffers, batch):
+
+
+class StubClient:
+    """What a diagnostic asks of a client (`ClientRun`'s methods for diagnostics), on the stub's data."""
+
+    def __init__(self, trainer: StubTrainer, client_id: int, round_index: int, params: torch.Tensor, projection):
+        self.trainer, self.client_id, self.round, self.global_params = trainer, client_id, round_index, params
+        self.projection = projection
+        self.num_samples = len(trainer.client_indices[client_id])
+
+    def generator(self, stream: int) -> torch.Generator:
+        return seeded_generator(self.trainer.seed, stream, self.round, self.client_id)
+
+    def draw_batches(self, positions, generator):
+        return self.trainer.make_batches(self.trainer.client_indices[self.client_id], positions, generator)
+
+    def gradient_at(self, params, batch):
         torch.rand(3)  # as dropout would
-        buffers.add_(1.0)  # as BatchNorm's running statistics would
         assert not params.requires_grad
-        return torch.zeros(()), batch[0].mean(dim=0)
+        return batch[0].mean(dim=0)
 
 
 def stub_loop(params: torch.Tensor, rounds: int = ROUNDS):
     layout = FlatLayout(("layer.weight", "layer.bias"), (torch.Size([2, 2]), torch.Size([1])))
-    return SimpleNamespace(rounds=rounds, run=SimpleNamespace(federation=SimpleNamespace(num_clients=NUM_CLIENTS)),
+    federation = SimpleNamespace(num_clients=NUM_CLIENTS, batch_size=1)
+    return SimpleNamespace(rounds=rounds, run=SimpleNamespace(federation=federation),
                            global_model=SimpleNamespace(param_layout=layout, params=params,
                                                         buffer_layout=FlatLayout((), ())))
 
@@ -114,8 +132,7 @@ def run_hooks(diagnostic, rank: int, ranks, clients_of_round, seed: int = 0):
         before = fabric.reductions
         diagnostic.on_round_start(fabric, loop, round_index)
         for client_id in clients_of_round(round_index + 1):
-            client = SimpleNamespace(client_id=client_id, round=round_index, global_params=params, trainer=trainer,
-                                     projection=None)
+            client = trainer.client(client_id, round_index, params)
             diagnostic.on_client_end(fabric, loop, client, {PSEUDO_GRADIENT: uploads[client_id]} if measured else {},
                                      weights[client_id])
         metrics = {"round": round_index + 1}
@@ -217,23 +234,20 @@ def test_on_two_ranks_one_all_reduce_on_measured_rounds_only_and_the_same_metric
                     assert value == pytest.approx(single[index][round_number][name], rel=1e-9, abs=1e-12), name
 
 
-def test_gradient_variance_of_sampled_mini_batches_projected_and_leaving_buffers_alone():
+def test_gradient_variance_of_sampled_mini_batches_projected_from_a_stream_of_its_own():
     uploads, weights, data, params = known_round(1)
     trainer, loop, fabric = StubTrainer(data), stub_loop(params, rounds=1), StubFabric()
-    buffers = trainer.global_buffers.clone()
     mask = torch.tensor([0.0, 1.0, 1.0, 1.0, 1.0])  # a "projection" that drops the first coordinate
     diagnostic = GradientVariance(num_batches=2, batch_size=2)
     diagnostic.on_round_start(fabric, loop, 0)
     batches_seen = []
     for client_id in range(NUM_CLIENTS):
-        client = SimpleNamespace(client_id=client_id, round=0, global_params=params, trainer=trainer,
-                                 projection=lambda g: g * mask)
+        client = trainer.client(client_id, 0, params, projection=lambda g: g * mask)
         trainer.batches.clear()
         diagnostic.on_client_end(fabric, loop, client, {PSEUDO_GRADIENT: uploads[client_id]}, weights[client_id])
         batches_seen.append([b.tolist() for b in trainer.batches])
     metrics = {"round": 1}
     diagnostic.on_round_end(fabric, loop, metrics)
-    assert torch.equal(trainer.global_buffers, buffers)
 
     # Clients with fewer than 4 samples have room for one batch of 2 only: no variance, left out.
     counted, variance, means = 0.0, 0.0, []
@@ -256,7 +270,7 @@ def test_gradient_variance_of_sampled_mini_batches_projected_and_leaving_buffers
     # The samples come from the diagnostic's own stream: the same ones again for the same round.
     trainer.batches.clear()
     GradientVariance(num_batches=2, batch_size=2).on_client_end(
-        fabric, loop, SimpleNamespace(client_id=0, round=0, global_params=params, trainer=trainer, projection=None),
+        fabric, loop, trainer.client(0, 0, params),
         {PSEUDO_GRADIENT: uploads[0]}, weights[0])
     assert [b.tolist() for b in trainer.batches] == batches_seen[0]
 

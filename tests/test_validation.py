@@ -39,8 +39,9 @@ class RecordBatches(Callback):
         self.batches = []
 
     def on_client_end(self, fabric, loop, client, uploads: dict, weight: float) -> None:
+        execution = client.execution
         self.batches.append((client.round, client.client_id,
-                             [client._sample_indices[positions].tolist() for positions in client._positions]))
+                             [execution.sample_indices[positions].tolist() for positions in execution.positions]))
 
 
 def setup_with(root: Path, out_dir: Path, **data) -> dict:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from fl_lightning.choices import Weighting
-from fl_lightning.client import Batch, ClientRun
+from fl_lightning.clients import Batch, ClientRun
 from fl_lightning.config import FederationArgs
 from fl_lightning.configurable import Configurable
 from fl_lightning.server_optimizers import ServerOptimizer
@@ -80,7 +80,7 @@ class Algorithm(Configurable):
 
     @property
     def fuses_clients(self) -> bool:
-        """Whether the grouped path may compute a group of clients as one (`ClientRun.client_weights`),
+        """Whether the grouped path may compute a group of clients as one (`Execution.client_weights`),
         each gradient the group's weighted mean: right for a stateless rule whose clients all take
         their gradients at the same points and whose uploads are affine in those gradients, so that
         the fused run's uploads are the group's weighted mean uploads (CTP-FL). One backward pass

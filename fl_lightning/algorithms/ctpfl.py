@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from fl_lightning.algorithms.base import PSEUDO_GRADIENT, Algorithm
-from fl_lightning.client import ClientRun, clip_to_norm
+from fl_lightning.clients import ClientRun, clip_to_norm
 from fl_lightning.config import FederationArgs
 from fl_lightning.errors import ConfigError
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from fl_lightning.algorithms.base import PSEUDO_GRADIENT, Algorithm, train_locally
-from fl_lightning.client import ClientRun
+from fl_lightning.clients import ClientRun
 from fl_lightning.errors import ConfigError
 
 MEAN_LOCAL_STEP = "mean_local_step"

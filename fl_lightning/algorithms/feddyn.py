@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from fl_lightning.algorithms.base import PSEUDO_GRADIENT, Algorithm, train_locally
-from fl_lightning.client import ClientRun
+from fl_lightning.clients import ClientRun
 from fl_lightning.errors import ConfigError
 
 SERVER_H = "h"

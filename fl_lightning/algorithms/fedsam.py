@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from fl_lightning.algorithms.base import PSEUDO_GRADIENT, Algorithm, train_locally
-from fl_lightning.client import Batch, ClientRun
+from fl_lightning.clients import Batch, ClientRun
 from fl_lightning.errors import ConfigError
 
 

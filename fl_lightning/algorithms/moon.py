@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fl_lightning.algorithms.base import PSEUDO_GRADIENT, Algorithm, train_locally
-from fl_lightning.client import PADDING_LABEL, Batch, ClientRun
+from fl_lightning.clients import PADDING_LABEL, Batch, ClientRun
 from fl_lightning.errors import ConfigError
 from fl_lightning.models import FeatureClassifier
 

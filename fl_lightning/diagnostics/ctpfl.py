@@ -24,7 +24,7 @@ import torch
 
 from fl_lightning.algorithms.base import PSEUDO_GRADIENT
 from fl_lightning.algorithms.ctpfl import CTPFL
-from fl_lightning.client import ClientRun
+from fl_lightning.clients import ClientRun
 from fl_lightning.diagnostics.base import Diagnostic
 from fl_lightning.errors import ConfigError
 
@@ -32,13 +32,11 @@ from fl_lightning.errors import ConfigError
 def gradient_at_global_model(client: ClientRun, algorithm: CTPFL) -> torch.Tensor:
     """(1/K) sum_k g_i(x; B_ik): the client's gradient at the global model x on each batch it used
     at the query points, computed as CTP-FL computes its (training mode, so BatchNorm normalises
-    with each batch's statistics, on a copy of the buffers; the same weight decay)."""
-    trainer, params = client.trainer, client.global_params
-    buffers = trainer.global_buffers.clone()
+    with each batch's statistics, from the global buffers; the same weight decay)."""
+    params = client.global_params
     total = torch.zeros_like(params)
     for batch in client.batches():
-        _, gradient = trainer.loss_and_grad(params, buffers, batch)
-        total += algorithm.with_weight_decay(gradient, params)
+        total += algorithm.with_weight_decay(client.gradient_at(params, batch), params)
     return total / client.num_steps
 
 

@@ -3,12 +3,12 @@
 
 `GradientVariance` and `GSNR` draw extra mini-batches from each of the round's clients, on the
 rank that trained it, and take the loss gradient at the global model x the client started from
-(`LocalTrainer.loss_and_grad`). They change nothing the run depends on:
+(`ClientRun.gradient_at`). They change nothing the run depends on:
 - the samples and their augmentation come from a generator of their own, seeded by (seed,
   stream, round, client) like the training streams but with a stream number of its own, so they
   are the same for any number of ranks and never advance a training stream;
 - the global random state (dropout masks) is saved before and restored after (`fork_rng`);
-- the forward passes run on a copy of the global BatchNorm buffers, which is then dropped;
+- the forward passes read the global BatchNorm buffers and write no buffer;
 - the gradient is taken at a detached x, whose values are only read.
 Each client's moments are summed with its aggregation weight p_m in `on_client_end`; one
 all-reduce on the measured round gives every rank the same metrics. Sums are kept in float64.
@@ -21,13 +21,12 @@ from typing import Optional
 import torch
 
 from fl_lightning.algorithms.base import PSEUDO_GRADIENT
-from fl_lightning.client import seeded_generator
 from fl_lightning.diagnostics.base import Diagnostic
 from fl_lightning.diagnostics.local_updates import RoundSums, accumulation_dtype
 from fl_lightning.errors import ConfigError
 
 # Random streams of the diagnostics' own samples; training uses streams 0 (client sampling) and 1
-# (each client's batches), see fl_lightning.client.
+# (each client's batches), see fl_lightning.clients.run.
 GRADIENT_VARIANCE_STREAM = 1001
 GSNR_STREAM = 1002
 
@@ -42,23 +41,20 @@ def gradient_moments(client, num_batches: int, batch_size: int, stream: int, dty
     With `projected`, each gradient is first mapped by the round's constraint projection (FedCONST),
     i.e. taken as the direction local SGD steps along (weight decay aside); without a constraint
     the gradient is left as it is."""
-    trainer = client.trainer
-    indices = trainer.client_indices[client.client_id]
-    num_batches = min(num_batches, len(indices) // batch_size)
+    num_batches = min(num_batches, client.num_samples // batch_size)
     if num_batches < 2:
         return None
-    generator = seeded_generator(trainer.seed, stream, client.round, client.client_id)
-    positions = torch.randperm(len(indices), generator=generator)[: num_batches * batch_size]
+    generator = client.generator(stream)
+    positions = torch.randperm(client.num_samples, generator=generator)[: num_batches * batch_size]
     params = client.global_params.detach()
-    buffers = trainer.global_buffers.clone()
     project = client.projection if projected else None
     mean = torch.zeros(params.numel(), dtype=dtype, device=params.device)
     squared_deviations = torch.zeros_like(mean)
     cuda_devices = [params.device] if params.device.type == "cuda" else []
-    batches = trainer.make_batches(indices, list(positions.split(batch_size)), generator)
+    batches = client.draw_batches(list(positions.split(batch_size)), generator)
     with torch.random.fork_rng(devices=cuda_devices), torch.enable_grad():
         for count, batch in enumerate(batches, start=1):
-            _, gradient = trainer.loss_and_grad(params, buffers, batch)
+            gradient = client.gradient_at(params, batch)
             if project is not None:
                 gradient = project(gradient)
             gradient = gradient.detach().to(dtype)
@@ -104,7 +100,7 @@ class GradientVariance(RoundSums):
         return loop.global_model.param_layout.numel + 3
 
     def add(self, sums, loop, client, uploads, weight) -> None:
-        batch_size = self.batch_size or client.trainer.federation.batch_size
+        batch_size = self.batch_size or loop.run.federation.batch_size
         moments = gradient_moments(client, self.num_batches, batch_size, GRADIENT_VARIANCE_STREAM, sums.dtype,
                                    self.projected)
         if moments is None:

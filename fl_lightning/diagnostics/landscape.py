@@ -24,7 +24,7 @@ from typing import Callable, Literal
 
 import torch
 
-from fl_lightning.client import seeded_generator
+from fl_lightning.clients.run import seeded_generator
 from fl_lightning.diagnostics.base import Diagnostic
 from fl_lightning.errors import ConfigError
 
@@ -168,15 +168,15 @@ class Landscape(Diagnostic):
     def subset(self, loop) -> tuple[torch.Tensor, torch.Tensor]:
         """The fixed subset's normalised inputs and labels on the loop's device (never augmented)."""
         if self.split == "train":
-            trainer = loop.trainer
-            pool = torch.cat(list(trainer.client_indices)).sort().values
-            images, labels, transform = trainer.train_images, trainer.train_labels, trainer.transform
+            pool = loop.trainer.training_pool()
         else:
             pool = torch.arange(len(loop.test_labels))
-            images, labels, transform = loop.test_images, loop.test_labels, loop.test_transform
         chosen = pool[torch.randperm(len(pool), generator=seeded_generator(self.seed, SUBSET_STREAM))[
-            : self.subset_size]].sort().values.to(images.device)
-        return transform(images[chosen]), labels[chosen]
+            : self.subset_size]].sort().values
+        if self.split == "train":
+            return loop.trainer.training_batch(chosen)
+        chosen = chosen.to(loop.test_images.device)
+        return loop.test_transform(loop.test_images[chosen]), loop.test_labels[chosen]
 
     def measure(self, loop) -> dict[str, float]:
         """The metrics for the loop's global model now (this rank alone)."""
@@ -188,7 +188,7 @@ class Landscape(Diagnostic):
         total = len(labels)
 
         def chunk_loss(batch) -> Callable[[torch.Tensor], torch.Tensor]:
-            return lambda p: trainer._train_mode_call(trainer.call, p, buffers, batch, training=False)
+            return lambda p: trainer.eval_loss(p, buffers, batch)
 
         products = [(len(batch[1]) / total, hessian_vector_product(chunk_loss(batch), params, self.hvp))
                     for batch in chunks]

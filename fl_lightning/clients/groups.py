@@ -9,7 +9,7 @@ for this: what vmap cannot run (`.item()`, branching on values) has no place in 
 
 Where the algorithm allows it (`Algorithm.fuses_clients`: CTP-FL), a group is fused: the rule runs
 once, without vmap around it, on a `ClientRun` whose every gradient is the weighted mean of the
-group's (`ClientRun.client_weights`), one backward pass over the concatenated batches. Each client
+group's (`Execution.client_weights`), one backward pass over the concatenated batches. Each client
 of the group then contributes the group's mean upload, which the aggregation weighs with the
 client's weight, so the sum over the group is the same. A client's own upload is computed, alone on
 the same batches, only if a callback reads it (a diagnostic, on its rounds): training is the same
@@ -33,7 +33,8 @@ import torch
 from torch import nn
 
 from fl_lightning.algorithms.base import Algorithm
-from fl_lightning.client import PADDING_LABEL, ClientRun
+from fl_lightning.clients.paths import ClientPath, Grouping
+from fl_lightning.clients.run import PADDING_LABEL, ClientRun
 
 Uploads = Mapping[str, torch.Tensor]
 Update = tuple[ClientRun, Uploads, Uploads]
@@ -41,39 +42,18 @@ Updates = Iterator[Update]
 GroupRun = Callable[[Algorithm, list[ClientRun]], list[Update]]
 
 
-def uses_grouped_path(client_path: str, device: torch.device, fused: bool = False) -> bool:
-    """`auto` groups on a GPU, and on the CPU only clients that are `fused`: there, batched
-    convolutions over the clients' own weights measured slower than the loop except for tiny models
-    at tiny batches, while fused clients measured as fast or faster (docs/performance.md)."""
-    return client_path == "grouped" or (client_path == "auto" and (device.type == "cuda" or fused))
-
-
-CPU_FUSED_SAMPLES = 512
-"""The most samples one fused pass takes on the CPU unless `compute.group_size` says otherwise."""
-
-
-def group_size_for(group_size: Optional[int], device: torch.device, fused: bool, batch_size: int) -> Optional[int]:
-    """`group_size`, or if null: all of a rank's clients, except fused clients on the CPU, grouped to
-    passes of at most `CPU_FUSED_SAMPLES` samples: there larger passes measured slower (down to
-    slower than the loop), and smaller ones faster than the loop but less so (docs/performance.md)."""
-    if group_size is None and fused and device.type == "cpu":
-        return max(1, CPU_FUSED_SAMPLES // batch_size)
-    return group_size
-
-
-def client_updates(algorithm: Algorithm, clients: Iterable[ClientRun], grouped: bool,
-                   group_size: Optional[int] = None, fuse_with_weights: Optional[dict[int, float]] = None) -> Updates:
+def client_updates(algorithm: Algorithm, clients: Iterable[ClientRun], path: ClientPath,
+                   weights: dict[int, float]) -> Updates:
     """Each of one rank's clients this round with what it contributes to the aggregation and its own
-    uploads (the same, unless fused): in the order given, or group by group; grouped and given the
-    clients' aggregation weights (by client id), each group fused (for an algorithm that
-    `fuses_clients`)."""
-    if not grouped:
+    uploads (the same, unless fused), computed as `path` says: in the order given, or group by
+    group; fused groups from the clients' aggregation `weights` (by client id)."""
+    if not path.grouped:
         for client in clients:
             yield _alone(algorithm, client)
         return
-    fused = fuse_with_weights is not None
-    run_group = partial(_run_fused, weights=fuse_with_weights) if fused else _run_group
-    for group in _groups(list(clients), group_size, equal_steps=fused):
+    fused = path.grouping is Grouping.FUSED
+    run_group = partial(_run_fused, weights=weights) if fused else _run_group
+    for group in _groups(list(clients), path.group_size, equal_steps=fused):
         yield from _group_updates(algorithm, group, run_group)
 
 
@@ -98,7 +78,7 @@ def _groups(clients: list[ClientRun], group_size: Optional[int], equal_steps: bo
     steps are masked ones."""
     if not clients:
         return []
-    pad = not _has_batch_statistics(clients[0].trainer.module)
+    pad = not _has_batch_statistics(clients[0].execution.trainer.module)
     kinds: dict[tuple, list[ClientRun]] = {}
     for client in sorted(clients, key=lambda c: -c.num_steps):
         sizes = None if pad else tuple(client.batch_sizes)
@@ -159,9 +139,10 @@ def _run_group(algorithm: Algorithm, group: list[ClientRun]) -> list[Update]:
     buffers = torch.stack([client.buffers for client in group])
 
     def one_client(inputs, labels, buffers, state, num_steps, active_steps):
-        client = dataclasses.replace(
-            first, buffers=buffers, state=dict(state), num_steps=num_steps, losses=[], vectorised=True,
-            _batches=list(zip(inputs, labels)), _active_steps=active_steps)
+        execution = dataclasses.replace(first.execution, batches=list(zip(inputs, labels)), vectorised=True,
+                                        active_steps=active_steps)
+        client = dataclasses.replace(first, buffers=buffers, state=dict(state), num_steps=num_steps, losses=[],
+                                     execution=execution)
         uploads = algorithm.client_update(client)
         return uploads, client.state, client.buffers, torch.stack(client.losses)
 
@@ -186,9 +167,10 @@ def _run_fused(algorithm: Algorithm, group: list[ClientRun], weights: dict[int, 
     # As each client starts the round (its batches are made now): what its own uploads are computed from.
     starts = [dataclasses.replace(client, losses=[]) for client in group]
     group_weights = torch.tensor([weights[client.client_id] for client in group], device=inputs.device)
-    fused = dataclasses.replace(
-        first, buffers=torch.stack([client.buffers for client in group]), losses=[],
-        client_weights=group_weights / group_weights.sum(), _batches=list(zip(inputs.unbind(1), labels.unbind(1))))
+    execution = dataclasses.replace(first.execution, batches=list(zip(inputs.unbind(1), labels.unbind(1))),
+                                    client_weights=group_weights / group_weights.sum())
+    fused = dataclasses.replace(first, buffers=torch.stack([client.buffers for client in group]), losses=[],
+                                execution=execution)
     uploads = algorithm.client_update(fused)
     losses = torch.stack(fused.losses, dim=1)
     for index, client in enumerate(group):
