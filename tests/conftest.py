@@ -14,7 +14,9 @@ def pytest_collection_modifyitems(items):
     The tests that start several processes all run on one worker, one at a time: two of them at
     once would put four or more busy processes on two cores, and their process groups could time
     out. The tests sharing a module-scoped fixture (a reference run, most often) run on one worker,
-    so that the fixture is computed once rather than once per worker."""
+    so that the fixture is computed once rather than once per worker. pytest-xdist 3.8 applies a group
+    by rewriting item._nodeid, which pytest 9.2 no longer reads: with those two versions the groups
+    are marked but not honoured (docs/performance.md, "The test suite")."""
     for item in items:
         if item.get_closest_marker("xdist_group"):
             continue
