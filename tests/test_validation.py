@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import yaml
 from reference import LinearProblem, small_setup
 
-from fl_lightning import fit as fit_module
+from fl_lightning import run_setup
 from fl_lightning.algorithms import FedAvg
 from fl_lightning.callbacks import Callback
 from fl_lightning.config import DataArgs, FabricArgs
@@ -157,7 +157,7 @@ def test_a_resume_checks_the_held_out_samples(cifar_root, tmp_path, monkeypatch)
         training, validation = hold_out_validation(parts, fraction, seed)
         return training, [part[:-1] for part in validation]
 
-    monkeypatch.setattr(fit_module, "hold_out_validation", one_sample_fewer)
+    monkeypatch.setattr(run_setup, "hold_out_validation", one_sample_fewer)
     with pytest.raises(ConfigError, match="the same validation samples"):
         fit(algorithm=FedAvg(), **setup)
     monkeypatch.undo()
