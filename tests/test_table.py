@@ -16,7 +16,9 @@ from fl_lightning.experiments.plan import load_plan
 from fl_lightning.experiments.plot import mean_curve
 from fl_lightning.experiments.resolve import resolve_grid
 from fl_lightning.experiments.runs import value_at
-from fl_lightning.experiments.table import order_methods, setting_label, table
+from fl_lightning.experiments.table import table
+from fl_lightning.experiments.table_cells import order_methods
+from fl_lightning.experiments.table_sources import setting_label
 from fl_lightning.run_logging import MetricsLog
 
 pytestmark = pytest.mark.slow  # end to end: the tests train runs in-process or in subprocesses

@@ -49,7 +49,7 @@ from fl_lightning.atomic_files import write_text_atomically
 from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.plan import GridPoint, Plan, load_plan
 from fl_lightning.experiments.resolve import check_grid, resolve_grid
-from fl_lightning.experiments.table import setting_label
+from fl_lightning.experiments.table_sources import setting_label
 
 SPEC_FILE = "dashboard.json"
 """The spec's file in runs/<plan>/ unless `out` names another."""

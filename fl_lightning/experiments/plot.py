@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from fl_lightning.experiments.table import Table
+    from fl_lightning.experiments.table_cells import Table
 
 
 def mean_curve(runs: list[list[tuple[int, float]]], band: str) -> tuple[list[int], list[float], list[float],

@@ -1,0 +1,207 @@
+"""What `fl-lightning table` tabulates: the runs a plan's grid expects (or several plans', as one
+table), or run folders, each an entry with its row, column and seed, and the columns' labels."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Union
+
+from fl_lightning.errors import ConfigError
+from fl_lightning.experiments.overrides import value_text
+from fl_lightning.experiments.plan import load_plan
+from fl_lightning.experiments.reference import paper_numbers
+from fl_lightning.experiments.resolve import check_grid, resolve_grid
+from fl_lightning.experiments.runs import find_runs, read_run
+from fl_lightning.run_dir import defining_settings
+from fl_lightning.run_logging import METRICS_FILE
+
+
+@dataclass
+class Entry:
+    """A run the table expects: its row, column, seed and folder."""
+
+    method: str
+    setting: str
+    seed: int
+    path: Path
+    config: Optional[dict] = None
+    """The settings `fit` builds for the run's grid point; None without a plan."""
+
+    @property
+    def rounds(self) -> Optional[int]:
+        return None if self.config is None else self.config["federation"]["rounds"]
+
+
+@dataclass
+class Loaded:
+    entries: list[Entry]
+    methods: list[str]
+    settings: list[str]
+    labels: dict[str, str]
+    metric: str
+    reference: Optional[Path]
+    out: Path
+    plan_file: Optional[Path] = None
+    papers: Optional[dict[tuple[str, str], Optional[float]]] = None
+    """(row, setting) -> the paper's number, from each plan's reference: a table of several plans."""
+
+
+def load_entries(plan: Union[str, list[str]], runs_root: Path, overrides: Optional[list[str]] = None) -> Loaded:
+    if isinstance(plan, str) and Path(plan).is_file():
+        return _from_plan(Path(plan), Path(runs_root), overrides)
+    entries_given = [plan] if isinstance(plan, (str, Path)) else list(plan)
+    if len(entries_given) > 1 and all(Path(entry).is_file() for entry in entries_given):
+        return _from_plans([Path(entry) for entry in entries_given], Path(runs_root), overrides)
+    if len(entries_given) == 1 and Path(entries_given[0]).is_file():
+        return _from_plan(Path(entries_given[0]), Path(runs_root), overrides)
+    if overrides:
+        raise ConfigError("override", "a plan to apply it to (run folders are tabulated as they were run)",
+                          overrides)
+    paths = find_runs(entries_given, recursive=True)
+    paths = [p for p in paths if (p / METRICS_FILE).is_file()]
+    if not paths:
+        raise ConfigError("plan", "a plan file, or run folders or a glob matching folders with metrics.jsonl",
+                          plan)
+    return _from_folders(paths)
+
+
+def _from_plan(path: Path, runs_root: Path, overrides: Optional[list[str]] = None) -> Loaded:
+    plan = load_plan(path, runs_root=runs_root, overrides=overrides)
+    grid = plan.grid()
+    resolved = resolve_grid(grid)
+    check_grid(path, resolved)
+    settings = list(dict.fromkeys(point.setting_name for point in grid))
+    axis_values = {axis: list(choices) for axis, choices in plan.settings.items()}
+    labels = {point.setting_name: setting_label(point.setting, axis_values) for point in grid}
+    reference = plan.reference
+    if reference is not None and not reference.is_file() and (path.parent / reference).is_file():
+        reference = path.parent / reference
+    return Loaded(entries=[Entry(e.point.method, e.point.setting_name, e.point.seed, e.point.out_dir, e.config)
+                            for e in resolved],
+                   methods=list(plan.methods), settings=settings, labels=labels, metric=plan.metric,
+                   reference=reference, out=plan.runs_root / plan.name, plan_file=path)
+
+
+def _from_plans(paths: list[Path], runs_root: Path, overrides: Optional[list[str]]) -> Loaded:
+    """Several plans as one table, the paper's table that they split (FedCONST's Table 1: a plan per
+    model and federation). Columns are the plans' settings in the order the plans are given, each
+    once; rows are their methods in that order. Plans that share a column (a setting name) are told
+    apart by the settings that differ between them (`model.name` for FedCONST: lenet5, resnet18):
+    each of their rows is prefixed with its values (`lenet5: FedAvg`; a number with its setting's
+    name, `hidden=16: FedAvg`), so the table has a block of
+    rows per value; plans without a shared column add columns to the same rows. A cell that two
+    plans would fill is refused. Each plan's reference gives the numbers of its own cells."""
+    parts = [_from_plan(path, runs_root, overrides) for path in paths]
+    metrics = {str(part.plan_file): part.metric for part in parts}
+    if len(set(metrics.values())) > 1:
+        raise ConfigError("plan", "plans that report one metric (their `metric:`), to be one table", metrics)
+    blocks = _row_blocks(parts)
+    entries, methods, settings, owner = [], [], [], {}
+    papers: dict[tuple[str, str], Optional[float]] = {}
+    for part, block in zip(parts, blocks):
+        rows = {method: f"{block}: {method}" if block else method for method in part.methods}
+        for row, setting in itertools.product(rows.values(), part.settings):
+            if (row, setting) in owner:
+                raise ConfigError("plan", "plans that fill each cell of the table once", f"{row} | {setting} in "
+                                  f"{owner[row, setting]} and {part.plan_file}")
+            owner[row, setting] = part.plan_file
+        methods += [row for row in rows.values() if row not in methods]
+        settings += [setting for setting in part.settings if setting not in settings]
+        entries += [dataclasses.replace(entry, method=rows[entry.method]) for entry in part.entries]
+        if part.reference is not None:
+            numbers = paper_numbers(part.reference, part.methods, part.settings, part.labels)
+            papers.update({(rows[method], setting): number for (method, setting), number in numbers.items()})
+    parsed = {setting: _parse_setting_name(setting) or {} for setting in settings}
+    axis_values: dict[str, list[str]] = {}
+    for setting in parsed.values():
+        for axis, value in setting.items():
+            axis_values.setdefault(axis, []).append(value)
+    labels = {setting: setting_label(parsed[setting], axis_values) for setting in settings}
+    names = [part.out.name for part in parts]
+    digest = hashlib.sha256("+".join(names).encode()).hexdigest()[:8]
+    prefix = os.path.commonprefix(names).rstrip("_-.@") or "plans"
+    return Loaded(entries=entries, methods=methods, settings=settings, labels=labels, metric=parts[0].metric,
+                   reference=None, out=Path(runs_root) / f"{prefix}+{len(parts)}plans-{digest}",
+                   papers=papers if any(part.reference is not None for part in parts) else None)
+
+
+def _row_blocks(parts: list[Loaded]) -> list[str]:
+    """Per plan, what tells its rows apart from those of the plans that share a column with it: the
+    values of the settings that differ between such plans (every run of a plan sharing them), or ""."""
+    shared_by_all = []
+    for part in parts:
+        flat = [defining_settings(entry.config) for entry in part.entries]
+        shared_by_all.append({name: value for name, value in flat[0].items()
+                              if all(name in other and other[name] == value for other in flat[1:])})
+    telling = set()
+    for first, second in itertools.combinations(range(len(parts)), 2):
+        if set(parts[first].settings) & set(parts[second].settings):
+            a, b = shared_by_all[first], shared_by_all[second]
+            telling |= {name for name in a.keys() | b.keys() if name not in a or name not in b or a[name] != b[name]}
+    return [", ".join(_block_value(name, block.get(name, "?")) for name in sorted(telling)) for block in shared_by_all]
+
+
+def _block_value(name: str, value) -> str:
+    """`lenet5` (a name says what it is), `hidden=16` (a number does not)."""
+    return value if isinstance(value, str) else f"{name.rsplit('.', 1)[-1]}={value_text(value)}"
+
+
+_SEED = re.compile(r"seed(\d+)")
+
+
+def _from_folders(paths: list[Path]) -> Loaded:
+    entries = []
+    for path in paths:
+        seed = _SEED.fullmatch(path.name)
+        if seed and path.parent.name and path.parent.parent.name:
+            entries.append(Entry(path.parent.name, path.parent.parent.name, int(seed.group(1)), path))
+        else:
+            entries.append(Entry(path.name, "", int(read_run(path).config.get("seed") or 0), path))
+    settings = list(dict.fromkeys(e.setting for e in entries))
+    parsed = {s: _parse_setting_name(s) for s in settings}
+    axis_values: dict[str, list[str]] = {}
+    for setting in parsed.values():
+        for axis, value in (setting or {}).items():
+            axis_values.setdefault(axis, []).append(value)
+    labels = {s: (setting_label(parsed[s], axis_values) if parsed[s] else s or "runs") for s in settings}
+    common = Path(os.path.commonpath([str(p.resolve()) for p in paths]))
+    out = common.parent if (common / METRICS_FILE).is_file() else common
+    return Loaded(entries=entries, methods=list(dict.fromkeys(e.method for e in entries)), settings=settings,
+                   labels=labels, metric="test_accuracy", reference=None, out=out)
+
+
+def _parse_setting_name(name: str) -> Optional[dict[str, str]]:
+    """"dataset-cifar10_alpha-0.5" -> {dataset: cifar10, alpha: 0.5}; None when not of that form."""
+    setting = {}
+    for part in name.split("_"):
+        axis, dash, value = part.partition("-")
+        if not dash or not axis or not value:
+            return None
+        setting[axis] = value
+    return setting or None
+
+
+DATASET_NAMES = {"cifar10": "CIFAR-10", "cifar100": "CIFAR-100", "tinyimagenet": "Tiny-ImageNet",
+                 "tiny-imagenet": "Tiny-ImageNet", "tiny_imagenet": "Tiny-ImageNet", "digits": "digits"}
+AXIS_SYMBOLS = {"alpha": "α", "dirichlet": "α", "beta": "β", "gamma": "γ", "mu": "μ", "rho": "ρ"}
+
+
+def setting_label(setting: dict[str, str], axis_values: dict[str, list[str]]) -> str:
+    """A column label from a setting's axis values; an axis with a single value everywhere is left
+    out (unless every axis is)."""
+    varying = {a: v for a, v in setting.items() if len(set(axis_values.get(a, []))) > 1} or setting
+    if not varying:
+        return "default"
+    parts = []
+    for axis, value in varying.items():
+        if axis.lower() in ("dataset", "data"):
+            parts.append(DATASET_NAMES.get(value.lower(), value))
+        else:
+            parts.append(f"{AXIS_SYMBOLS.get(axis.lower(), axis)} = {value}")
+    return ", ".join(parts)
