@@ -16,11 +16,13 @@ $(STAMP): pyproject.toml
 quickstart: $(STAMP)
 	$(VENV)/bin/fl-lightning fit --config configs/quickstart.yaml
 
-# Two workers, the multiprocess tests on one of them (tests/conftest.py groups them for loadgroup).
-PYTEST_PARALLEL := -n 2 --dist loadgroup
+# Two workers, each taking whole files (a module's fixtures are computed once); the tests that start
+# several processes afterwards, one at a time, so that no two of them share the two cores.
+PYTEST_PARALLEL := -n 2 --dist loadfile
 
 test: $(STAMP)
-	$(PYTHON) -m pytest -q $(PYTEST_PARALLEL)
+	$(PYTHON) -m pytest -q $(PYTEST_PARALLEL) -m "not multiprocess"
+	$(PYTHON) -m pytest -q -m multiprocess
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check fl_lightning tests benchmarks
