@@ -142,7 +142,7 @@ def test_the_doc_shows_each_example_once_and_runs_it():
 def test_the_doc_quotes_the_example_files_as_they_are():
     sources = "\n".join(path.read_text() for path in EXAMPLES.glob("*.py"))
     blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.DOTALL)
-    assert len(blocks) == 4
+    assert len(blocks) == 5
     for block in blocks:
         assert block in sources, block.splitlines()[0]
 
@@ -172,6 +172,17 @@ def test_user_callback_stops_the_run_and_records_its_metric(tmp_path, on_path):
     assert all(row["test_accuracy"] < 0.3 for row in rows[:reached[0] - 1])
     assert rows[-1]["round"] == reached[0] + 1 < 20  # asked at the end of a round, agreed at the next
     assert recorded(tmp_path / "run")["callbacks"][0]["class_path"] == "my_callback.StopAtAccuracy"
+
+
+def test_user_callback_state_survives_a_resume(tmp_path, on_path):
+    callbacks = tmp_path / "callbacks.yaml"
+    callbacks.write_text("callbacks: [{class_path: my_callback.CountEvaluations}]\n")
+    arguments = ["fit", "--config", QUICKSTART, "--config", str(callbacks), "--federation.eval_every", "1",
+                 "--logger.progress_bar", "false", "--out_dir", str(tmp_path / "run")]
+    main([*arguments, "--federation.rounds", "2"])
+    main([*arguments, "--federation.rounds", "4"])  # a new process's callback, given the saved count
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["evaluations"] for row in rows] == [1, 2, 3, 4]
 
 
 def test_user_algorithm_clips_uploads_and_resumes(tmp_path, on_path):
