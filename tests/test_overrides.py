@@ -5,7 +5,6 @@ apart, one that does not (data.root) keeps the plan's own runs."""
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 from fl_lightning.cli.main import main as fl_lightning_main
@@ -28,14 +27,6 @@ def write_plan(path: Path) -> Path:
             "settings": {"alpha": {"0.5": [{"data.alpha": 0.5}]}}, "seeds": [0]}
     path.write_text(yaml.safe_dump(plan, sort_keys=False))
     return path
-
-
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("given, expected", [

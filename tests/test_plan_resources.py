@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from commands import run_sweep
 
-from fl_lightning.cli.main import main as fl_lightning_main
 from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.plan import load_plan
 
@@ -36,17 +36,6 @@ def write_plan(path: Path, resources=None, configs=(), methods=None) -> Path:
         plan["resources"] = resources
     path.write_text(yaml.safe_dump(plan, sort_keys=False))
     return path
-
-
-def run_sweep(capsys, *arguments: str) -> tuple[int, str, str]:
-    capsys.readouterr()
-    try:
-        fl_lightning_main(["sweep", *arguments])
-        status = 0
-    except SystemExit as exited:
-        status = exited.code or 0
-    out, err = capsys.readouterr()
-    return status, out, err
 
 
 @pytest.fixture

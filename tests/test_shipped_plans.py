@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Optional
 
 import pytest
-import torch
 import yaml
 
 from fl_lightning.algorithms import SHORT_NAMES
@@ -368,15 +367,6 @@ def test_table_3_shares_table_1s_cross_silo_cifar10_numbers():
 
 
 # --- the smoke plan trains and tabulates -------------------------------------------------------------
-
-
-@pytest.fixture
-def one_thread():
-    # A 16-unit MLP trains several times faster on one thread than on two, and far faster on a busy machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from commands import run_sweep
 
 from fl_lightning.checkpoint import FINAL_STOP, checkpoint_dir, save_checkpoint
 from fl_lightning.cli.arguments import expand_short_names
@@ -66,18 +67,6 @@ def write_plan(path: Path, methods: dict, seeds=(0, 1), settings=None, extra=())
             "seeds": list(seeds)}
     path.write_text(yaml.safe_dump(plan, sort_keys=False))
     return path
-
-
-def run_sweep(capsys, *arguments: str) -> tuple[int, str, str]:
-    """`fl-lightning sweep ...` in this process: (exit status, stdout, stderr)."""
-    capsys.readouterr()
-    try:
-        fl_lightning_main(["sweep", *arguments])
-        status = 0
-    except SystemExit as exited:
-        status = exited.code or 0
-    out, err = capsys.readouterr()
-    return status, out, err
 
 
 def files_of(folder: Path) -> dict[str, tuple[int, bytes]]:
