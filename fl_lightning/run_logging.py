@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 import uuid
@@ -24,6 +25,8 @@ from fl_lightning.config import LoggerArgs
 from fl_lightning.wandb_file import history_steps, is_finished, read_records
 
 METRICS_FILE = "metrics.jsonl"
+# How long an online run may take to reach the server before the run logs offline instead.
+DEFAULT_INIT_TIMEOUT_S = 30.0
 # How long a finished W&B run waits for W&B's service to write the run's file, and how often it looks.
 RUN_FILE_WAIT_S = 30.0
 RUN_FILE_POLL_S = 0.02
@@ -115,8 +118,10 @@ class WandbRun:
     def _init(self, mode: str, hyperparameters: dict):
         import wandb
 
-        # A short init timeout lets the online -> offline fallback happen quickly.
-        settings = wandb.Settings(silent=True, **({"init_timeout": 30} if mode == "online" else {}))
+        # A short init timeout lets the online -> offline fallback happen quickly; W&B's own
+        # WANDB_INIT_TIMEOUT, when set, says how long this machine's network deserves.
+        timeout_s = float(os.environ.get("WANDB_INIT_TIMEOUT", DEFAULT_INIT_TIMEOUT_S))
+        settings = wandb.Settings(silent=True, **({"init_timeout": timeout_s} if mode == "online" else {}))
         return wandb.init(
             project=self.args.project, name=self.identity.name, group=self.identity.group, tags=self.identity.tags,
             dir=str(self.out_dir), id=self.identity.run_id, resume="allow", mode=mode, settings=settings,

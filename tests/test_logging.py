@@ -65,6 +65,8 @@ def test_unreachable_wandb_server_falls_back_to_offline(tmp_path, monkeypatch):
     # A closed local port stands in for an unreachable server: the connection is refused at once.
     monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")
     monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
+    # W&B retries a refused connection until its init timeout: a short one keeps the test quick.
+    monkeypatch.setenv("WANDB_INIT_TIMEOUT", "3")
     with pytest.warns(UserWarning, match="logging offline instead"):
         main(["fit", "--config", QUICKSTART, "--federation.rounds", "1", "--logger.wandb_mode", "online",
               "--logger.progress_bar", "false", "--out_dir", str(tmp_path)])
