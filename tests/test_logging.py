@@ -74,6 +74,25 @@ def test_unreachable_wandb_server_falls_back_to_offline(tmp_path, monkeypatch):
     assert [row["round"] for row in read_metrics(tmp_path)] == [1]
 
 
+@pytest.mark.parametrize("environment, expected_s", [({}, 30.0), ({"WANDB_INIT_TIMEOUT": "7.5"}, 7.5)])
+def test_online_init_waits_wandbs_own_init_timeout_when_set(environment, expected_s, tmp_path, monkeypatch):
+    import wandb
+
+    from fl_lightning.config import LoggerArgs
+    from fl_lightning.run_logging import WandbIdentity, WandbRun
+
+    monkeypatch.delenv("WANDB_INIT_TIMEOUT", raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    settings = []
+    monkeypatch.setattr(wandb, "init", lambda **arguments: settings.append(arguments["settings"]))
+    run = WandbRun(LoggerArgs(wandb_mode="online"), tmp_path, WandbIdentity("id", "name", "group", []))
+    run._init("online", {})
+    run._init("offline", {})
+    assert settings[0].init_timeout == expected_s
+    assert settings[1].init_timeout == wandb.Settings().init_timeout  # offline: W&B's own default
+
+
 class BrokenWandbRun:
     """A W&B run whose service died (as when Slurm kills it with the ranks)."""
 
