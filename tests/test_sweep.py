@@ -54,6 +54,16 @@ class HoldAfterRoundOne(Callback):
 HOLD = {"callbacks": [{"class_path": "gate_callbacks.HoldAfterRoundOne"}]}
 
 
+@pytest.fixture
+def gate(tmp_path, monkeypatch) -> None:
+    """HOLD importable in this process (the plan's callback is parsed here) and in the runs it starts,
+    with the test's folder as the working directory."""
+    (tmp_path / "gate_callbacks.py").write_text(GATE_MODULE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+
+
 @pytest.fixture(autouse=True)
 def outside_slurm(monkeypatch):
     for name in list(os.environ):
@@ -84,11 +94,7 @@ def wait_until(condition, process: subprocess.Popen, what: str) -> None:
 
 
 @pytest.mark.slow
-def test_interrupted_sweep_resumes_without_retraining_finished_runs(tmp_path, capsys, monkeypatch):
-    (tmp_path / "gate_callbacks.py").write_text(GATE_MODULE)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))  # the plan's callback parses here and in the runs
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+def test_interrupted_sweep_resumes_without_retraining_finished_runs(tmp_path, capsys, gate):
     plan = write_plan(tmp_path / "plan.yaml", {"FedAvg": [{"algorithm": "fedavg"}],
                                                "FedProx": [{"algorithm": "fedprox"}]}, extra=[HOLD])
     runs = tmp_path / "runs"
@@ -169,10 +175,7 @@ def finish(process: subprocess.Popen) -> int:
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_two_sweeps_of_one_plan_split_the_grid(tmp_path, monkeypatch):
-    (tmp_path / "gate_callbacks.py").write_text(GATE_MODULE)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+def test_two_sweeps_of_one_plan_split_the_grid(tmp_path, capsys, gate):
     plan = write_plan(tmp_path / "plan.yaml", {"FedAvg": [{"algorithm": "fedavg"}]}, extra=[HOLD])
     runs = tmp_path / "runs"
     held, other = load_plan(plan, runs_root=runs).grid()
@@ -183,10 +186,9 @@ def test_two_sweeps_of_one_plan_split_the_grid(tmp_path, monkeypatch):
     try:
         wait_until(lambda: (checkpoint_dir(held.out_dir) / "round_000001.ckpt").exists(), first,
                    "the first sweep's run of seed 0 checkpointed round 1")
-        # While the first sweep's run of seed 0 is held, a second sweep takes seed 1.
-        second, second_out, second_err = start_sweep(tmp_path, "second", *options)
-        assert finish(second) == 0, second_err.read_text()
-        out = second_out.read_text()
+        # While the first sweep's run of seed 0 is held, a second sweep (in this process) takes seed 1.
+        status, out, err = run_sweep(capsys, *options)
+        assert status == 0, err
         assert f"[0] skipped, running elsewhere (held by pid {first.pid} on " in out
         assert "[1] finished at round 3" in out
         assert out.splitlines()[-1] == "1 finished, 0 failed, 0 skipped, 1 running elsewhere"
@@ -205,10 +207,7 @@ def test_two_sweeps_of_one_plan_split_the_grid(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_sighup_stops_the_runs_at_a_round_boundary_and_leaves_none_training(tmp_path, monkeypatch):
-    (tmp_path / "gate_callbacks.py").write_text(GATE_MODULE)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+def test_sighup_stops_the_runs_at_a_round_boundary_and_leaves_none_training(tmp_path, gate):
     plan = write_plan(tmp_path / "plan.yaml", {"FedAvg": [{"algorithm": "fedavg"}]}, seeds=[0], extra=[HOLD])
     runs = tmp_path / "runs"
     (point,) = load_plan(plan, runs_root=runs).grid()
