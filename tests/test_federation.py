@@ -41,6 +41,7 @@ def test_two_ranks_give_the_same_model_as_one(cifar_root, tmp_path, algorithm):
     torch.testing.assert_close(double, single, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_resume_from_mid_run_checkpoint_reproduces_the_uninterrupted_run(cifar_root, tmp_path):
     def run(out_dir, rounds, resume):
         setup = small_setup(cifar_root, out_dir, rounds=rounds, eval_every=1)

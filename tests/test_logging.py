@@ -105,6 +105,7 @@ class BrokenWandbRun:
         raise ConnectionResetError(104, "Connection reset by peer")
 
 
+@pytest.mark.slow
 def test_a_wandb_failure_does_not_stop_training(tmp_path, monkeypatch, capsys):
     from fl_lightning.run_logging import WandbRun
 

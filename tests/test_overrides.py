@@ -74,6 +74,7 @@ def test_overrides_come_last_in_every_point(tmp_path):
     assert f"plan={plan.name}" in arguments[-1] and plan.name != "tiny"
 
 
+@pytest.mark.slow
 def test_a_variant_lives_apart_and_never_mixes_with_the_plan_in_a_table(tmp_path, capsys, monkeypatch, one_thread):
     monkeypatch.setenv("WANDB_MODE", "disabled")
     path = write_plan(tmp_path / "plan.yaml")

@@ -88,6 +88,7 @@ def test_gpus_per_run_0_on_the_command_line_overrides_the_plan_and_says_so(tmp_p
                             "--logger.progress_bar false")
 
 
+@pytest.mark.slow
 def test_with_slurm_the_plans_resources_are_the_array_jobs(tmp_path, capsys, at_repository_root):
     plan = write_plan(tmp_path / "plan.yaml", GPU_RESOURCES)
     runs = str(tmp_path / "runs")
@@ -106,6 +107,7 @@ def test_with_slurm_the_plans_resources_are_the_array_jobs(tmp_path, capsys, at_
             in out)
 
 
+@pytest.mark.slow
 def test_a_plan_whose_configs_ask_for_gpus_is_refused_without_resources(tmp_path, capsys, at_repository_root):
     plan = write_plan(tmp_path / "plan.yaml", configs=[{"fabric.accelerator": "gpu"}])
     runs = str(tmp_path / "runs")
@@ -120,6 +122,7 @@ def test_a_plan_whose_configs_ask_for_gpus_is_refused_without_resources(tmp_path
     assert "sbatch --array=0-0 slurm/sweep.sbatch" in out
 
 
+@pytest.mark.slow
 def test_a_config_setting_another_precision_than_the_resources_is_refused(tmp_path, capsys):
     plan = write_plan(tmp_path / "plan.yaml", {"precision": "bf16-mixed"},
                       methods={"FedAvg": [{"algorithm": "fedavg"}],

@@ -4,6 +4,7 @@ flat keys of its W&B config. Read from the offline run files, as `wandb sync` wo
 import re
 from pathlib import Path
 
+import pytest
 import yaml
 from wandb_records import run_config, run_record
 
@@ -28,6 +29,7 @@ def fedprox(tmp_path: Path, mu: float, seed: int):
     return wandb_run(out_dir)
 
 
+@pytest.mark.slow
 def test_a_default_group_holds_the_seeds_of_one_experiment(tmp_path):
     (first, first_config), (second_seed, _), (other_mu, _) = (
         fedprox(tmp_path, 0.01, 0), fedprox(tmp_path, 0.01, 1), fedprox(tmp_path, 0.1, 0))
