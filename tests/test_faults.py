@@ -1,7 +1,9 @@
-"""Faults, end to end: `fl-lightning fit` in subprocesses that are signalled, killed, handed a
+"""Faults, end to end: `fl-lightning fit` in processes that are signalled, killed, handed a
 corrupt checkpoint or a diverging learning rate, and the command line's refusal of bad settings.
 
-Runs that are interrupted must end with the same global model as an uninterrupted run.
+Runs that are interrupted must end with the same global model as an uninterrupted run. The processes
+are forks of a server that has imported fl_lightning once (tests/processes.py), except where the
+real start-up is what is tested: a signal while the interpreter imports, a bad input.
 """
 
 import json
@@ -15,13 +17,14 @@ import sys
 import time
 from pathlib import Path
 
+import processes
 import pytest
 import torch
 
 from fl_lightning.checkpoint import checkpoint_dir, load_checkpoint, numbered_checkpoints
 from fl_lightning.cli.main import main
 
-pytestmark = pytest.mark.slow  # every test runs fl-lightning in subprocesses
+pytestmark = pytest.mark.slow  # every test runs fl-lightning in other processes
 REPOSITORY = Path(__file__).resolve().parents[1]
 QUICKSTART = REPOSITORY / "configs" / "quickstart.yaml"
 FIT = [sys.executable, "-m", "fl_lightning", "fit"]
@@ -57,8 +60,7 @@ def process_environment(**extra: str) -> dict[str, str]:
 
 
 def run_fit(out_dir: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run(fit_command(out_dir, *extra), env=process_environment(), capture_output=True, text=True,
-                          timeout=RUN_TIMEOUT_S)
+    return processes.run(fit_command(out_dir, *extra), env=process_environment(), timeout=RUN_TIMEOUT_S)
 
 
 def completed_rows(out_dir: Path) -> list[dict]:
@@ -88,21 +90,21 @@ def assert_same_model(got: dict[str, torch.Tensor], expected: dict[str, torch.Te
         assert torch.allclose(got[name], expected[name], atol=1e-6), f"{name} differs"
 
 
-def wait_until(condition, processes: list[subprocess.Popen], what: str) -> None:
+def wait_until(condition, running: list[subprocess.Popen | processes.Popen], what: str) -> None:
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while not condition():
-        if any(p.poll() is not None for p in processes):
+        if any(p.poll() is not None for p in running):
             pytest.fail(f"the run ended before {what}")
         if time.monotonic() > deadline:
             pytest.fail(f"timed out waiting for {what}")
         time.sleep(0.01)
 
 
-def wait_all(processes: list[subprocess.Popen]) -> list[int]:
+def wait_all(running: list[processes.Popen]) -> list[int]:
     try:
-        return [p.wait(timeout=RUN_TIMEOUT_S) for p in processes]
+        return [p.wait(timeout=RUN_TIMEOUT_S) for p in running]
     finally:
-        for p in processes:
+        for p in running:
             if p.poll() is None:
                 p.kill()
                 p.wait()
@@ -120,9 +122,10 @@ def reference(tmp_path_factory) -> Path:
 def test_sigkill_then_rerun_reaches_the_uninterrupted_model(reference, tmp_path):
     out_dir = tmp_path / "run"
     # Killed between two checkpoints (every 25 rounds), after round 30's row was written.
-    killed = subprocess.run(
+    # A launched process has its own process group, which the driver kills whole.
+    killed = processes.run(
         [sys.executable, "-c", KILL_DRIVER, "metrics", "after", "30", "fit", *TRAINING, "--out_dir", str(out_dir)],
-        env=process_environment(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S, start_new_session=True,
+        env=process_environment(), timeout=RUN_TIMEOUT_S,
     )
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     rows_before = completed_rows(out_dir)
@@ -180,12 +183,12 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def launch_ranks_as_srun(out_dir: Path, bin_dir: Path, logs: Path) -> list[subprocess.Popen]:
+def launch_ranks_as_srun(out_dir: Path, bin_dir: Path, logs: Path) -> list[processes.Popen]:
     """Two ranks on one simulated node, each started with the variables srun gives its tasks;
     `bin_dir` (the stand-in scontrol) comes first on PATH."""
     logs.mkdir(parents=True, exist_ok=True)
     port = str(free_port())
-    processes = []
+    ranks = []
     for rank in range(2):
         environment = process_environment(
             SLURM_JOB_ID=SLURM_JOB_ID, SLURM_JOB_NAME="fault-test", SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2",
@@ -195,8 +198,8 @@ def launch_ranks_as_srun(out_dir: Path, bin_dir: Path, logs: Path) -> list[subpr
         command = fit_command(out_dir, "--fabric.accelerator", "cpu", "--fabric.devices", "2",
                               "--fabric.process_group_timeout_s", "60", "--checkpoint.every", str(10 * ROUNDS))
         with open(logs / f"rank{rank}.out", "w") as stdout, open(logs / f"rank{rank}.err", "w") as stderr:
-            processes.append(subprocess.Popen(command, env=environment, stdout=stdout, stderr=stderr))
-    return processes
+            ranks.append(processes.Popen(command, env=environment, stdout=stdout, stderr=stderr))
+    return ranks
 
 
 def requeue_calls(calls: Path) -> list[str]:
@@ -326,8 +329,8 @@ def newest_offline_history(out_dir: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def kill_reference(tmp_path_factory) -> Path:
     out_dir = tmp_path_factory.mktemp("kill-reference") / "run"
-    completed = subprocess.run([*FIT, *KILL_TRAINING, "--out_dir", str(out_dir)], env=process_environment(),
-                               capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    completed = processes.run([*FIT, *KILL_TRAINING, "--out_dir", str(out_dir)], env=process_environment(),
+                              timeout=RUN_TIMEOUT_S)
     assert completed.returncode == 0, completed.stderr
     return out_dir
 
@@ -335,10 +338,9 @@ def kill_reference(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("target, when", KILL_POINTS, ids=[f"{when}-{target}" for target, when in KILL_POINTS])
 def test_kill_at_each_step_of_the_round_end_leaves_every_round_logged_once(target, when, kill_reference, tmp_path):
     out_dir = tmp_path / "run"
-    killed = subprocess.run(
+    killed = processes.run(  # in its own process group, which the driver kills whole
         [sys.executable, "-c", KILL_DRIVER, target, when, str(KILL_ROUND), "fit", *KILL_TRAINING, "--out_dir",
-         str(out_dir)], env=process_environment(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
-        start_new_session=True,  # its own process group, which the driver kills whole
+         str(out_dir)], env=process_environment(), timeout=RUN_TIMEOUT_S,
     )
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     rows_at_kill = [row["round"] for row in completed_rows(out_dir)]
@@ -347,8 +349,8 @@ def test_kill_at_each_step_of_the_round_end_leaves_every_round_logged_once(targe
     with open(out_dir / "metrics.jsonl", "a") as metrics:
         metrics.write('{"round": 99, "train_lo')  # a line torn by the kill must not block the resume
 
-    resumed = subprocess.run([*FIT, *KILL_TRAINING, "--out_dir", str(out_dir)], env=process_environment(),
-                             capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    resumed = processes.run([*FIT, *KILL_TRAINING, "--out_dir", str(out_dir)], env=process_environment(),
+                            timeout=RUN_TIMEOUT_S)
     assert resumed.returncode == 0, resumed.stderr
     rows = completed_rows(out_dir)
     assert [row["round"] for row in rows] == list(range(1, 7))
@@ -369,6 +371,7 @@ def wait_for_handler(process: subprocess.Popen, signum: signal.Signals) -> None:
 
 
 def test_signal_during_start_up_stops_after_round_one_and_the_rerun_matches(reference, tmp_path):
+    """A fresh interpreter: the signal lands while it is still importing."""
     out_dir = tmp_path / "run"
     process = subprocess.Popen(fit_command(out_dir), env=process_environment(), stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)
@@ -397,10 +400,9 @@ print("exited cleanly after the signals", flush=True)
 
 
 def test_signals_after_the_last_round_do_not_kill_a_finished_run(tmp_path):
-    completed = subprocess.run(
+    completed = processes.run(
         [sys.executable, "-c", SIGNALS_AFTER_THE_RUN, "fit", *TRAINING, "--federation.rounds", "3",
-         "--out_dir", str(tmp_path / "run")], env=process_environment(), capture_output=True, text=True,
-        timeout=RUN_TIMEOUT_S,
+         "--out_dir", str(tmp_path / "run")], env=process_environment(), timeout=RUN_TIMEOUT_S,
     )
     assert completed.returncode == 0, completed.stderr
     assert "exited cleanly after the signals" in completed.stdout

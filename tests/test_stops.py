@@ -4,6 +4,9 @@ must end with exit status 0, no traceback, and the job requeued exactly when it 
 
 Each test reads the run's console lines to know where it is, and sends its signals until the
 process has exited: a signal that lands during the interpreter's shutdown must not kill it either.
+The tests that are about that shutdown run a fresh interpreter; the others a fork of a server that
+has imported fl_lightning once (tests/processes.py), which exits as the interpreter would but
+without the interpreter's own finalization.
 """
 
 import itertools
@@ -12,6 +15,7 @@ import signal
 import subprocess
 from pathlib import Path
 
+import processes
 import pytest
 from test_faults import RUN_TIMEOUT_S, SLURM_JOB_ID, fit_command, process_environment
 
@@ -29,13 +33,15 @@ for pid in $PPID $(ps -o pid= --ppid $PPID); do [[ $pid == $$ ]] || kill -TERM "
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
 
-def start_fit(tmp_path: Path, *extra: str, **environment: str) -> subprocess.Popen:
-    stderr = open(tmp_path / "stderr.txt", "w")
-    process = subprocess.Popen(
-        fit_command(tmp_path / "run", "--checkpoint.requeue_signal", "SIGUSR1", *extra),
-        env=process_environment(**environment), stdout=subprocess.PIPE, stderr=stderr, text=True)
-    stderr.close()
-    return process
+def start_fit(tmp_path: Path, *extra: str, fresh_interpreter: bool, **environment: str) -> subprocess.Popen:
+    """`fit` started in a fresh interpreter (subprocess), or forked (tests/processes.py)."""
+    command = fit_command(tmp_path / "run", "--checkpoint.requeue_signal", "SIGUSR1", *extra)
+    with open(tmp_path / "stderr.txt", "w") as stderr:
+        if fresh_interpreter:
+            return subprocess.Popen(command, env=process_environment(**environment), stdout=subprocess.PIPE,
+                                    stderr=stderr, text=True)
+        return processes.Popen(command, env=process_environment(**environment), stdout=subprocess.PIPE,
+                               stderr=stderr)
 
 
 def read_until(process: subprocess.Popen, prefix: str) -> list[str]:
@@ -69,7 +75,8 @@ def signal_until_exit(process: subprocess.Popen, signums=STOP_SIGNALS) -> int:
 
 def test_signals_after_the_last_round_never_kill_a_finished_run(tmp_path):
     """A time limit's SIGUSR1 just after the run finished, or a late SIGTERM: exit 0, not 138 or 143."""
-    process = start_fit(tmp_path, "--federation.rounds", "3", "--logger.wandb_mode", "disabled")
+    process = start_fit(tmp_path, "--federation.rounds", "3", "--logger.wandb_mode", "disabled",
+                        fresh_interpreter=True)
     read_until(process, "finished at round 3/3")
     assert signal_until_exit(process) == 0, (tmp_path / "stderr.txt").read_text()
 
@@ -85,28 +92,33 @@ def slurm_job(tmp_path):
             "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
 
 
+# The last field: whether the stop runs in a fresh interpreter, signalled through its own shutdown,
+# W&B's service and the requeue's SIGTERM included; the other two are forked.
 STOPS = {
     # sbatch --signal=USR1@T (or scancel -s USR1): checkpoint, requeue, whose SIGTERM reaches every
     # process of the step, then signals until exit (a second time-limit signal, a second TERM).
     "requeue signal": ("RUNNING", None, signal.SIGUSR1,
-                       ["requeue 4242"], f"requeued SLURM job {SLURM_JOB_ID}: scontrol requeue {SLURM_JOB_ID}"),
+                       ["requeue 4242"], f"requeued SLURM job {SLURM_JOB_ID}: scontrol requeue {SLURM_JOB_ID}", True),
     # scancel: SIGTERM to every process of the step while Slurm reports the job COMPLETING.
     "scancel": ("COMPLETING", None, signal.SIGTERM,
-                [], f"SLURM job {SLURM_JOB_ID} is COMPLETING (cancelled or ending): checkpoint saved, not requeueing"),
+                [], f"SLURM job {SLURM_JOB_ID} is COMPLETING (cancelled or ending): checkpoint saved, not requeueing",
+                False),
     # Preemption with GraceTime=0: Slurm requeues the job itself; the run's own requeue is refused.
     "preemption requeued by Slurm": ("RUNNING", "Requeue of JobId=4242 failed: Job is pending execution",
                                      signal.SIGTERM, ["requeue 4242"],
-                                     f"SLURM job {SLURM_JOB_ID} is already back in the queue"),
+                                     f"SLURM job {SLURM_JOB_ID} is already back in the queue", False),
 }
 
 
-@pytest.mark.parametrize("state, requeue_error, signum, requeue_calls, said", STOPS.values(), ids=STOPS.keys())
+@pytest.mark.parametrize("state, requeue_error, signum, requeue_calls, said, fresh_interpreter", STOPS.values(),
+                         ids=STOPS.keys())
 def test_a_stop_under_slurm_exits_0_without_a_traceback(state, requeue_error, signum, requeue_calls, said,
-                                                       slurm_job, tmp_path):
+                                                       fresh_interpreter, slurm_job, tmp_path):
     (tmp_path / "job_state").write_text(state)
     if requeue_error:
         (tmp_path / "requeue_error").write_text(requeue_error)
-    process = start_fit(tmp_path, "--logger.wandb_mode", "offline", **slurm_job)
+    process = start_fit(tmp_path, "--logger.wandb_mode", "offline", fresh_interpreter=fresh_interpreter,
+                        **slurm_job)
     read_until(process, "round 2/")
     for pid in step_processes(process):
         os.kill(pid, signum)

@@ -1,0 +1,251 @@
+"""`fl-lightning` processes for the tests, started without paying the imports each time.
+
+A fresh Python that imports fl_lightning and Lightning costs about 8 CPU seconds before it trains
+anything (torch, torchmetrics -> torchvision -> torch._dynamo, scipy, wandb), several times what
+the tests' tiny runs cost. Here every process is a fork of one forkserver
+(`multiprocessing.get_context("forkserver")`), a fresh single-threaded Python that has imported
+those modules once. The pytest process itself is never forked: torch uses GNU libgomp, and a fork
+of a process that has run multi-threaded torch ops hangs as soon as it uses two threads; the
+forkserver never runs a torch op.
+
+Each child is set up as a fresh process of the same command line would be: its own session and
+process group (what `start_new_session=True` gives, and what lets a kill of its group spare the
+forkserver and pytest), the test's environment (plus what the imports set in it, as they would have
+in a fresh process), torch's thread count read from OMP_NUM_THREADS, stdout and stderr on the
+test's files or pipes, sys.argv; then `-m MODULE` runs as `python -m` would, `-c CODE` as
+`python -c`, and it exits as the interpreter would: non-daemon threads joined, atexit handlers run,
+output flushed, the exit status of SystemExit (1 and a traceback for an uncaught exception); a
+signal death reads as -N, as with subprocess.
+
+`Popen` and `run` have the parts of subprocess's interface the tests use. The children are
+children of the forkserver, not of pytest: their exit status comes through multiprocessing's
+sentinel, and nothing that needs the parent (waitpid, RUSAGE_CHILDREN) applies. The tests about
+the real start-up path (a signal while the interpreter imports, a bad input in a real process,
+signals during the interpreter's own shutdown) keep launching fresh interpreters with subprocess.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from multiprocessing import forkserver, reduction
+from typing import IO, Optional, Union
+
+# What a `fit` imports, up front or on its way: everything the forkserver imports, no child pays.
+PRELOADED_MODULES = [
+    "fl_lightning.cli.main", "fl_lightning.federation", "fl_lightning.module", "fl_lightning.clients.trainer",
+    "fl_lightning.clients.groups", "fl_lightning.clients.paths", "lightning.fabric", "lightning.pytorch",
+    "torchmetrics", "torchvision", "torch._dynamo", "torch._inductor", "torch.utils.serialization",
+    "matplotlib.pyplot", "matplotlib.backends.backend_agg", "PIL.JpegImagePlugin", "PIL.features",
+    "scipy.signal", "scipy.io", "sklearn.metrics", "sklearn.datasets", "sklearn.model_selection",
+    "sklearn.feature_extraction", "attrs", "docstring_parser", "requests",
+    # W&B's, as far as `wandb.init` in offline mode and `wandb.teardown` go.
+    "wandb", "wandb.sdk", "wandb.sdk.launch", "wandb.apis.public", "wandb.docker", "wandb._analytics",
+    "opentelemetry.sdk.metrics", "opentelemetry.sdk.trace", "opentelemetry.sdk.resources", "opentelemetry.sdk._logs",
+    "opentelemetry.exporter.otlp",
+]
+# The forkserver's own environment: the children's thread count, so that its libgomp starts as theirs.
+SERVER_ENVIRONMENT = {"OMP_NUM_THREADS": "1"}
+
+_server_environment: Optional[dict[str, str]] = None
+_started: list["Popen"] = []
+
+
+def _context() -> multiprocessing.context.BaseContext:
+    """The forkserver context, its server started with the environment recorded for the children."""
+    global _server_environment
+    context = multiprocessing.get_context("forkserver")
+    if _server_environment is None:
+        context.set_forkserver_preload(PRELOADED_MODULES)
+        saved = {name: os.environ.get(name) for name in SERVER_ENVIRONMENT}
+        os.environ.update(SERVER_ENVIRONMENT)
+        try:
+            forkserver.ensure_running()
+            _server_environment = dict(os.environ)
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name)
+                else:
+                    os.environ[name] = value
+    return context
+
+
+class _FdForChild:
+    """A file descriptor handed to the child: pickled while multiprocessing starts it, it travels
+    to the forkserver with the process (reduction.DupFd) and arrives as the child's own fd."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        return _received_fd, (reduction.DupFd(self.fd),)
+
+
+def _received_fd(duplicate) -> int:
+    return duplicate.detach()
+
+
+def _child(command: list[str], environment: dict[str, str], cwd: str, stdout: int, stderr: int,
+           server_environment: dict[str, str]) -> None:
+    """The forked child: becomes what a fresh interpreter of `command` would be, runs it, exits."""
+    import io
+    import runpy
+
+    os.setsid()
+    os.dup2(stdout, 1)
+    os.dup2(stderr, 2)
+    for fd in {stdout, stderr} - {1, 2}:
+        os.close(fd)
+    # Non-interactive stdout is block-buffered, stderr line-buffered, as in a fresh interpreter.
+    encoding = sys.stdout.encoding if sys.stdout is not None else "utf-8"
+    sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding=encoding,
+                                                   errors="strict")
+    sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding=encoding,
+                                                   errors="backslashreplace", line_buffering=True)
+    # Variables the imports set (torch, Lightning) would be there in a fresh process too, unless given.
+    set_by_imports = {name: value for name, value in os.environ.items() if server_environment.get(name) != value}
+    os.environ.clear()
+    os.environ.update({**set_by_imports, **environment})
+    os.chdir(cwd)
+    if "OMP_NUM_THREADS" in environment:
+        import torch
+
+        torch.set_num_threads(int(environment["OMP_NUM_THREADS"]))
+
+    status = 0
+    try:
+        if command[1] == "-m":
+            sys.argv = [command[2], *command[3:]]
+            runpy.run_module(command[2], run_name="__main__", alter_sys=True)
+        elif command[1] == "-c":
+            sys.argv = ["-c", *command[3:]]
+            exec(compile(command[2], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+        else:
+            raise ValueError(f"expected `python -m MODULE ...` or `python -c CODE ...`, got {command[:2]}")
+    except SystemExit as exited:
+        if exited.code is None:
+            status = 0
+        elif isinstance(exited.code, int):
+            status = exited.code
+        else:
+            print(exited.code, file=sys.stderr)
+            status = 1
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        status = 1
+    # The interpreter's way out: wait for non-daemon threads, then the atexit handlers, then flush.
+    threading._shutdown()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)
+
+
+Destination = Union[None, int, IO]
+
+
+class Popen:
+    """A forked `python -m MODULE ...` or `python -c CODE ...` (command[0], the interpreter, is
+    this one), with subprocess.Popen's pid, poll, wait, send_signal, kill, returncode, and stdout
+    and stderr as text streams when given subprocess.PIPE."""
+
+    def __init__(self, command: list[str], env: Optional[dict[str, str]] = None, stdout: Destination = None,
+                 stderr: Destination = None, cwd: Optional[Union[str, os.PathLike]] = None):
+        context = _context()
+        self.args = list(command)
+        self.stdout: Optional[IO[str]] = None
+        self.stderr: Optional[IO[str]] = None
+        child_ends, own_copies = [], []
+        for name, destination, inherited in (("stdout", stdout, 1), ("stderr", stderr, 2)):
+            if destination == subprocess.PIPE:
+                read_end, write_end = os.pipe()
+                setattr(self, name, open(read_end, "r"))
+                child_ends.append(write_end)
+                own_copies.append(write_end)
+            elif destination is None:
+                child_ends.append(inherited)
+            elif isinstance(destination, int):
+                child_ends.append(destination)
+            else:
+                child_ends.append(destination.fileno())
+        self._process = context.Process(
+            target=_child, name="fl-lightning",
+            args=(self.args, dict(os.environ if env is None else env), os.fspath(cwd or os.getcwd()),
+                  _FdForChild(child_ends[0]), _FdForChild(child_ends[1]), _server_environment),
+        )
+        try:
+            self._process.start()
+        finally:
+            for fd in own_copies:
+                os.close(fd)
+        self.pid: int = self._process.pid
+        _started.append(self)
+
+    @property
+    def returncode(self) -> Optional[int]:
+        return self._process.exitcode
+
+    def poll(self) -> Optional[int]:
+        return self._process.exitcode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self._process.exitcode
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, signum)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        """SIGKILL to the child's whole process group (it and what it started, W&B's service)."""
+        if self.poll() is None:
+            try:
+                os.killpg(self.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):  # not yet its own group leader
+                self.send_signal(signal.SIGKILL)
+
+
+def run(command: list[str], env: Optional[dict[str, str]] = None, timeout: Optional[float] = None,
+        cwd: Optional[Union[str, os.PathLike]] = None) -> subprocess.CompletedProcess:
+    """subprocess.run(command, capture_output=True, text=True, timeout=timeout) in a forked child."""
+    with tempfile.TemporaryFile() as stdout, tempfile.TemporaryFile() as stderr:
+        process = Popen(command, env=env, stdout=stdout, stderr=stderr, cwd=cwd)
+        try:
+            status = process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            raise
+        outputs = []
+        for captured in (stdout, stderr):
+            captured.seek(0)
+            outputs.append(captured.read().decode(errors="replace"))
+    return subprocess.CompletedProcess(command, status, *outputs)
+
+
+@atexit.register
+def _stop_the_forkserver() -> None:
+    """At pytest's exit: children a failed test left running are killed, then the forkserver is
+    stopped and waited for, so that its children's CPU time counts in pytest's own (RUSAGE_CHILDREN,
+    what `time` reports), as a subprocess's does. Registered after multiprocessing's exit handler,
+    it runs before it: that one would otherwise wait for the leftovers."""
+    for process in _started:
+        process.kill()
+    for process in _started:
+        process.wait()
+    forkserver._forkserver._stop()
