@@ -2,10 +2,10 @@
 then resumes, the built-in stop rules, and every configurable class round-trips through config.yaml."""
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+import processes
 import pytest
 import torch
 import yaml
@@ -102,10 +102,11 @@ def test_hooks_fire_in_order_on_every_rank(tmp_path):
                                      "init_args": {"folder": str(tmp_path)}})
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(TESTS), *sys.path])}
     environment = {k: v for k, v in environment.items() if not k.startswith("SLURM_")}
-    completed = subprocess.run(
+    # Rank 0 forked (tests/processes.py); Fabric starts rank 1 as a fresh interpreter.
+    completed = processes.run(
         [sys.executable, "-m", "fl_lightning", "fit", *TINY, "--federation.rounds", "3", "--config", config,
          "--fabric.devices", "2", "--fabric.process_group_timeout_s", "120", "--out_dir", str(tmp_path / "run")],
-        env=environment, capture_output=True, text=True, timeout=300,
+        env=environment, timeout=300,
     )
     assert completed.returncode == 0, completed.stderr
     weights: dict[int, float] = {}

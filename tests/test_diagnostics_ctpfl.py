@@ -5,12 +5,12 @@ augmentation; and a run with the diagnostics on trains bitwise the same model, o
 
 import importlib.util
 import os
-import subprocess
 import sys
 from functools import partial
 from pathlib import Path
 
 import numpy as np
+import processes
 import pytest
 import torch
 from test_diagnostics_landscape import (
@@ -241,10 +241,10 @@ def test_on_two_ranks_the_diagnostics_agree_with_one_and_leave_training_alone(tm
     environment = {k: v for k, v in environment.items() if not k.startswith("SLURM_")}
 
     def two_ranks(out_dir: Path, *extra: str) -> None:
-        completed = subprocess.run(
+        # Rank 0 forked (tests/processes.py); Fabric starts rank 1 as a fresh interpreter.
+        completed = processes.run(
             [sys.executable, "-m", "fl_lightning", "fit", *CTPFL_RUN, *extra, "--fabric.devices", "2",
-             "--fabric.process_group_timeout_s", "120", "--out_dir", str(out_dir)],
-            env=environment, capture_output=True, text=True, timeout=600)
+             "--fabric.process_group_timeout_s", "120", "--out_dir", str(out_dir)], env=environment, timeout=600)
         assert completed.returncode == 0, completed.stderr
 
     two_ranks(tmp_path / "two", "--config", config)
