@@ -72,7 +72,7 @@ def distance_along_constant_direction(num_steps, lr, momentum, nesterov):
 @pytest.mark.parametrize("momentum, nesterov, effective_steps", [
     (0.0, False, False), (0.9, False, False), (0.9, False, True), (0.5, True, True)])
 def test_scaffold_matches_reference_with_controls_kept_across_skipped_rounds(
-        cifar_root, tmp_path, momentum, nesterov, effective_steps):
+        cifar_root, tmp_path, momentum, nesterov, effective_steps, one_thread):
     # Mini-batches of 20 give clients of different sizes different step counts K_i.
     setup = small_setup(cifar_root, tmp_path, rounds=5, local_epochs=1, batch_size=20, eval_every=5)
     lr, gamma = 0.05, 0.8
@@ -118,7 +118,7 @@ def test_scaffold_matches_reference_with_controls_kept_across_skipped_rounds(
 
 
 @pytest.mark.parametrize("alpha", [0.01, 0.3])
-def test_feddyn_matches_reference(cifar_root, tmp_path, alpha):
+def test_feddyn_matches_reference(cifar_root, tmp_path, alpha, one_thread):
     setup = small_setup(cifar_root, tmp_path, rounds=4)
     lr, epochs = 0.05, setup["federation"].local_epochs
     final = fit(algorithm=FedDyn(alpha=alpha), client_optimizer=ClientOptimizerArgs(lr=lr), **setup)
@@ -204,7 +204,7 @@ class MoonProblem:
 
 
 @pytest.mark.slow
-def test_moon_matches_reference(cifar_root, tmp_path):
+def test_moon_matches_reference(cifar_root, tmp_path, one_thread):
     mu, tau, lr = 5.0, 0.5, 0.05
     setup = moon_setup(cifar_root, tmp_path, rounds=4)
     final = fit(algorithm=MOON(mu=mu, tau=tau, projection_dim=PROJECTION),
@@ -238,7 +238,7 @@ def test_moon_matches_reference(cifar_root, tmp_path):
 
 
 @pytest.mark.slow
-def test_moon_contrastive_term_is_zero_on_a_clients_first_round_only(cifar_root, tmp_path):
+def test_moon_contrastive_term_is_zero_on_a_clients_first_round_only(cifar_root, tmp_path, one_thread):
     def run(mu, rounds):
         setup = moon_setup(cifar_root, tmp_path / f"mu{mu}_rounds{rounds}", rounds=rounds, eval_every=rounds)
         return fit(algorithm=MOON(mu=mu, projection_dim=PROJECTION), client_optimizer=ClientOptimizerArgs(lr=0.05),
@@ -275,7 +275,7 @@ class UnchangedFeatures:
         return images
 
 
-def test_moon_represents_the_global_and_previous_models_in_eval_mode():
+def test_moon_represents_the_global_and_previous_models_in_eval_mode(one_thread):
     """z_glob and z_prev use the running statistics of the global and of the previous model; the
     local model normalises with its batch statistics and updates its own running statistics."""
     num_samples, in_features, width, num_classes, projection = 24, 6, 5, 3, 4
@@ -369,7 +369,7 @@ def test_two_ranks_give_the_same_model_as_one(cifar_root, tmp_path, name):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", STATEFUL)
-def test_resume_from_mid_run_checkpoint_reproduces_the_uninterrupted_run(cifar_root, tmp_path, name):
+def test_resume_from_mid_run_checkpoint_reproduces_the_uninterrupted_run(cifar_root, tmp_path, name, one_thread):
     make = STATEFUL[name][0]
 
     def run(out_dir, rounds, resume):
@@ -408,7 +408,7 @@ def test_moon_head_follows_the_networks_biases():
     assert torch.equal(moon_network(inputs), moon_network.classifier(moon_network.forward_features(inputs)))
 
 
-def test_moon_options_are_written_back_to_the_config(cifar_root, tmp_path):
+def test_moon_options_are_written_back_to_the_config(cifar_root, tmp_path, one_thread):
     setup = moon_setup(cifar_root, tmp_path, rounds=1)
     fit(algorithm=MOON(mu=2.0, tau=0.3, projection_dim=PROJECTION), **setup)
     config = yaml.safe_load((tmp_path / "config.yaml").read_text())
