@@ -36,7 +36,7 @@ import yaml
 from fl_lightning.algorithms import SHORT_NAMES
 from fl_lightning.cli.arguments import expand_short_names
 from fl_lightning.cli.main import main
-from fl_lightning.cli.parser import build_parser
+from fl_lightning.cli.parser import GridPointParser, build_parser, parse_command_line
 from fl_lightning.experiments.plan import GridPoint, Plan, load_plan
 from fl_lightning.experiments.reference import read_reference
 from fl_lightning.experiments.table import table
@@ -280,11 +280,13 @@ def test_every_point_parses_to_its_column_and_its_row(name, parser):
     grid = plan.grid()
     settings = list(dict.fromkeys(point.setting_name for point in grid))
     # Every (setting, method) pair at the first seed: a setting's values whatever the method, a method's
-    # whatever the setting.
+    # whatever the setting. Parsed as a sweep parses them (the first seed of each: in full), with the
+    # parser that every plan of this module is parsed with.
+    grid_parser = GridPointParser(parser)
     for point in grid:
         if point.seed != plan.seeds[0]:
             continue
-        parsed = parse(parser, point)
+        parsed = grid_parser.parse(point.fit_arguments()).fit
         check_column(parsed, expected.columns[settings.index(point.setting_name)])
         check_row(parsed, expected.rows[point.method], plan.methods[point.method])
         assert parsed.seed == point.seed and parsed.out_dir == point.out_dir
@@ -293,6 +295,18 @@ def test_every_point_parses_to_its_column_and_its_row(name, parser):
     for point in grid[1:len(plan.seeds)]:
         assert (point.method, point.setting, point.parts) == (first.method, first.setting, first.parts)
         assert parse(parser, point).seed == point.seed
+    # A sweep parses a later seed as its first seed's settings with its own seed, run folder and name:
+    # the settings of a full parse of its command line by a parser of its own, for every seed of the
+    # first method and the second seed of every method (of the first setting; the settings are
+    # parsed alike).
+    fresh = build_parser()
+    later_seeds = [point for point in grid if point.setting_name == first.setting_name and point.seed != first.seed
+                   and (point.method == first.method or point.seed == plan.seeds[1])]
+    assert len(later_seeds) == len(plan.seeds) - 2 + len(plan.methods)
+    full_parses = grid_parser.full_parses
+    for point in later_seeds:
+        assert grid_parser.parse(point.fit_arguments()) == parse_command_line(point.fit_arguments(), fresh)
+    assert grid_parser.full_parses == full_parses  # each parsed from its first seed's settings
 
 
 # --- the reference numbers --------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """jsonargparse's parser of `fl-lightning` commands, and `parse_command_line`, the one way a command
 line becomes settings. `build_parser()` parses `fit` alone: what a sweep parses its grid points with,
-without the other commands (the sweep among them)."""
+without the other commands (the sweep among them), through `GridPointParser`."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ class CommandParser(ArgumentParser):
     is parsed, and restating a parse error, read the signatures of its commands."""
 
     commands: dict[str, Callable]
+    subcommand_parsers: dict[str, ArgumentParser]
 
 
 def build_parser(commands: Mapping[str, Callable] = FIT_ALONE) -> CommandParser:
@@ -42,6 +43,7 @@ def build_parser(commands: Mapping[str, Callable] = FIT_ALONE) -> CommandParser:
     # Subcommand parsers inherit both settings.
     parser = CommandParser(prog="fl-lightning", allow_abbrev=False, exit_on_error=False)
     parser.commands = dict(commands)
+    parser.subcommand_parsers = {}
     parser.add_argument("--config", action=ActionConfigFile, help="Path to a configuration file.")
     subcommands = parser.add_subcommands(required=True)
     for name, command in commands.items():
@@ -49,6 +51,7 @@ def build_parser(commands: Mapping[str, Callable] = FIT_ALONE) -> CommandParser:
         subparser = ArgumentParser(description=description, epilog=_epilog(name))
         subparser.add_argument("--config", action=ActionConfigFile, help="Path to a configuration file.")
         subcommands.add_subcommand(name, subparser, help=description)
+        parser.subcommand_parsers[name] = subparser
         # as_positional=False: a required `algorithm` would otherwise become positional, and
         # `--algorithm X` would be misread.
         subparser.add_function_arguments(command, as_group=False, as_positional=False, sub_configs=True)
@@ -78,3 +81,73 @@ def parse_command_line(argv: list[str], parser: CommandParser) -> Namespace:
         return parser.parse_args(expand_bare_flags(expand_short_names(argv), parser.commands))
     except ArgumentError as err:
         raise explain_parse_error(str(err), argv, parser.commands) from err
+
+
+# The options whose values tell apart the command lines of one setting and method of a sweep: the
+# seed, and the run folder and W&B run name made with it (fl_lightning.experiments.plan.GridPoint).
+PER_RUN_OPTIONS = ("--seed", "--out_dir", "--logger.name")
+# Options that could set a per-run value again after the command line gave it.
+_SETTING_PER_RUN_VALUES = ("--config", "--logger")
+# Options that print instead of parsing.
+_PRINTING = ("--help", "-h", "--print_config")
+
+
+class GridPointParser:
+    """`parse_command_line` of many `fit` command lines, as a sweep's grid points: what it returns and
+    raises for each. Lines that differ only in the values of PER_RUN_OPTIONS (a setting and method's
+    seeds) are one group. The first line of a group is parsed in full; each other one is parsed as the
+    first one's settings with its own values of those options, by the same `fit` parser (the same types
+    and the same check of the whole settings), without the defaults and class defaults that a full parse
+    computes again and that are most of its cost. A line that fails that way is parsed in full, to
+    raise what it raises on its own."""
+
+    def __init__(self, parser: CommandParser):
+        self.parser = parser
+        self._first_of_group: dict[tuple, Namespace] = {}
+        self.full_parses = 0
+        """How many lines were parsed in full: the first of each group, and those of no group."""
+
+    def parse(self, argv: list[str]) -> Namespace:
+        group = _per_run_group(argv)
+        first = None if group is None else self._first_of_group.get(group)
+        if first is None:
+            self.full_parses += 1
+            settings = parse_command_line(argv, self.parser)
+            if group is not None:
+                self._first_of_group[group] = settings.clone()
+            return settings
+        # Same config files and class paths as the first line: check_config_files and check_class_paths
+        # accept this one as they accepted that one. Neither short names nor bare flags are among the
+        # per-run options and their values, which are parsed as they are given.
+        per_run = [token for option in PER_RUN_OPTIONS for token in (option, argv[argv.index(option) + 1])]
+        try:
+            fit_settings = self.parser.subcommand_parsers["fit"].parse_args(
+                per_run, namespace=first.fit.clone(), defaults=False)
+        except ArgumentError:
+            self.full_parses += 1
+            return parse_command_line(argv, self.parser)
+        settings = first.clone()
+        settings.fit = fit_settings
+        return settings
+
+
+def _per_run_group(argv: list[str]) -> Optional[tuple]:
+    """The command line with the values of PER_RUN_OPTIONS left out, where each of those options is given
+    once, with a value, and nothing after the first of them can set one of their values again (no
+    config file, no whole `logger` group); None for any other line (parsed in full), and for one that
+    asks for help or its config printed."""
+    if not argv or argv[0] != "fit" or any(arg.partition("=")[0] in _PRINTING for arg in argv):
+        return None
+    positions = []
+    for option in PER_RUN_OPTIONS:
+        if argv.count(option) != 1 or any(arg.startswith(f"{option}=") for arg in argv):
+            return None
+        position = argv.index(option)
+        if position + 1 == len(argv) or argv[position + 1].startswith("-"):
+            return None
+        positions.append(position)
+    after_first = argv[min(positions):]
+    if any(arg == option or arg.startswith(f"{option}=") for arg in after_first for option in _SETTING_PER_RUN_VALUES):
+        return None
+    values = {position + 1 for position in positions}
+    return tuple(None if position in values else arg for position, arg in enumerate(argv))

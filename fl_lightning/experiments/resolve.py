@@ -1,22 +1,25 @@
 """Each grid point's `fit` settings, resolved in this process as `fit` resolves its own, without training.
 
-A point's command line (`GridPoint.fit_arguments`) is parsed by the command line's one parse function,
-instantiated, and turned into the run's config by `fl_lightning.fit.fit_config`: the same checks as
-`fit` (types and values of every field, the algorithm's own arguments, the federation), and the same
-config dict that `fit` records in config.yaml and its checkpoints, so that a run folder can be
+A point's command line (`GridPoint.fit_arguments`) is parsed by the command line's one parse function
+(through `GridPointParser`: a setting and method's seeds after the first are parsed as that one's
+settings with their own seed, run folder and name), instantiated, and turned into the run's config by
+`fl_lightning.fit.fit_config`: the same checks as `fit` (types and values of every field, the
+algorithm's own arguments, the federation), and the same config dict that `fit` records in
+config.yaml and its checkpoints, so that a run folder can be
 compared with the point it belongs to (`fl_lightning.run_dir.check_same_experiment`). The devices are
 not checked here: a sweep gives each run its own, and an array task gets its allocation's.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 import yaml
 
-from fl_lightning.cli.parser import build_parser, parse_command_line
+from fl_lightning.cli.parser import CommandParser, GridPointParser, build_parser
 from fl_lightning.errors import ConfigError
 from fl_lightning.fit import fit_config
 
@@ -38,13 +41,21 @@ class ResolvedPoint:
         return None if self.config is None else self.config["federation"]["rounds"]
 
 
+@functools.cache
+def fit_parser() -> CommandParser:
+    """`fit`'s parser, built once in a process: building it takes longer than parsing a grid point, and
+    one parser parses any number of command lines (a sweep parses all its points with one)."""
+    return build_parser()
+
+
 def resolve_grid(points: list[GridPoint]) -> list[ResolvedPoint]:
     """Every point resolved; a point whose settings `fit` would refuse holds its error."""
-    parser = build_parser()
+    parser = fit_parser()
+    grid_parser = GridPointParser(parser)
     resolved = []
     for point in points:
         try:
-            settings = parse_command_line(point.fit_arguments(), parser)
+            settings = grid_parser.parse(point.fit_arguments())
             arguments = parser.instantiate(settings).fit
             arguments.pop("config", None)
             resolved.append(ResolvedPoint(point, fit_config(**arguments).config, settings))
@@ -78,5 +89,5 @@ def check_grid(plan: Path, resolved: list[ResolvedPoint]) -> None:
 def fit_settings_text(resolved: ResolvedPoint) -> str:
     """The point's `fit` settings, every config fragment and override resolved, as YAML that
     `fl-lightning fit --config` reads back."""
-    dumped = yaml.safe_load(build_parser().dump(resolved.settings))["fit"]
+    dumped = yaml.safe_load(fit_parser().dump(resolved.settings))["fit"]
     return yaml.safe_dump(dumped, sort_keys=False)
