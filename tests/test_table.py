@@ -82,22 +82,38 @@ def point_configs(tmp_path_factory) -> dict[tuple[str, str, int], dict]:
     return {(e.point.setting_name, e.point.method, e.point.seed): e.config for e in resolve_grid(plan.grid())}
 
 
-@pytest.fixture
-def sweep(tmp_path, monkeypatch, point_configs):
-    """A plan of 3 methods x 2 settings x 3 seeds, its runs under tmp_path/runs, and a reference CSV."""
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "paper.csv").write_text("method,alpha-0.5,alpha-0.1\n"
-                                        "FedAvg,71.50,\n"
-                                        "fedavg+const,76.00 ± 0.40,60.00\n"
-                                        "FedProx,70.00,50.00\n")
-    plan_file = write_demo_plan(tmp_path)
-    for point in load_plan(plan_file, runs_root=tmp_path / "runs").grid():
+def write_sweep(folder: Path, point_configs: dict) -> Path:
+    """A plan of 3 methods x 2 settings x 3 seeds, its runs under folder/runs, and a reference CSV, named
+    from the working folder, `folder`."""
+    (folder / "paper.csv").write_text("method,alpha-0.5,alpha-0.1\n"
+                                      "FedAvg,71.50,\n"
+                                      "fedavg+const,76.00 ± 0.40,60.00\n"
+                                      "FedProx,70.00,50.00\n")
+    plan_file = write_demo_plan(folder)
+    for point in load_plan(plan_file, runs_root=folder / "runs").grid():
         seeds = RUNS[point.setting_name, point.method]
         if point.seed in seeds:
             accuracies, losses = seeds[point.seed]
             config = {**point_configs[point.setting_name, point.method, point.seed], "out_dir": str(point.out_dir)}
             write_run(point.out_dir, accuracies, losses, config)
     return plan_file
+
+
+@pytest.fixture
+def sweep(tmp_path, monkeypatch, point_configs):
+    """The demo plan's sweep (write_sweep) in tmp_path, for a test to change."""
+    monkeypatch.chdir(tmp_path)
+    return write_sweep(tmp_path, point_configs)
+
+
+@pytest.fixture(scope="module")
+def plain_table(tmp_path_factory, point_configs):
+    """`fl-lightning table` of the unchanged sweep with no options, made once for the tests that only
+    read its rows."""
+    folder = tmp_path_factory.mktemp("sweep")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(folder)
+        return run_table(write_sweep(folder, point_configs))
 
 
 def run_folder(plan_file: Path, setting: str, method: str, seed: int) -> Path:
@@ -142,15 +158,15 @@ def test_final_round_mean_sample_std_and_seed_counts(sweep, capsys):
     assert (out / "plot.png").read_bytes()[:8] == PNG
 
 
-def test_best_of_each_column_is_marked_in_markdown_and_csv(sweep):
-    _, rows, _ = run_table(sweep)
+def test_best_of_each_column_is_marked_in_markdown_and_csv(plain_table):
+    _, rows, _ = plain_table
     best = {(row["method"], setting) for row in rows for setting in ("alpha-0.5", "alpha-0.1")
             if row[f"{setting}:best"] == "1"}
     assert best == {("SCAFFOLD", "alpha-0.5"), ("FedAvg + CONST", "alpha-0.1")}
 
 
-def test_reference_numbers_and_differences(sweep):
-    _, rows, _ = run_table(sweep)
+def test_reference_numbers_and_differences(plain_table):
+    _, rows, _ = plain_table
     cells = rows_by_method(rows)
     assert float(cells["FedAvg"]["alpha-0.5:paper"]) == 71.5
     assert float(cells["FedAvg"]["alpha-0.5:diff"]) == pytest.approx(0.5)
