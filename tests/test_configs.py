@@ -6,6 +6,7 @@ A run is `fit --config <setting> --config algorithms/<name>.yaml [--config tuned
 [--config const.yaml]`; COMPOSITIONS lists the shipped ones (README.md gives the same commands).
 """
 
+import functools
 import inspect
 import json
 import math
@@ -74,9 +75,16 @@ def config_args(files: list[Path]) -> list[str]:
     return [arg for path in files for arg in ("--config", str(path))]
 
 
+@functools.cache
+def fit_parser():
+    """One parser for every parse of this module, as a sweep parses all its grid points with one (built
+    once: building it takes longer than a parse)."""
+    return build_parser()
+
+
 def parse(*argv: str):
     """The parsed (not instantiated) settings of `fit`: jsonargparse's own record of them."""
-    return parse_command_line(["fit", *argv], build_parser()).fit
+    return parse_command_line(["fit", *argv], fit_parser()).fit
 
 
 def init_args(spec) -> dict:
@@ -113,13 +121,15 @@ def test_every_shipped_composition_parses_with_only_its_own_algorithm_settings(s
 
 @pytest.fixture(scope="module")
 def data_root(tmp_path_factory):
-    """Small CIFAR-10, CIFAR-100 and Tiny-ImageNet folders in their real layouts, side by side."""
+    """Small CIFAR-10, CIFAR-100 and Tiny-ImageNet folders in their real layouts, side by side. The test
+    splits hold a few images: a round evaluates them all, and the bf16 settings' ResNet-18 and ViT-Tiny
+    evaluate slowly on a CPU (the test checks that an evaluation is logged, not what it measures)."""
     from fl_lightning.data.generate import write_cifar, write_tiny_imagenet
 
     root = tmp_path_factory.mktemp("datasets")
-    write_cifar(root, variant="cifar10", num_train=120, num_test=40, seed=0)
-    write_cifar(root, variant="cifar100", num_train=120, num_test=40, seed=0)
-    write_tiny_imagenet(root, num_classes=3, train_per_class=16, val_per_class=4, seed=0)
+    write_cifar(root, variant="cifar10", num_train=120, num_test=2, seed=0)
+    write_cifar(root, variant="cifar100", num_train=120, num_test=2, seed=0)
+    write_tiny_imagenet(root, num_classes=3, train_per_class=16, val_per_class=1, seed=0)
     return root
 
 
@@ -128,12 +138,14 @@ def data_root(tmp_path_factory):
 def test_every_shipped_composition_trains_one_round(setting, algorithm, const, data_root, tmp_path):
     files = composition(setting, algorithm, const)
     # Tiny sizes, as litgpt's config hub test shrinks its models; one local step or epoch, whichever
-    # budget the setting uses. GPU settings run on this CPU in their own precision.
-    budget = "local_epochs" if parse(*config_args(files)).federation.local_epochs is not None else "local_steps"
+    # budget the setting uses: an epoch in batches of 8, a step of 2 images (the step settings train
+    # ResNet-18 and ViT-Tiny, slow on a CPU). GPU settings run on this CPU in their own precision.
+    by_epochs = parse(*config_args(files)).federation.local_epochs is not None
+    budget, batch_size = ("local_epochs", "8") if by_epochs else ("local_steps", "2")
     out_dir = tmp_path / "run"
     main(["fit", *config_args(files),
           "--federation.rounds", "1", "--federation.num_clients", "4", "--federation.clients_per_round", "2",
-          f"--federation.{budget}", "1", "--federation.batch_size", "8",
+          f"--federation.{budget}", "1", "--federation.batch_size", batch_size,
           "--data.root", str(data_root), "--data.min_samples", "2",
           "--fabric.accelerator", "cpu", "--fabric.devices", "1", "--fabric.num_nodes", "1",
           "--logger.wandb_mode", "disabled", "--logger.progress_bar", "false", "--out_dir", str(out_dir)])
