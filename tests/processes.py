@@ -114,10 +114,9 @@ def _child(command: list[str], environment: dict[str, str], cwd: str, stdout: in
     os.environ.clear()
     os.environ.update({**set_by_imports, **environment})
     os.chdir(cwd)
-    if "OMP_NUM_THREADS" in environment:
-        import torch
+    import torch  # imported by the server, before OMP_NUM_THREADS was the child's
 
-        torch.set_num_threads(int(environment["OMP_NUM_THREADS"]))
+    torch.set_num_threads(int(environment["OMP_NUM_THREADS"]))
 
     status = 0
     try:
@@ -161,6 +160,10 @@ class Popen:
 
     def __init__(self, command: list[str], env: Optional[dict[str, str]] = None, stdout: Destination = None,
                  stderr: Destination = None, cwd: Optional[Union[str, os.PathLike]] = None):
+        environment = dict(os.environ if env is None else env)
+        if "OMP_NUM_THREADS" not in environment:
+            # torch read its default thread count in the server; a child could only guess a fresh one's.
+            raise ValueError("a forked process needs OMP_NUM_THREADS in its environment")
         context = _context()
         self.args = list(command)
         self.stdout: Optional[IO[str]] = None
@@ -180,7 +183,7 @@ class Popen:
                 child_ends.append(destination.fileno())
         self._process = context.Process(
             target=_child, name="fl-lightning",
-            args=(self.args, dict(os.environ if env is None else env), os.fspath(cwd or os.getcwd()),
+            args=(self.args, environment, os.fspath(cwd or os.getcwd()),
                   _FdForChild(child_ends[0]), _FdForChild(child_ends[1]), _server_environment),
         )
         try:
