@@ -309,6 +309,21 @@ def test_every_point_parses_to_its_column_and_its_row(name, parser):
     assert grid_parser.full_parses == full_parses  # each parsed from its first seed's settings
 
 
+@pytest.mark.parametrize("after, seed", [(["--config", "seed.yaml"], 7), (["--seed", "5"], 5)],
+                         ids=["a later config file", "the option again"])
+def test_seeds_whose_seed_a_later_argument_sets_again_are_each_parsed_in_full(parser, tmp_path, after, seed):
+    (tmp_path / "seed.yaml").write_text("seed: 7\n")
+    after = [str(tmp_path / arg) if arg.endswith(".yaml") else arg for arg in after]
+    grid_parser = GridPointParser(parser)
+    first, second = load("smoke").grid()[:2]
+    assert (first.method, first.setting, first.seed, second.seed) == (second.method, second.setting, 0, 1)
+    for point in (first, second):
+        argv = [*point.fit_arguments(), *after]
+        parsed = grid_parser.parse(argv)
+        assert parsed == parse_command_line(argv, parser) and parsed.fit.seed == seed
+    assert grid_parser.full_parses == 2
+
+
 # --- the reference numbers --------------------------------------------------------------------------------
 
 
