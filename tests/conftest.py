@@ -1,8 +1,17 @@
 import os
 
+import processes
 import pytest
 
 os.environ.setdefault("WANDB_SILENT", "true")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def forked_processes_stopped():
+    """At the end of the session, the forkserver of tests/processes.py (if a test started it) is
+    stopped and waited for: its children's CPU time then counts in pytest's, and none outlives it."""
+    yield
+    processes.shut_down()
 
 
 @pytest.fixture(scope="session")

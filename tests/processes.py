@@ -242,13 +242,22 @@ def run(command: list[str], env: Optional[dict[str, str]] = None, timeout: Optio
 
 
 @atexit.register
-def _stop_the_forkserver() -> None:
-    """At pytest's exit: children a failed test left running are killed, then the forkserver is
-    stopped and waited for, so that its children's CPU time counts in pytest's own (RUSAGE_CHILDREN,
-    what `time` reports), as a subprocess's does. Registered after multiprocessing's exit handler,
-    it runs before it: that one would otherwise wait for the leftovers."""
+def shut_down() -> None:
+    """Kill the children still running (a failed test's) and stop the forkserver, waiting for it, so
+    that its children's CPU time counts in this process's (RUSAGE_CHILDREN, what `time` reports), as
+    a subprocess's does. The end of the test session calls it (tests/conftest.py); the exit handler
+    is the fallback, and runs before multiprocessing's own, which would wait for the leftovers.
+    The forkserver is killed rather than asked to exit: its children are reaped by then, and its
+    own interpreter shutdown, with everything it imported, could take longer than pytest-xdist
+    gives a worker to exit."""
+    global _server_environment
     for process in _started:
         process.kill()
     for process in _started:
         process.wait()
-    forkserver._forkserver._stop()
+    _started.clear()
+    server = forkserver._forkserver
+    if server._forkserver_pid is not None:
+        os.kill(server._forkserver_pid, signal.SIGKILL)
+        server._stop()  # reaps it, and forgets it: a later process starts a new one
+    _server_environment = None
