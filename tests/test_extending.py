@@ -178,6 +178,7 @@ def test_user_callback_stops_the_run_and_records_its_metric(tmp_path, on_path):
     assert recorded(tmp_path / "run")["callbacks"][0]["class_path"] == "my_callback.StopAtAccuracy"
 
 
+@pytest.mark.slow
 def test_user_callback_state_survives_a_resume(tmp_path, on_path):
     callbacks = tmp_path / "callbacks.yaml"
     callbacks.write_text("callbacks: [{class_path: my_callback.CountEvaluations}]\n")

@@ -45,6 +45,7 @@ def test_a_default_group_holds_the_seeds_of_one_experiment(tmp_path):
     assert first_config["algorithm"]["init_args"]["mu"] == 0.01  # the run's own settings are still there
 
 
+@pytest.mark.slow
 def test_a_logger_tag_of_a_key_replaces_fits_own(tmp_path):
     main(["fit", "--config", QUICKSTART, *ONE_SHORT_ROUND, "--logger.tags", "[method=fedavg-warm, baseline]",
           "--out_dir", str(tmp_path)])
