@@ -61,11 +61,17 @@ def global_gradient(z: torch.Tensor, mean_centre: torch.Tensor, weight_decay: fl
     return HESSIAN @ (z.double() - mean_centre) + weight_decay * z.double()
 
 
-def test_batches_looked_at_again_are_the_clients_own_and_leave_its_generator_alone():
+def augmented_ctpfl_client():
+    """A CTP-FL loop over the tiny network, client 2 of its round 7 (5 steps of 4 augmented images), and
+    the clients' partition."""
     module, images, labels, partition, _ = tiny_network_problem()
-    fabric, loop = federated_loop(module, images, labels, partition, CTPFL(), [], local_steps=5, batch_size=4,
-                                  augment=True, num_classes=3)
-    client = loop.trainer.client_run(2, 7, {})
+    _, loop = federated_loop(module, images, labels, partition, CTPFL(), [], local_steps=5, batch_size=4,
+                             augment=True, num_classes=3)
+    return loop, loop.trainer.client_run(2, 7, {}), partition
+
+
+def test_batches_looked_at_again_are_the_clients_own_and_leave_its_generator_alone():
+    loop, client, _ = augmented_ctpfl_client()
     trained = list(client.batches())
     state = client.execution.generator.get_state()
     replayed = list(client.batches())
@@ -79,10 +85,7 @@ def test_batches_looked_at_again_are_the_clients_own_and_leave_its_generator_alo
 
 
 def test_what_a_diagnostic_asks_a_client_leaves_its_round_as_it_was():
-    module, images, labels, partition, _ = tiny_network_problem()
-    fabric, loop = federated_loop(module, images, labels, partition, CTPFL(), [], local_steps=5, batch_size=4,
-                                  augment=True, num_classes=3)
-    client = loop.trainer.client_run(2, 7, {})
+    loop, client, partition = augmented_ctpfl_client()
     trained = list(client.batches())
     state, buffers = client.execution.generator.get_state(), client.buffers.clone()
     global_buffers = loop.global_model.buffers.clone()  # BatchNorm's running statistics
