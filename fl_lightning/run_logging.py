@@ -86,6 +86,18 @@ def run_tags(own: dict[str, str], extra: list[str]) -> list[str]:
     return sorted({*(f"{key}={value}" for key, value in own.items() if key not in replaced), *extra})
 
 
+def _init_timeout_s() -> float:
+    """A short init timeout lets the online -> offline fallback happen quickly; W&B's own
+    WANDB_INIT_TIMEOUT, when set, says how long this machine's network deserves."""
+    text = os.environ.get("WANDB_INIT_TIMEOUT")
+    if text is None:
+        return DEFAULT_INIT_TIMEOUT_S
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"WANDB_INIT_TIMEOUT: expected a number of seconds, got {text!r}") from None
+
+
 class WandbRun:
     """The rank-0 W&B run. Rows are logged with `step=round`, so a round logged twice (a replay
     after a resume) lands on the same step instead of adding a duplicate.
@@ -118,10 +130,7 @@ class WandbRun:
     def _init(self, mode: str, hyperparameters: dict):
         import wandb
 
-        # A short init timeout lets the online -> offline fallback happen quickly; W&B's own
-        # WANDB_INIT_TIMEOUT, when set, says how long this machine's network deserves.
-        timeout_s = float(os.environ.get("WANDB_INIT_TIMEOUT", DEFAULT_INIT_TIMEOUT_S))
-        settings = wandb.Settings(silent=True, **({"init_timeout": timeout_s} if mode == "online" else {}))
+        settings = wandb.Settings(silent=True, **({"init_timeout": _init_timeout_s()} if mode == "online" else {}))
         return wandb.init(
             project=self.args.project, name=self.identity.name, group=self.identity.group, tags=self.identity.tags,
             dir=str(self.out_dir), id=self.identity.run_id, resume="allow", mode=mode, settings=settings,
