@@ -12,12 +12,14 @@ Each child is set up as a fresh process of the same command line would be: its o
 process group (what `start_new_session=True` gives, and what lets a kill of its group spare the
 forkserver and pytest), the test's environment (plus what the imports set in it, as they would have
 in a fresh process), torch's thread count read from OMP_NUM_THREADS, stdout and stderr on the
-test's files or pipes, sys.argv; then `-m MODULE` runs as `python -m` would, `-c CODE` as
-`python -c`, and it exits as the interpreter would: non-daemon threads joined, atexit handlers run,
-output flushed, the exit status of SystemExit (1 and a traceback for an uncaught exception); a
-signal death reads as -N, as with subprocess.
+test's files or pipes, sys.argv, the working directory and PYTHONPATH first on sys.path; then
+`-m MODULE` runs as `python -m` would, `-c CODE` as `python -c`, and it exits as the interpreter
+would: non-daemon threads joined, atexit handlers run, output flushed, the exit status of SystemExit
+(1 and a traceback for an uncaught exception); a signal death reads as -N, as with subprocess.
 
-`Popen` and `run` have the parts of subprocess's interface the tests use. The children are
+`Popen` and `run` have the parts of subprocess's interface the tests use. `run_ranks` and
+`call_on_ranks` start the ranks of one node this way, as Fabric's own launcher starts the ranks after
+the first (then Fabric starts none itself), instead of a fresh interpreter for each. The children are
 children of the forkserver, not of pytest: their exit status comes through multiprocessing's
 sentinel, and nothing that needs the parent (waitpid, RUSAGE_CHILDREN) applies. The tests about
 the real start-up path (a signal while the interpreter imports, a bad input in a real process,
@@ -29,13 +31,16 @@ from __future__ import annotations
 import atexit
 import multiprocessing
 import os
+import pickle
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
 from multiprocessing import forkserver, reduction
-from typing import IO, Optional, Union
+from pathlib import Path
+from typing import IO, Any, Callable, Optional, Union
 
 # What a `fit` imports, up front or on its way: everything the forkserver imports, no child pays.
 PRELOADED_MODULES = [
@@ -114,6 +119,9 @@ def _child(command: list[str], environment: dict[str, str], cwd: str, stdout: in
     os.environ.clear()
     os.environ.update({**set_by_imports, **environment})
     os.chdir(cwd)
+    # What a fresh interpreter puts first on sys.path: the working directory for -m ('' for -c), then PYTHONPATH.
+    python_path = [entry for entry in environment.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    sys.path[:0] = [cwd if command[1] == "-m" else "", *python_path]
     import torch  # imported by the server, before OMP_NUM_THREADS was the child's
 
     torch.set_num_threads(int(environment["OMP_NUM_THREADS"]))
@@ -239,6 +247,73 @@ def run(command: list[str], env: Optional[dict[str, str]] = None, timeout: Optio
             captured.seek(0)
             outputs.append(captured.read().decode(errors="replace"))
     return subprocess.CompletedProcess(command, status, *outputs)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def rank_environments(environment: dict[str, str], ranks: int) -> list[dict[str, str]]:
+    """The environment of each rank of one node, with what Fabric's launcher gives the ranks it starts
+    (lightning.fabric.strategies.launchers.subprocess_script): with LOCAL_RANK set, Fabric takes
+    the ranks as started for it, as under torchrun."""
+    launch = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "NODE_RANK": "0",
+              "WORLD_SIZE": str(ranks)}
+    return [{**environment, **launch, "LOCAL_RANK": str(rank)} for rank in range(ranks)]
+
+
+def run_ranks(command: list[str], env: dict[str, str], ranks: int, timeout: float) -> list[subprocess.CompletedProcess]:
+    """`run(command)` on each of `ranks` ranks of one node at once (`command` asks Fabric for that
+    many devices); each rank's result, in rank order."""
+    with tempfile.TemporaryDirectory() as folder:
+        started = []
+        for rank, environment in enumerate(rank_environments(env, ranks)):
+            outputs = [open(Path(folder) / f"rank{rank}.{name}", "w+") for name in ("out", "err")]
+            started.append((Popen(command, env=environment, stdout=outputs[0], stderr=outputs[1]), outputs))
+        results = []
+        for process, outputs in started:
+            try:
+                status = process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                for other, _ in started:
+                    other.kill()
+                raise
+            texts = []
+            for output in outputs:
+                output.seek(0)
+                texts.append(output.read())
+                output.close()
+            results.append(subprocess.CompletedProcess(command, status, *texts))
+    return results
+
+
+# A rank of `call_on_ranks`: argv is the pickled call and the file for rank 0's return value.
+_CALL = """
+import os, pickle, sys, torch
+function, kwargs = pickle.loads(open(sys.argv[1], "rb").read())
+result = function(**kwargs)
+if os.environ["LOCAL_RANK"] == "0":
+    torch.save(result, sys.argv[2])
+"""
+
+
+def call_on_ranks(ranks: int, function: Callable[..., Any], timeout: float = 300, **kwargs) -> Any:
+    """`function(**kwargs)` on `ranks` ranks of one node (its FabricArgs ask for that many devices,
+    strategy ddp), each a forked process; rank 0's return value. The call travels pickled, so the
+    ranks share no tensor memory with each other or with the caller."""
+    import torch
+
+    with tempfile.TemporaryDirectory() as folder:
+        call, returned = Path(folder) / "call.pkl", Path(folder) / "returned.pt"
+        call.write_bytes(pickle.dumps((function, kwargs)))
+        environment = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        results = run_ranks([sys.executable, "-c", _CALL, str(call), str(returned)], environment, ranks, timeout)
+        failed = [f"rank {rank} exited {result.returncode}:\n{result.stderr}" for rank, result in enumerate(results)
+                  if result.returncode != 0]
+        assert not failed, "\n".join(failed)
+        return torch.load(returned, weights_only=False)
 
 
 @atexit.register

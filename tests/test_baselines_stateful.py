@@ -1,6 +1,7 @@
 """SCAFFOLD, FedDyn and MOON against direct reference computations (several rounds, partial
 participation), and their per-client state across ranks and resumes."""
 
+import processes
 import pytest
 import torch
 import torch.nn.functional as F
@@ -362,8 +363,8 @@ def test_two_ranks_give_the_same_model_as_one(cifar_root, tmp_path, name):
     setup = stateful_setup(name, cifar_root, tmp_path / "one", rounds=3)
     assert returning(setup)
     single = fit(algorithm=make(), **setup)
-    setup.update(out_dir=tmp_path / "two", fabric=FabricArgs(accelerator="cpu", devices=2, strategy="ddp_spawn"))
-    double = fit(algorithm=make(), **setup)
+    setup.update(out_dir=tmp_path / "two", fabric=FabricArgs(accelerator="cpu", devices=2, process_group_timeout_s=120))
+    double = processes.call_on_ranks(2, fit, algorithm=make(), **setup)
     torch.testing.assert_close(double, single, rtol=1e-5, atol=1e-6)
 
 

@@ -102,13 +102,12 @@ def test_hooks_fire_in_order_on_every_rank(tmp_path):
                                      "init_args": {"folder": str(tmp_path)}})
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(TESTS), *sys.path])}
     environment = {k: v for k, v in environment.items() if not k.startswith("SLURM_")}
-    # Rank 0 forked (tests/processes.py); Fabric starts rank 1 as a fresh interpreter.
-    completed = processes.run(
+    completed = processes.run_ranks(
         [sys.executable, "-m", "fl_lightning", "fit", *TINY, "--federation.rounds", "3", "--config", config,
          "--fabric.devices", "2", "--fabric.process_group_timeout_s", "120", "--out_dir", str(tmp_path / "run")],
-        env=environment, timeout=300,
+        env=environment, ranks=2, timeout=300,
     )
-    assert completed.returncode == 0, completed.stderr
+    assert [rank.returncode for rank in completed] == [0, 0], [rank.stderr for rank in completed]
     weights: dict[int, float] = {}
     for rank in (0, 1):
         hooks, clients = recorded_hooks(tmp_path, rank)

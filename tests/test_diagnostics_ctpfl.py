@@ -244,11 +244,11 @@ def test_on_two_ranks_the_diagnostics_agree_with_one_and_leave_training_alone(tm
     environment = {k: v for k, v in environment.items() if not k.startswith("SLURM_")}
 
     def two_ranks(out_dir: Path, *extra: str) -> None:
-        # Rank 0 forked (tests/processes.py); Fabric starts rank 1 as a fresh interpreter.
-        completed = processes.run(
+        completed = processes.run_ranks(
             [sys.executable, "-m", "fl_lightning", "fit", *CTPFL_RUN, *extra, "--fabric.devices", "2",
-             "--fabric.process_group_timeout_s", "120", "--out_dir", str(out_dir)], env=environment, timeout=600)
-        assert completed.returncode == 0, completed.stderr
+             "--fabric.process_group_timeout_s", "120", "--out_dir", str(out_dir)], env=environment, ranks=2,
+            timeout=600)
+        assert [rank.returncode for rank in completed] == [0, 0], [rank.stderr for rank in completed]
 
     two_ranks(tmp_path / "two", "--config", config)
     two_ranks(tmp_path / "two_plain")

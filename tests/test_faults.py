@@ -11,7 +11,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -177,17 +176,11 @@ def test_non_finite_round_fails_naming_round_and_clients_and_saves_nothing(setti
     assert "Traceback" not in completed.stderr
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def launch_ranks_as_srun(out_dir: Path, bin_dir: Path, logs: Path) -> list[processes.Popen]:
     """Two ranks on one simulated node, each started with the variables srun gives its tasks;
     `bin_dir` (the stand-in scontrol) comes first on PATH."""
     logs.mkdir(parents=True, exist_ok=True)
-    port = str(free_port())
+    port = str(processes.free_port())
     ranks = []
     for rank in range(2):
         environment = process_environment(

@@ -2,6 +2,7 @@
 
 import json
 
+import processes
 import pytest
 import torch
 from reference import small_setup
@@ -35,9 +36,9 @@ def test_weights_follow_sample_counts_or_are_uniform():
 def test_two_ranks_give_the_same_model_as_one(cifar_root, tmp_path, algorithm):
     setup = small_setup(cifar_root, tmp_path / "one", rounds=2)
     single = fit(algorithm=algorithm, client_optimizer=ClientOptimizerArgs(lr=0.05), **setup)
-    setup.update(out_dir=tmp_path / "two", fabric=FabricArgs(accelerator="cpu", devices=2, strategy="ddp_spawn",
-                                                                      process_group_timeout_s=120))
-    double = fit(algorithm=algorithm, client_optimizer=ClientOptimizerArgs(lr=0.05), **setup)
+    setup.update(out_dir=tmp_path / "two", fabric=FabricArgs(accelerator="cpu", devices=2, process_group_timeout_s=120))
+    double = processes.call_on_ranks(2, fit, algorithm=algorithm, client_optimizer=ClientOptimizerArgs(lr=0.05),
+                                     **setup)
     torch.testing.assert_close(double, single, rtol=1e-5, atol=1e-6)
 
 

@@ -8,13 +8,13 @@ to the model of an uninterrupted one-node run.
 """
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+import processes
 import pytest
 import torch
-from test_faults import free_port, wait_all
+from test_faults import wait_all
 
 from fl_lightning.checkpoint import checkpoint_dir
 from fl_lightning.cli.main import main
@@ -62,10 +62,11 @@ def outside_any_launch(monkeypatch):
             monkeypatch.delenv(name)
 
 
-def start_nodes(out_dir: Path, logs: Path, *extra: str) -> list[subprocess.Popen]:
+def start_nodes(out_dir: Path, logs: Path, *extra: str) -> list[processes.Popen]:
+    """Each node's process forked (tests/processes.py)."""
     logs.mkdir(parents=True)
-    port = str(free_port())
-    processes = []
+    port = str(processes.free_port())
+    nodes = []
     for node_rank in range(2):
         environment = {**os.environ, "OMP_NUM_THREADS": "1", "NODE_RANK": str(node_rank),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
@@ -73,8 +74,8 @@ def start_nodes(out_dir: Path, logs: Path, *extra: str) -> list[subprocess.Popen
                    "--fabric.accelerator", "cpu", "--fabric.num_nodes", "2", "--fabric.devices", "1",
                    "--fabric.process_group_timeout_s", "60", "--out_dir", str(out_dir)]
         with open(logs / f"node{node_rank}.out", "w") as stdout, open(logs / f"node{node_rank}.err", "w") as stderr:
-            processes.append(subprocess.Popen(command, env=environment, stdout=stdout, stderr=stderr))
-    return processes
+            nodes.append(processes.Popen(command, env=environment, stdout=stdout, stderr=stderr))
+    return nodes
 
 
 def node_logs(logs: Path) -> str:

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import processes
 import pytest
 import torch
 import torch.nn.functional as F
@@ -206,8 +207,8 @@ def test_per_client_accuracies_are_a_direct_evaluation_of_the_model_on_each_clie
 def test_per_client_accuracies_on_two_ranks_are_a_direct_evaluation(cifar_root, tmp_path):
     """Each rank evaluates its share of the clients (3 and 2 of 5); one all-reduce puts them together."""
     setup = setup_with(cifar_root, tmp_path, validation=0.25, per_client_eval=True)
-    setup["fabric"] = FabricArgs(accelerator="cpu", devices=2, strategy="ddp_spawn", process_group_timeout_s=120)
-    final = fit(algorithm=FedAvg(), **setup)
+    setup["fabric"] = FabricArgs(accelerator="cpu", devices=2, process_group_timeout_s=120)
+    final = processes.call_on_ranks(2, fit, algorithm=FedAvg(), **setup)
     check_against_direct_evaluation(cifar_root, tmp_path, final)
 
 
