@@ -5,11 +5,11 @@ sbatch); how runs share the machine."""
 
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+import processes
 import pytest
 import yaml
 from commands import run_sweep
@@ -85,7 +85,13 @@ def files_of(folder: Path) -> dict[str, tuple[int, bytes]]:
             for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-def wait_until(condition, process: subprocess.Popen, what: str) -> None:
+def sweep_environment() -> dict[str, str]:
+    """A sweep started as a process of its own (forked, tests/processes.py), as from a shell: its runs
+    get their threads from the sweep."""
+    return {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+
+
+def wait_until(condition, process: processes.Popen, what: str) -> None:
     deadline = time.monotonic() + TIMEOUT_S
     while not condition():
         assert process.poll() is None, f"the sweep exited {process.returncode} before {what}"
@@ -108,8 +114,8 @@ def test_interrupted_sweep_resumes_without_retraining_finished_runs(tmp_path, ca
     (held.out_dir / "hold").touch()
     output, errors = tmp_path / "sweep.out", tmp_path / "sweep.err"
     with open(output, "w") as stdout, open(errors, "w") as stderr:
-        process = subprocess.Popen([sys.executable, "-m", "fl_lightning", "sweep", "--plan", str(plan), "--jobs", "2",
-                                    "--runs_root", str(runs)], stdout=stdout, stderr=stderr, start_new_session=True)
+        process = processes.Popen([sys.executable, "-m", "fl_lightning", "sweep", "--plan", str(plan), "--jobs", "2",
+                                   "--runs_root", str(runs)], env=sweep_environment(), stdout=stdout, stderr=stderr)
     try:
         wait_until(lambda: "[2] finished at round 3" in output.read_text()
                    and (checkpoint_dir(held.out_dir) / "round_000001.ckpt").exists(), process,
@@ -156,16 +162,16 @@ def test_interrupted_sweep_resumes_without_retraining_finished_runs(tmp_path, ca
     assert status == 0 and "[3] skipped, finished" in out and out.splitlines()[-1] == "0 finished, 0 failed, 1 skipped"
 
 
-def start_sweep(tmp_path: Path, name: str, *arguments: str) -> tuple[subprocess.Popen, Path, Path]:
+def start_sweep(tmp_path: Path, name: str, *arguments: str) -> tuple[processes.Popen, Path, Path]:
     """`fl-lightning sweep ...` as a process of its own: (the process, its stdout file, its stderr file)."""
     output, errors = tmp_path / f"{name}.out", tmp_path / f"{name}.err"
     with open(output, "w") as stdout, open(errors, "w") as stderr:
-        process = subprocess.Popen([sys.executable, "-m", "fl_lightning", "sweep", *arguments], stdout=stdout,
-                                   stderr=stderr, start_new_session=True)
+        process = processes.Popen([sys.executable, "-m", "fl_lightning", "sweep", *arguments],
+                                  env=sweep_environment(), stdout=stdout, stderr=stderr)
     return process, output, errors
 
 
-def finish(process: subprocess.Popen) -> int:
+def finish(process: processes.Popen) -> int:
     try:
         return process.wait(timeout=TIMEOUT_S)
     finally:
