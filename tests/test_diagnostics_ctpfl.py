@@ -146,7 +146,8 @@ def test_the_direction_is_unbiased_for_the_path_averaged_gradient_under_full_par
     x = torch.tensor([0.3, -0.2, 0.5, 0.1, -0.4])
     v = torch.tensor([1.0, -0.5, 0.25, 0.8, -1.2])
     directions, gradients = [], []
-    for round_index in range(400):
+    # 100 rounds: the bias of the directions against grad F(x^r) is then over 200 standard errors.
+    for round_index in range(100):
         loop.global_model.params.copy_(x)
         loop.algorithm.server_state["direction"] = v.clone()
         fabric.call("on_round_start", fabric, loop, round_index)
