@@ -16,13 +16,11 @@ $(STAMP): pyproject.toml
 quickstart: $(STAMP)
 	$(VENV)/bin/fl-lightning fit --config configs/quickstart.yaml
 
-# Two workers, each taking whole files (a module's fixtures are computed once); the tests that start
-# several processes afterwards, one at a time, so that no two of them share the two cores.
+# Two workers, each taking whole files (a module's fixtures are computed once).
 PYTEST_PARALLEL := -n 2 --dist loadfile
 
 test: $(STAMP)
-	$(PYTHON) -m pytest -q $(PYTEST_PARALLEL) -m "not multiprocess"
-	$(PYTHON) -m pytest -q -m multiprocess
+	$(PYTHON) -m pytest -q $(PYTEST_PARALLEL)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check fl_lightning tests benchmarks
