@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from multiprocessing import forkserver, reduction
 from pathlib import Path
 from typing import IO, Any, Callable, Optional, Union
@@ -266,26 +267,34 @@ def rank_environments(environment: dict[str, str], ranks: int) -> list[dict[str,
 
 def run_ranks(command: list[str], env: dict[str, str], ranks: int, timeout: float) -> list[subprocess.CompletedProcess]:
     """`run(command)` on each of `ranks` ranks of one node at once (`command` asks Fabric for that
-    many devices); each rank's result, in rank order."""
+    many devices); each rank's result, in rank order. Ranks still running after `timeout` seconds
+    are killed, and the error holds every rank's output."""
     with tempfile.TemporaryDirectory() as folder:
         started = []
         for rank, environment in enumerate(rank_environments(env, ranks)):
             outputs = [open(Path(folder) / f"rank{rank}.{name}", "w+") for name in ("out", "err")]
             started.append((Popen(command, env=environment, stdout=outputs[0], stderr=outputs[1]), outputs))
+        deadline = time.monotonic() + timeout
+        timed_out = False
+        for process, _ in started:
+            try:
+                process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                process.kill()
+                process.wait()
         results = []
         for process, outputs in started:
-            try:
-                status = process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                for other, _ in started:
-                    other.kill()
-                raise
             texts = []
             for output in outputs:
                 output.seek(0)
                 texts.append(output.read())
                 output.close()
-            results.append(subprocess.CompletedProcess(command, status, *texts))
+            results.append(subprocess.CompletedProcess(command, process.returncode, *texts))
+    if timed_out:
+        logs = "\n".join(f"--- rank {rank} (exit {result.returncode}):\n{result.stdout}{result.stderr}"
+                         for rank, result in enumerate(results))
+        raise AssertionError(f"ranks still running after {timeout} s were killed:\n{logs}")
     return results
 
 
@@ -300,8 +309,8 @@ if os.environ["LOCAL_RANK"] == "0":
 
 
 def call_on_ranks(ranks: int, function: Callable[..., Any], timeout: float = 300, **kwargs) -> Any:
-    """`function(**kwargs)` on `ranks` ranks of one node (its FabricArgs ask for that many devices,
-    strategy ddp), each a forked process; rank 0's return value. The call travels pickled, so the
+    """`function(**kwargs)` on `ranks` ranks of one node (its FabricArgs ask for that many devices),
+    each a forked process; rank 0's return value. The call travels pickled, so the
     ranks share no tensor memory with each other or with the caller."""
     import torch
 
