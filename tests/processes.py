@@ -298,20 +298,29 @@ def run_ranks(command: list[str], env: dict[str, str], ranks: int, timeout: floa
     return results
 
 
-# A rank of `call_on_ranks`: argv is the pickled call and the file for rank 0's return value.
+# A rank of `call_on_ranks`: argv is the pickled call and the file for rank 0's return value, saved
+# with the size of every process group the call formed.
 _CALL = """
 import os, pickle, sys, torch
 function, kwargs = pickle.loads(open(sys.argv[1], "rb").read())
+formed, init_process_group = [], torch.distributed.init_process_group
+
+def recorded(*args, **kwargs):
+    init_process_group(*args, **kwargs)
+    formed.append(torch.distributed.get_world_size())
+
+torch.distributed.init_process_group = recorded
 result = function(**kwargs)
 if os.environ["LOCAL_RANK"] == "0":
-    torch.save(result, sys.argv[2])
+    torch.save((result, formed), sys.argv[2])
 """
 
 
 def call_on_ranks(ranks: int, function: Callable[..., Any], timeout: float = 300, **kwargs) -> Any:
     """`function(**kwargs)` on `ranks` ranks of one node (its FabricArgs ask for that many devices),
-    each a forked process; rank 0's return value. The call travels pickled, so the
-    ranks share no tensor memory with each other or with the caller."""
+    each a forked process; rank 0's return value, once the call has formed one process group of
+    `ranks` (not a run of its own on each). The call travels pickled, so the ranks share no tensor
+    memory with each other or with the caller."""
     import torch
 
     with tempfile.TemporaryDirectory() as folder:
@@ -322,7 +331,9 @@ def call_on_ranks(ranks: int, function: Callable[..., Any], timeout: float = 300
         failed = [f"rank {rank} exited {result.returncode}:\n{result.stderr}" for rank, result in enumerate(results)
                   if result.returncode != 0]
         assert not failed, "\n".join(failed)
-        return torch.load(returned, weights_only=False)
+        result, formed = torch.load(returned, weights_only=False)
+    assert formed == [ranks], f"the call formed process groups of sizes {formed}, not one of {ranks}"
+    return result
 
 
 @atexit.register
