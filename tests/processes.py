@@ -243,11 +243,13 @@ def run(command: list[str], env: Optional[dict[str, str]] = None, timeout: Optio
             process.kill()
             process.wait()
             raise
-        outputs = []
-        for captured in (stdout, stderr):
-            captured.seek(0)
-            outputs.append(captured.read().decode(errors="replace"))
-    return subprocess.CompletedProcess(command, status, *outputs)
+        return subprocess.CompletedProcess(command, status, _captured(stdout), _captured(stderr))
+
+
+def _captured(output: IO[bytes]) -> str:
+    """What a child wrote to `output` (a temporary file), as text: bytes that are no text do not fail."""
+    output.seek(0)
+    return output.read().decode(errors="replace")
 
 
 def free_port() -> int:
@@ -269,28 +271,24 @@ def run_ranks(command: list[str], env: dict[str, str], ranks: int, timeout: floa
     """`run(command)` on each of `ranks` ranks of one node at once (`command` asks Fabric for that
     many devices); each rank's result, in rank order. Ranks still running after `timeout` seconds
     are killed, and the error holds every rank's output."""
-    with tempfile.TemporaryDirectory() as folder:
-        started = []
-        for rank, environment in enumerate(rank_environments(env, ranks)):
-            outputs = [open(Path(folder) / f"rank{rank}.{name}", "w+") for name in ("out", "err")]
-            started.append((Popen(command, env=environment, stdout=outputs[0], stderr=outputs[1]), outputs))
-        deadline = time.monotonic() + timeout
-        timed_out = False
-        for process, _ in started:
-            try:
-                process.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                process.kill()
-                process.wait()
-        results = []
-        for process, outputs in started:
-            texts = []
-            for output in outputs:
-                output.seek(0)
-                texts.append(output.read())
-                output.close()
-            results.append(subprocess.CompletedProcess(command, process.returncode, *texts))
+    started = []
+    for environment in rank_environments(env, ranks):
+        outputs = (tempfile.TemporaryFile(), tempfile.TemporaryFile())
+        started.append((Popen(command, env=environment, stdout=outputs[0], stderr=outputs[1]), outputs))
+    deadline = time.monotonic() + timeout
+    timed_out = False
+    for process, _ in started:
+        try:
+            process.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            process.kill()
+            process.wait()
+    results = []
+    for process, outputs in started:
+        with outputs[0] as stdout, outputs[1] as stderr:
+            results.append(subprocess.CompletedProcess(command, process.returncode, _captured(stdout),
+                                                       _captured(stderr)))
     if timed_out:
         logs = "\n".join(f"--- rank {rank} (exit {result.returncode}):\n{result.stdout}{result.stderr}"
                          for rank, result in enumerate(results))
