@@ -93,7 +93,6 @@ def test_online_init_waits_wandbs_own_init_timeout_when_set(environment, expecte
     assert settings[1].init_timeout == wandb.Settings().init_timeout  # offline: W&B's own default
 
 
-
 def test_a_wandb_init_timeout_that_is_no_number_is_named(tmp_path, monkeypatch):
     from fl_lightning.config import LoggerArgs
     from fl_lightning.run_logging import WandbIdentity, WandbRun
@@ -102,6 +101,7 @@ def test_a_wandb_init_timeout_that_is_no_number_is_named(tmp_path, monkeypatch):
     run = WandbRun(LoggerArgs(wandb_mode="online"), tmp_path, WandbIdentity("id", "name", "group", []))
     with pytest.raises(ValueError, match="WANDB_INIT_TIMEOUT: expected a number of seconds, got 'soon'"):
         run._init("online", {})
+
 
 class BrokenWandbRun:
     """A W&B run whose service died (as when Slurm kills it with the ranks)."""
