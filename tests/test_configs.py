@@ -6,7 +6,6 @@ A run is `fit --config <setting> --config algorithms/<name>.yaml [--config tuned
 [--config const.yaml]`; COMPOSITIONS lists the shipped ones (README.md gives the same commands).
 """
 
-import functools
 import inspect
 import json
 import math
@@ -22,6 +21,7 @@ from fl_lightning.cli.main import main
 from fl_lightning.cli.parser import build_parser, parse_command_line
 from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.plan import load_plan
+from fl_lightning.experiments.resolve import fit_parser
 
 CONFIGS = Path(__file__).parent.parent / "configs"
 
@@ -75,15 +75,9 @@ def config_args(files: list[Path]) -> list[str]:
     return [arg for path in files for arg in ("--config", str(path))]
 
 
-@functools.cache
-def fit_parser():
-    """One parser for every parse of this module, as a sweep parses all its grid points with one (built
-    once: building it takes longer than a parse)."""
-    return build_parser()
-
-
 def parse(*argv: str):
-    """The parsed (not instantiated) settings of `fit`: jsonargparse's own record of them."""
+    """The parsed (not instantiated) settings of `fit`: jsonargparse's own record of them, by fit's
+    parser built once in this process, the one a sweep parses its grid points with."""
     return parse_command_line(["fit", *argv], fit_parser()).fit
 
 
