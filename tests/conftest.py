@@ -14,6 +14,16 @@ def forked_processes_stopped():
     processes.shut_down()
 
 
+@pytest.fixture
+def forked_runs(monkeypatch):
+    """A sweep in the test's own process starts its runs as forks (tests/processes.py) of the
+    command line it builds, instead of fresh interpreters at 10 s of imports each. The sweeps that
+    tests start as processes of their own keep starting fresh interpreters, as they do for users."""
+    from fl_lightning.experiments import local
+
+    monkeypatch.setattr(local, "start_run_process", processes.start_run_process)
+
+
 @pytest.fixture(scope="session")
 def cifar_root(tmp_path_factory):
     """A small CIFAR-10 folder in the real python-pickle layout."""

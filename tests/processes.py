@@ -165,7 +165,7 @@ Destination = Union[None, int, IO]
 class Popen:
     """A forked `python -m MODULE ...` or `python -c CODE ...` (command[0], the interpreter, is
     this one), with subprocess.Popen's pid, poll, wait, send_signal, kill, returncode, and stdout
-    and stderr as text streams when given subprocess.PIPE."""
+    and stderr as text streams when given subprocess.PIPE (stderr=subprocess.STDOUT: where stdout goes)."""
 
     def __init__(self, command: list[str], env: Optional[dict[str, str]] = None, stdout: Destination = None,
                  stderr: Destination = None, cwd: Optional[Union[str, os.PathLike]] = None):
@@ -179,7 +179,9 @@ class Popen:
         self.stderr: Optional[IO[str]] = None
         child_ends, own_copies = [], []
         for name, destination, inherited in (("stdout", stdout, 1), ("stderr", stderr, 2)):
-            if destination == subprocess.PIPE:
+            if destination == subprocess.STDOUT:
+                child_ends.append(child_ends[0])
+            elif destination == subprocess.PIPE:
                 read_end, write_end = os.pipe()
                 setattr(self, name, open(read_end, "r"))
                 child_ends.append(write_end)
@@ -230,6 +232,12 @@ class Popen:
                 os.killpg(self.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):  # not yet its own group leader
                 self.send_signal(signal.SIGKILL)
+
+
+def start_run_process(command: list[str], environment: dict[str, str], log: Optional[IO[bytes]]) -> Popen:
+    """What `fl_lightning.experiments.local.start_run_process` starts, forked: the `conftest.forked_runs`
+    fixture has a sweep in the test's own process start its runs this way."""
+    return Popen(command, env=environment, stdout=log, stderr=None if log is None else subprocess.STDOUT)
 
 
 def run(command: list[str], env: Optional[dict[str, str]] = None, timeout: Optional[float] = None,

@@ -31,14 +31,16 @@ def sweep(capsys, *arguments: str) -> str:
 
 
 @pytest.mark.slow
-def test_the_estimate_of_the_smoke_plan_matches_a_real_run_of_its_point(tmp_path, capsys, monkeypatch):
+def test_the_estimate_of_the_smoke_plan_matches_a_real_run_of_its_point(tmp_path, capsys, monkeypatch,
+                                                                       forked_runs):
     monkeypatch.chdir(REPOSITORY)  # the plan names its fragments from the repository root
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     runs = tmp_path / "runs"
     # One thread a run: timings that other work on the machine disturbs least (no threads waiting on
     # each other for a core).
     options = ["--runs_root", str(runs), "--threads_per_run", "1", *LONGER_ROUNDS]
-    # The first point for real, as the sweep runs it, then at once the estimate, which times it first.
+    # The first point for real, as the sweep runs it (forked here), then at once the estimate, which
+    # times it first, each point in a fresh interpreter of its own (its peak memory is that process's).
     sweep(capsys, "--index", "0", *options)
     point = load_plan(REPOSITORY / SMOKE, runs_root=runs, overrides=LONGER_ROUNDS[1:]).grid()[0]
     measured = [row["round_seconds"] for row in read_metrics(point.out_dir)][1:]

@@ -100,16 +100,16 @@ def wait_until(condition, process: processes.Popen, what: str) -> None:
 
 
 @pytest.mark.slow
-def test_interrupted_sweep_resumes_without_retraining_finished_runs(tmp_path, capsys, gate):
+def test_interrupted_sweep_resumes_without_retraining_finished_runs(tmp_path, capsys, gate, forked_runs):
     plan = write_plan(tmp_path / "plan.yaml", {"FedAvg": [{"algorithm": "fedavg"}],
-                                               "FedProx": [{"algorithm": "fedprox"}]}, extra=[HOLD])
+                                               "FedProx": [{"algorithm": "fedprox"}]}, seeds=[0], extra=[HOLD])
     runs = tmp_path / "runs"
     points = load_plan(plan, runs_root=runs).grid()
-    assert [(p.method, p.seed) for p in points] == [("FedAvg", 0), ("FedAvg", 1), ("FedProx", 0), ("FedProx", 1)]
-    finished, held = points[:3], points[3]
+    assert [(p.method, p.seed) for p in points] == [("FedAvg", 0), ("FedProx", 0)]
+    finished, held = points[0], points[1]
 
-    # Two at a time: FedAvg's seeds, then FedProx's; FedProx seed 1 is held after round 1 until the
-    # sweep gets Ctrl-C, which it passes on as SIGTERM.
+    # Two at a time: FedProx is held after round 1 until the sweep gets Ctrl-C, which it passes on as
+    # SIGTERM. The sweep is a process of its own, its runs fresh interpreters, as from a shell.
     held.out_dir.mkdir(parents=True)
     (held.out_dir / "hold").touch()
     output, errors = tmp_path / "sweep.out", tmp_path / "sweep.err"
@@ -117,9 +117,9 @@ def test_interrupted_sweep_resumes_without_retraining_finished_runs(tmp_path, ca
         process = processes.Popen([sys.executable, "-m", "fl_lightning", "sweep", "--plan", str(plan), "--jobs", "2",
                                    "--runs_root", str(runs)], env=sweep_environment(), stdout=stdout, stderr=stderr)
     try:
-        wait_until(lambda: "[2] finished at round 3" in output.read_text()
+        wait_until(lambda: "[0] finished at round 3" in output.read_text()
                    and (checkpoint_dir(held.out_dir) / "round_000001.ckpt").exists(), process,
-                   "FedProx seed 0 finished and seed 1 checkpointed round 1")
+                   "FedAvg finished and FedProx checkpointed round 1")
         process.send_signal(signal.SIGINT)
         process.wait(timeout=TIMEOUT_S)
     finally:
@@ -128,8 +128,8 @@ def test_interrupted_sweep_resumes_without_retraining_finished_runs(tmp_path, ca
     out, err = output.read_text(), errors.read_text()
     assert process.returncode == 130, err
     assert "SIGINT: asking 1 run(s) to checkpoint and stop at the end of their round" in err
-    assert "[3] stopped at round 2" in out
-    assert out.splitlines()[-1] == "3 finished, 0 failed, 0 skipped, 1 stopped, 0 not started"
+    assert "[1] stopped at round 2" in out
+    assert out.splitlines()[-1] == "1 finished, 0 failed, 0 skipped, 1 stopped, 0 not started"
     assert "interrupted by SIGINT: run the same command again to continue" in err
 
     # --list reads each run folder's state, training nothing.
@@ -137,29 +137,29 @@ def test_interrupted_sweep_resumes_without_retraining_finished_runs(tmp_path, ca
     assert status == 0
     rows = out.splitlines()
     assert rows[0].split() == ["index", "method", "setting", "seed", "state", "run", "folder"]
-    for point, row in zip(points, rows[1:5]):
+    for point, row in zip(points, rows[1:3]):
         assert row.split()[:4] == [str(point.index), point.method, "alpha-0.5", str(point.seed)]
         assert row.endswith(str(point.out_dir))
-    assert [row.split()[4] for row in rows[1:4]] == ["finished"] * 3
-    assert " partial at round 2/3 " in rows[4]
-    assert rows[5] == "4 runs: 3 finished, 1 partial, 0 without a checkpoint"
-    before = {p.index: files_of(p.out_dir) for p in finished}
+    assert rows[1].split()[4] == "finished"
+    assert " partial at round 2/3 " in rows[2]
+    assert rows[3] == "2 runs: 1 finished, 1 partial, 0 without a checkpoint"
+    before = files_of(finished.out_dir)
 
-    # The same command again: the finished runs are skipped (no process, no file touched), the
-    # stopped one continues from its checkpoint.
+    # The same command again (in this process, its run forked): the finished run is skipped (no
+    # process, no file touched), the stopped one continues from its checkpoint.
     (held.out_dir / "hold").unlink()
     status, out, err = run_sweep(capsys, "--plan", str(plan), "--jobs", "2", "--runs_root", str(runs))
     assert status == 0, err
-    assert all(f"[{p.index}] skipped, finished (round 3)" in out for p in finished)
-    assert out.splitlines()[-1] == "1 finished, 0 failed, 3 skipped"
-    assert {p.index: files_of(p.out_dir) for p in finished} == before
+    assert f"[{finished.index}] skipped, finished (round 3)" in out
+    assert out.splitlines()[-1] == "1 finished, 0 failed, 1 skipped"
+    assert files_of(finished.out_dir) == before
     assert [row["round"] for row in read_metrics(held.out_dir)] == [1, 2, 3]
     log = (held.out_dir / LOG_FILE).read_text()
     assert log.count("=== ") == 2 and "resuming from" in log and "--fabric.devices 1" in log
 
     # One point in the foreground: finished, so nothing runs.
-    status, out, _ = run_sweep(capsys, "--plan", str(plan), "--runs_root", str(runs), "--index", "3")
-    assert status == 0 and "[3] skipped, finished" in out and out.splitlines()[-1] == "0 finished, 0 failed, 1 skipped"
+    status, out, _ = run_sweep(capsys, "--plan", str(plan), "--runs_root", str(runs), "--index", "1")
+    assert status == 0 and "[1] skipped, finished" in out and out.splitlines()[-1] == "0 finished, 0 failed, 1 skipped"
 
 
 def start_sweep(tmp_path: Path, name: str, *arguments: str) -> tuple[processes.Popen, Path, Path]:
@@ -181,7 +181,7 @@ def finish(process: processes.Popen) -> int:
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_two_sweeps_of_one_plan_split_the_grid(tmp_path, capsys, gate):
+def test_two_sweeps_of_one_plan_split_the_grid(tmp_path, capsys, gate, forked_runs):
     plan = write_plan(tmp_path / "plan.yaml", {"FedAvg": [{"algorithm": "fedavg"}]}, extra=[HOLD])
     runs = tmp_path / "runs"
     held, other = load_plan(plan, runs_root=runs).grid()
@@ -192,7 +192,8 @@ def test_two_sweeps_of_one_plan_split_the_grid(tmp_path, capsys, gate):
     try:
         wait_until(lambda: (checkpoint_dir(held.out_dir) / "round_000001.ckpt").exists(), first,
                    "the first sweep's run of seed 0 checkpointed round 1")
-        # While the first sweep's run of seed 0 is held, a second sweep (in this process) takes seed 1.
+        # While the first sweep's run of seed 0 is held, a second sweep (in this process, its run
+        # forked) takes seed 1.
         status, out, err = run_sweep(capsys, *options)
         assert status == 0, err
         assert f"[0] skipped, running elsewhere (held by pid {first.pid} on " in out
@@ -237,7 +238,7 @@ def test_sighup_stops_the_runs_at_a_round_boundary_and_leaves_none_training(tmp_
 
 
 @pytest.mark.slow
-def test_a_failing_method_is_reported_and_the_others_finish(tmp_path, capsys, monkeypatch):
+def test_a_failing_method_is_reported_and_the_others_finish(tmp_path, capsys, monkeypatch, forked_runs):
     monkeypatch.chdir(tmp_path)
     # A batch larger than every client: fit refuses it once the data is split (exit status 2), which
     # no check of the settings alone can tell beforehand.
@@ -314,7 +315,7 @@ def test_a_plan_with_a_refused_point_is_refused_whole_before_anything_runs(where
 
 @pytest.mark.slow
 def test_run_folders_of_another_experiment_are_refused_before_anything_runs_and_left_out_of_the_table(
-        tmp_path, capsys, monkeypatch):
+        tmp_path, capsys, monkeypatch, forked_runs):
     monkeypatch.chdir(tmp_path)
     plan = write_plan(tmp_path / "plan.yaml", {"FedAvg": [{"algorithm": "fedavg"}]})
     runs = tmp_path / "runs"

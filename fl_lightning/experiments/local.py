@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import IO, TYPE_CHECKING, Optional
 
 from fl_lightning.cluster import available_cores
 from fl_lightning.errors import ConfigError
@@ -112,6 +112,14 @@ def run_environment(resources: Resources, slot: int) -> dict[str, str]:
     if resources.gpu_slots is not None:
         environment["CUDA_VISIBLE_DEVICES"] = ",".join(resources.gpu_slots[slot])
     return environment
+
+
+def start_run_process(command: list[str], environment: dict[str, str], log: Optional[IO[bytes]]) -> subprocess.Popen:
+    """A run's process, its output to `log` (None: the sweep's terminal). In a session of its own:
+    Ctrl-C in the terminal reaches the sweep only, which asks each run to stop at a round boundary
+    instead of letting it die mid-round."""
+    output = {} if log is None else {"stdout": log, "stderr": subprocess.STDOUT}
+    return subprocess.Popen(command, env=environment, stdin=subprocess.DEVNULL, start_new_session=True, **output)
 
 
 @dataclass
@@ -258,11 +266,7 @@ class _Loop:
         with open(log, "ab") as handle:
             handle.write(header.encode())
             offset = handle.tell()
-            output = {} if self.on_terminal else {"stdout": handle, "stderr": subprocess.STDOUT}
-            # A session of its own: Ctrl-C in the terminal reaches the sweep only, which asks each run
-            # to stop at a round boundary instead of letting it die mid-round.
-            process = subprocess.Popen(command, env=environment, stdin=subprocess.DEVNULL, start_new_session=True,
-                                       **output)
+            process = start_run_process(command, environment, None if self.on_terminal else handle)
         self.running.append(Running(point, process, slot, time.monotonic(), offset, lock))
         where = "" if self.on_terminal else f" (log {log})"
         print(f"[{point.index}] started: {describe_point(point)} in {point.out_dir}{where}", flush=True)
