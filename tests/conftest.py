@@ -34,16 +34,14 @@ def cifar_root(tmp_path_factory):
     return root
 
 
-@pytest.fixture
-def one_thread():
-    """torch on one thread for the test: a small MLP trains several times faster on one thread than on
-    two, and far faster on a busy machine."""
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread():
+    """torch on one thread in the test processes (a test that needs more sets them, and sets them
+    back): a small network trains several times faster on one thread than on two, and the workers
+    share the machine's cores. The processes tests start take theirs from OMP_NUM_THREADS."""
     import torch
 
-    threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture

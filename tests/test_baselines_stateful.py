@@ -73,7 +73,7 @@ def distance_along_constant_direction(num_steps, lr, momentum, nesterov):
 @pytest.mark.parametrize("momentum, nesterov, effective_steps", [
     (0.0, False, False), (0.9, False, False), (0.9, False, True), (0.5, True, True)])
 def test_scaffold_matches_reference_with_controls_kept_across_skipped_rounds(
-        cifar_root, tmp_path, momentum, nesterov, effective_steps, one_thread):
+        cifar_root, tmp_path, momentum, nesterov, effective_steps):
     # Mini-batches of 20 give clients of different sizes different step counts K_i.
     setup = small_setup(cifar_root, tmp_path, rounds=5, local_epochs=1, batch_size=20, eval_every=5)
     lr, gamma = 0.05, 0.8
@@ -119,7 +119,7 @@ def test_scaffold_matches_reference_with_controls_kept_across_skipped_rounds(
 
 
 @pytest.mark.parametrize("alpha", [0.01, 0.3])
-def test_feddyn_matches_reference(cifar_root, tmp_path, alpha, one_thread):
+def test_feddyn_matches_reference(cifar_root, tmp_path, alpha):
     setup = small_setup(cifar_root, tmp_path, rounds=4)
     lr, epochs = 0.05, setup["federation"].local_epochs
     final = fit(algorithm=FedDyn(alpha=alpha), client_optimizer=ClientOptimizerArgs(lr=lr), **setup)
@@ -205,7 +205,7 @@ class MoonProblem:
 
 
 @pytest.mark.slow
-def test_moon_matches_reference(cifar_root, tmp_path, one_thread):
+def test_moon_matches_reference(cifar_root, tmp_path):
     mu, tau, lr = 5.0, 0.5, 0.05
     setup = moon_setup(cifar_root, tmp_path, rounds=4)
     final = fit(algorithm=MOON(mu=mu, tau=tau, projection_dim=PROJECTION),
@@ -239,7 +239,7 @@ def test_moon_matches_reference(cifar_root, tmp_path, one_thread):
 
 
 @pytest.mark.slow
-def test_moon_contrastive_term_is_zero_on_a_clients_first_round_only(cifar_root, tmp_path, one_thread):
+def test_moon_contrastive_term_is_zero_on_a_clients_first_round_only(cifar_root, tmp_path):
     def run(mu, rounds):
         setup = moon_setup(cifar_root, tmp_path / f"mu{mu}_rounds{rounds}", rounds=rounds, eval_every=rounds)
         return fit(algorithm=MOON(mu=mu, projection_dim=PROJECTION), client_optimizer=ClientOptimizerArgs(lr=0.05),
@@ -276,7 +276,7 @@ class UnchangedFeatures:
         return images
 
 
-def test_moon_represents_the_global_and_previous_models_in_eval_mode(one_thread):
+def test_moon_represents_the_global_and_previous_models_in_eval_mode():
     """z_glob and z_prev use the running statistics of the global and of the previous model; the
     local model normalises with its batch statistics and updates its own running statistics."""
     num_samples, in_features, width, num_classes, projection = 24, 6, 5, 3, 4
@@ -370,7 +370,7 @@ def test_two_ranks_give_the_same_model_as_one(cifar_root, tmp_path, name):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", STATEFUL)
-def test_resume_from_mid_run_checkpoint_reproduces_the_uninterrupted_run(cifar_root, tmp_path, name, one_thread):
+def test_resume_from_mid_run_checkpoint_reproduces_the_uninterrupted_run(cifar_root, tmp_path, name):
     make = STATEFUL[name][0]
 
     def run(out_dir, rounds, resume):
@@ -409,7 +409,7 @@ def test_moon_head_follows_the_networks_biases():
     assert torch.equal(moon_network(inputs), moon_network.classifier(moon_network.forward_features(inputs)))
 
 
-def test_moon_options_are_written_back_to_the_config(cifar_root, tmp_path, one_thread):
+def test_moon_options_are_written_back_to_the_config(cifar_root, tmp_path):
     setup = moon_setup(cifar_root, tmp_path, rounds=1)
     fit(algorithm=MOON(mu=2.0, tau=0.3, projection_dim=PROJECTION), **setup)
     config = yaml.safe_load((tmp_path / "config.yaml").read_text())

@@ -22,10 +22,6 @@ from fl_lightning.fit import fit
 from fl_lightning.run_logging import read_metrics
 from fl_lightning.server_optimizers import FedAdam, ServerSGD
 
-# Small networks train several times faster on one torch thread than on two, and far faster on a
-# busy machine.
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 LR = 0.05
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 

@@ -129,22 +129,17 @@ def test_benchmark_rounds_are_the_rounds_fit_trains(throughput, algorithm, tmp_p
     loader.load = lambda root, download: (workload.dataset, workload.dataset)
     monkeypatch.setitem(sys.modules, loader.__name__, loader)
     settings = throughput.run_settings("mlp", workload, algorithm, compute)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        benchmark = throughput.FlLightning(fabric, "mlp", workload, algorithm, compute)
-        for round_index in range(2):
-            benchmark.run_round(round_index)
-        trained = fit(
-            algorithm=settings.algorithm, model=settings.model,
-            data=dataclasses.replace(settings.data, name="benchmark_images.load"),
-            federation=dataclasses.replace(settings.federation, rounds=2), client_optimizer=settings.client_optimizer,
-            server_optimizer=settings.server_optimizer, fabric=FabricArgs(accelerator="cpu", devices=1),
-            compute=compute, logger=LoggerArgs(progress_bar=False), seed=settings.seed, out_dir=tmp_path / "run",
-            resume=None,
-        )
-    finally:
-        torch.set_num_threads(threads)
+    benchmark = throughput.FlLightning(fabric, "mlp", workload, algorithm, compute)
+    for round_index in range(2):
+        benchmark.run_round(round_index)
+    trained = fit(
+        algorithm=settings.algorithm, model=settings.model,
+        data=dataclasses.replace(settings.data, name="benchmark_images.load"),
+        federation=dataclasses.replace(settings.federation, rounds=2), client_optimizer=settings.client_optimizer,
+        server_optimizer=settings.server_optimizer, fabric=FabricArgs(accelerator="cpu", devices=1),
+        compute=compute, logger=LoggerArgs(progress_bar=False), seed=settings.seed, out_dir=tmp_path / "run",
+        resume=None,
+    )
     module = benchmark.loop.module
     assert torch.equal(FlatLayout.of(module.named_parameters()).flatten(dict(module.named_parameters())), trained)
 

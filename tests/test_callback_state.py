@@ -26,9 +26,8 @@ from fl_lightning.cli.main import main
 from fl_lightning.federation import is_final_vote, stop_vote
 from fl_lightning.run_logging import read_metrics
 
-# End to end: the tests train runs in-process; small networks train several times faster on one torch
-# thread than on two, and far faster on a busy machine.
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
+# End to end: the tests train runs in-process.
+pytestmark = pytest.mark.slow
 TESTS = Path(__file__).resolve().parent
 CONFIGS = TESTS.parent / "configs"
 TINY = ["--config", str(CONFIGS / "quickstart.yaml"), "--model.options", "{hidden: 16, depth: 1}",

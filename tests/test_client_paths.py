@@ -43,10 +43,6 @@ from fl_lightning.module import ClassificationModule
 from fl_lightning.run_setup import RunData, RunSettings, build_run
 from fl_lightning.server_optimizers import ServerSGD
 
-# Small networks train several times faster on one torch thread than on two, and far faster on a
-# busy machine.
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 QUICKSTART = str(Path(__file__).parent.parent / "configs" / "quickstart.yaml")
 NUM_CLASSES = 3
 # Unequal clients: with batch 5 and 2 local epochs they take 6, 8, 4, 8 and 10 steps, most ending an

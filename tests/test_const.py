@@ -15,10 +15,6 @@ from fl_lightning.fit import fit
 from fl_lightning.flat import FlatLayout
 from fl_lightning.models import create_model
 
-# Small networks train several times faster on one torch thread than on two, and far faster on a
-# busy machine.
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 TOLERANCE = 1e-5  # relative to |G_c|^2, fp32
 
 

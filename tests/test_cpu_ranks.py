@@ -219,12 +219,16 @@ def test_auto_trains_the_model_of_one_rank_up_to_rounding(cifar_root, tmp_path, 
     clients are summed in another order on two ranks: equal up to float rounding."""
     cores(2)
     threads = torch.get_num_threads()
-    setup = small_setup(cifar_root, tmp_path / "one", rounds=2)
-    single = fit(algorithm=FedAvg(), client_optimizer=ClientOptimizerArgs(lr=0.05), **setup)
-    setup.update(out_dir=tmp_path / "auto", fabric=FabricArgs(accelerator="cpu", devices="auto", strategy="ddp_spawn",
-                                                              process_group_timeout_s=120))
-    auto = fit(algorithm=FedAvg(), client_optimizer=ClientOptimizerArgs(lr=0.05),
-               callbacks=[RecordThreads(str(tmp_path))], **setup)
+    torch.set_num_threads(2)  # not the ranks' one, so that a thread count set for them shows here
+    try:
+        setup = small_setup(cifar_root, tmp_path / "one", rounds=2)
+        single = fit(algorithm=FedAvg(), client_optimizer=ClientOptimizerArgs(lr=0.05), **setup)
+        setup.update(out_dir=tmp_path / "auto", fabric=FabricArgs(accelerator="cpu", devices="auto",
+                                                                  strategy="ddp_spawn", process_group_timeout_s=120))
+        auto = fit(algorithm=FedAvg(), client_optimizer=ClientOptimizerArgs(lr=0.05),
+                   callbacks=[RecordThreads(str(tmp_path))], **setup)
+        assert torch.get_num_threads() == 2  # the caller's threads are its own
+    finally:
+        torch.set_num_threads(threads)
     torch.testing.assert_close(auto, single, rtol=1e-5, atol=1e-6)
     assert recorded_threads(tmp_path) == {0: {(2, 1)}, 1: {(2, 1)}}
-    assert torch.get_num_threads() == threads  # the caller's threads are its own

@@ -22,10 +22,6 @@ from fl_lightning.errors import ConfigError
 from fl_lightning.flat import FlatLayout
 from fl_lightning.run_logging import read_metrics
 
-# Small networks train several times faster on one torch thread than on two, and far faster on a
-# busy machine.
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 QUICKSTART = str(Path(__file__).resolve().parent.parent / "configs" / "quickstart.yaml")
 
 NUM_CLIENTS, NUM_PARAMS, SAMPLES = 6, 5, [4, 3, 5, 4, 2, 6]

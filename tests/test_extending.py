@@ -22,10 +22,6 @@ from fl_lightning.errors import ConfigError
 from fl_lightning.models import create_model
 from fl_lightning.models.registry import check_model_settings
 
-# Small networks train several times faster on one torch thread than on two, and far faster on a
-# busy machine.
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 ROOT = Path(__file__).parent.parent
 EXAMPLES = ROOT / "examples"
 DOC = ROOT / "docs" / "extending.md"

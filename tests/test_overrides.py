@@ -75,7 +75,7 @@ def test_overrides_come_last_in_every_point(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_variant_lives_apart_and_never_mixes_with_the_plan_in_a_table(tmp_path, capsys, monkeypatch, one_thread):
+def test_a_variant_lives_apart_and_never_mixes_with_the_plan_in_a_table(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "disabled")
     path = write_plan(tmp_path / "plan.yaml")
     runs = tmp_path / "runs"

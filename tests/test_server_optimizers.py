@@ -13,10 +13,6 @@ from fl_lightning.federation import sample_clients
 from fl_lightning.fit import fit
 from fl_lightning.server_optimizers import FedAdagrad, FedAdam, FedYogi, ServerSGD
 
-# Small networks train several times faster on one torch thread than on two, and far faster on a
-# busy machine.
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 LR = 0.05
 BETA1, BETA2, TAU, SERVER_LR = 0.8, 0.9, 0.05, 0.03
 

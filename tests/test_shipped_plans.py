@@ -399,7 +399,7 @@ def test_table_3_shares_table_1s_cross_silo_cifar10_numbers():
 
 
 @pytest.mark.slow
-def test_smoke_plan_trains_every_point_and_tabulates(tmp_path, one_thread):
+def test_smoke_plan_trains_every_point_and_tabulates(tmp_path):
     runs = tmp_path / "runs"
     plan = load_plan(PLANS / "smoke.yaml", runs_root=runs)
     for point in plan.grid():

@@ -11,10 +11,6 @@ from fl_lightning.federation import sample_clients
 from fl_lightning.fit import fit
 from fl_lightning.server_optimizers import ServerSGD
 
-# Small networks train several times faster on one torch thread than on two, and far faster on a
-# busy machine.
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 def sampled(round_index, setup):
     federation = setup["federation"]
