@@ -10,8 +10,8 @@ import yaml
 
 from fl_lightning.algorithms import CTPFL, SHORT_NAMES, FedAvg
 from fl_lightning.cli.arguments import expand_bare_flags, expand_short_names
-from fl_lightning.cli.main import COMMANDS, main
-from fl_lightning.cli.parser import build_parser
+from fl_lightning.cli.main import COMMANDS, command_parser, main
+from fl_lightning.cli.parser import build_parser, parse_command_line
 from fl_lightning.models import registered_models
 
 QUICKSTART = str(Path(__file__).parent.parent / "configs" / "quickstart.yaml")
@@ -44,6 +44,26 @@ def test_algorithm_by_short_name_class_name_and_class_path():
     assert isinstance(chosen, CTPFL) and chosen.span == 0.25
     assert isinstance(parse("--config", QUICKSTART, "--algorithm", "CTPFL").algorithm, CTPFL)
     assert isinstance(parse("--config", QUICKSTART, "--algorithm=fl_lightning.algorithms.CTPFL").algorithm, CTPFL)
+
+
+def test_one_parser_parses_each_command_line_as_a_parser_of_its_own(capsys):
+    """`main` parses with one parser per process (command_parser): what it parsed before, a refused
+    input and a --print_config leave nothing behind in it."""
+    command_lines = [
+        ["fit", "--config", QUICKSTART, "--algorithm", "fedprox", "--algorithm.mu", "0.3", "--seed", "4"],
+        ["fit", "--config", QUICKSTART, "--algorithm", "ctpfl", "--federation.rounds", "2", "--data.alpha", "0.1"],
+        ["fit", "--config", QUICKSTART],
+        ["sweep", "--plan", "plan.yaml", "--jobs", "2", "--override+", "federation.rounds=1"],
+        ["table", "--plan", "plan.yaml", "--metric", "test_loss", "--at", "best"],
+    ]
+    fresh = [parse_command_line(argv, build_parser(COMMANDS)) for argv in command_lines]
+    for argv in (["fit", "--config", QUICKSTART, "--federation.rounds", "-1"],
+                 ["fit", "--config", QUICKSTART, "--algorithm", "scaffold", "--print_config"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+    capsys.readouterr()
+    for argv, expected in [*zip(command_lines, fresh), *reversed(list(zip(command_lines, fresh)))]:
+        assert parse_command_line(argv, command_parser()) == expected, argv
 
 
 def test_help_documents_every_group(capsys):

@@ -7,11 +7,12 @@ status 2, before any data is loaded or training starts (see `fl_lightning.cli.me
 
 from __future__ import annotations
 
+import functools
 import itertools
 import sys
 from typing import Optional
 
-from fl_lightning.cli.parser import build_parser, parse_command_line
+from fl_lightning.cli.parser import CommandParser, build_parser, parse_command_line
 from fl_lightning.cluster import RequeueFailed
 from fl_lightning.compare import compare
 from fl_lightning.errors import ConfigError
@@ -21,6 +22,14 @@ from fl_lightning.experiments.table import table
 from fl_lightning.fit import fit
 
 COMMANDS = {"fit": fit, "compare": compare, "table": table, "sweep": sweep, "dashboard": dashboard}
+
+
+@functools.cache
+def command_parser() -> CommandParser:
+    """The parser of every command, built once in a process: building it takes longer than a small
+    run's parse, and `main` called again in one process (a notebook, a script of runs) parses each
+    command line with it as a parser of its own would."""
+    return build_parser(COMMANDS)
 
 # Subcommands whose first argument may be the plan itself: `fl-lightning sweep PLAN`.
 PLAN_COMMANDS = ("sweep", "table", "dashboard")
@@ -36,7 +45,7 @@ def main(argv: Optional[list[str]] = None) -> None:
 
             print(model_help(model))
             return
-        parser = build_parser(COMMANDS)
+        parser = command_parser()
         config = parse_command_line(argv, parser)
         command = config.subcommand
         arguments = parser.instantiate(config)[command]
