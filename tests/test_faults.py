@@ -20,8 +20,10 @@ import processes
 import pytest
 import torch
 
+from fl_lightning.callbacks import Callback
 from fl_lightning.checkpoint import checkpoint_dir, load_checkpoint, numbered_checkpoints
 from fl_lightning.cli.main import main
+from fl_lightning.cluster import STOP_SIGNALS
 
 pytestmark = pytest.mark.slow  # every test runs fl-lightning in other processes
 REPOSITORY = Path(__file__).resolve().parents[1]
@@ -176,9 +178,35 @@ def test_non_finite_round_fails_naming_round_and_clients_and_saves_nothing(setti
     assert "Traceback" not in completed.stderr
 
 
+# The two-rank runs that a stop signal interrupts: held at the start of round HELD_ROUND + 1 until
+# they are signalled (or their folder's `hold` file is gone), so the signal lands at a known round
+# whatever the machine's speed.
+TWO_RANK_ROUNDS = 6
+HELD_ROUND = 2
+TESTS = Path(__file__).resolve().parent
+
+
+class HoldAfterRound(Callback):
+    """At the start of round `after + 1`, while <out_dir>/hold exists: writes <out_dir>/held_rank<r>,
+    then waits until this rank is asked to stop or the file is removed (at most 120 s)."""
+
+    def __init__(self, after: int):
+        self.after = after
+
+    def on_round_start(self, fabric, loop, round_index: int) -> None:
+        hold = Path(loop.out_dir) / "hold"
+        if round_index != self.after or not hold.exists():
+            return
+        (Path(loop.out_dir) / f"held_rank{fabric.global_rank}").touch()
+        deadline = time.monotonic() + 120
+        while hold.exists() and not STOP_SIGNALS.requested and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+
 def launch_ranks_as_srun(out_dir: Path, bin_dir: Path, logs: Path) -> list[processes.Popen]:
     """Two ranks on one simulated node, each started with the variables srun gives its tasks;
-    `bin_dir` (the stand-in scontrol) comes first on PATH."""
+    `bin_dir` (the stand-in scontrol) comes first on PATH. They train TWO_RANK_ROUNDS rounds, held
+    after HELD_ROUND while `out_dir` has a file `hold`."""
     logs.mkdir(parents=True, exist_ok=True)
     port = str(processes.free_port())
     ranks = []
@@ -187,9 +215,13 @@ def launch_ranks_as_srun(out_dir: Path, bin_dir: Path, logs: Path) -> list[proce
             SLURM_JOB_ID=SLURM_JOB_ID, SLURM_JOB_NAME="fault-test", SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2",
             SLURM_NNODES="1", SLURM_NODEID="0", SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank),
             MASTER_ADDR="127.0.0.1", MASTER_PORT=port, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+            PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
         )
+        hold = {"class_path": "test_faults.HoldAfterRound", "init_args": {"after": HELD_ROUND}}
         command = fit_command(out_dir, "--fabric.accelerator", "cpu", "--fabric.devices", "2",
-                              "--fabric.process_group_timeout_s", "60", "--checkpoint.every", str(10 * ROUNDS))
+                              "--fabric.process_group_timeout_s", "60", "--federation.rounds", str(TWO_RANK_ROUNDS),
+                              "--federation.eval_every", str(TWO_RANK_ROUNDS),
+                              "--checkpoint.every", str(10 * TWO_RANK_ROUNDS), "--callbacks", json.dumps([hold]))
         with open(logs / f"rank{rank}.out", "w") as stdout, open(logs / f"rank{rank}.err", "w") as stderr:
             ranks.append(processes.Popen(command, env=environment, stdout=stdout, stderr=stderr))
     return ranks
@@ -237,18 +269,23 @@ def test_stop_under_slurm_checkpoints_requeues_and_resumes(signum, signalled_ran
     bin_dir, scontrol_calls = tmp_path / "bin", tmp_path / "scontrol_calls.txt"
     stand_in_scontrol(bin_dir, scontrol_calls, "RUNNING")
     out_dir = tmp_path / "run"
+    out_dir.mkdir()
+    (out_dir / "hold").touch()
     ranks = launch_ranks_as_srun(out_dir, bin_dir, tmp_path / "logs-signalled")
-    wait_until(lambda: last_round(out_dir) >= 2, ranks, "round 2")
+    wait_until(lambda: all((out_dir / f"held_rank{rank}").exists() for rank in range(2)), ranks,
+               f"both ranks held after round {HELD_ROUND}")
     for rank in signalled_ranks:
         ranks[rank].send_signal(signum)
+    (out_dir / "hold").unlink()  # after the signal: a rank that did not get it goes on, and learns of it
     assert wait_all(ranks) == [0, 0], rank_logs(tmp_path / "logs-signalled")
-    stop_round = last_round(out_dir)
-    assert stop_round < ROUNDS
+    # The stop comes at the end of the round the ranks were held before.
+    stop_round = HELD_ROUND + 1
+    assert last_round(out_dir) == stop_round
     assert [checkpoint_round(p) for p in numbered_checkpoints(checkpoint_dir(out_dir))] == [stop_round]
     assert requeue_calls(scontrol_calls) == [f"requeue {SLURM_JOB_ID}"]
     rank0_output = (tmp_path / "logs-signalled" / "rank0.out").read_text()
     why = f"signal {signum.name}" if 0 in signalled_ranks else "requested by another rank"
-    assert f"stopped ({why}; checkpoint saved) at round {stop_round}/{ROUNDS}" in rank0_output
+    assert f"stopped ({why}; checkpoint saved) at round {stop_round}/{TWO_RANK_ROUNDS}" in rank0_output
     assert f"requeued SLURM job {SLURM_JOB_ID}" in rank0_output
     rows_before = completed_rows(out_dir)
 
@@ -256,7 +293,7 @@ def test_stop_under_slurm_checkpoints_requeues_and_resumes(signum, signalled_ran
         rank_logs(tmp_path / "logs-requeued")
     assert requeue_calls(scontrol_calls) == [f"requeue {SLURM_JOB_ID}"]  # no second requeue
     rows = completed_rows(out_dir)
-    assert [row["round"] for row in rows] == list(range(1, ROUNDS + 1))
+    assert [row["round"] for row in rows] == list(range(1, TWO_RANK_ROUNDS + 1))
     assert rows[:stop_round] == rows_before[:stop_round]
     assert_same_model(final_model(out_dir), final_model(two_rank_reference))
 
