@@ -20,10 +20,8 @@ import processes
 import pytest
 import torch
 
-from fl_lightning.callbacks import Callback
 from fl_lightning.checkpoint import checkpoint_dir, load_checkpoint, numbered_checkpoints
 from fl_lightning.cli.main import main
-from fl_lightning.cluster import STOP_SIGNALS
 
 pytestmark = pytest.mark.slow  # every test runs fl-lightning in other processes
 REPOSITORY = Path(__file__).resolve().parents[1]
@@ -178,29 +176,12 @@ def test_non_finite_round_fails_naming_round_and_clients_and_saves_nothing(setti
     assert "Traceback" not in completed.stderr
 
 
-# The two-rank runs that a stop signal interrupts: held at the start of round HELD_ROUND + 1 until
-# they are signalled (or their folder's `hold` file is gone), so the signal lands at a known round
-# whatever the machine's speed.
+# The two-rank runs that a stop signal interrupts: held at the start of round HELD_ROUND + 1
+# (tests/holds.py) until they are signalled or their folder's `hold` file is gone, so the signal
+# lands at a known round whatever the machine's speed.
 TWO_RANK_ROUNDS = 6
 HELD_ROUND = 2
 TESTS = Path(__file__).resolve().parent
-
-
-class HoldAfterRound(Callback):
-    """At the start of round `after + 1`, while <out_dir>/hold exists: writes <out_dir>/held_rank<r>,
-    then waits until this rank is asked to stop or the file is removed (at most 120 s)."""
-
-    def __init__(self, after: int):
-        self.after = after
-
-    def on_round_start(self, fabric, loop, round_index: int) -> None:
-        hold = Path(loop.out_dir) / "hold"
-        if round_index != self.after or not hold.exists():
-            return
-        (Path(loop.out_dir) / f"held_rank{fabric.global_rank}").touch()
-        deadline = time.monotonic() + 120
-        while hold.exists() and not STOP_SIGNALS.requested and time.monotonic() < deadline:
-            time.sleep(0.01)
 
 
 def launch_ranks_as_srun(out_dir: Path, bin_dir: Path, logs: Path) -> list[processes.Popen]:
@@ -217,7 +198,7 @@ def launch_ranks_as_srun(out_dir: Path, bin_dir: Path, logs: Path) -> list[proce
             MASTER_ADDR="127.0.0.1", MASTER_PORT=port, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
             PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
         )
-        hold = {"class_path": "test_faults.HoldAfterRound", "init_args": {"after": HELD_ROUND}}
+        hold = {"class_path": "holds.HoldAfterRound", "init_args": {"after": HELD_ROUND}}
         command = fit_command(out_dir, "--fabric.accelerator", "cpu", "--fabric.devices", "2",
                               "--fabric.process_group_timeout_s", "60", "--federation.rounds", str(TWO_RANK_ROUNDS),
                               "--federation.eval_every", str(TWO_RANK_ROUNDS),

@@ -36,32 +36,16 @@ TIMEOUT_S = 120
 
 # Holds a run after round 1 (its checkpoint written) while its run folder has a file `hold`, until the
 # run is asked to stop: the sweep is interrupted at a known point, whatever the machine's speed.
-GATE_MODULE = '''
-import time
-from pathlib import Path
-
-from fl_lightning.callbacks import Callback
-from fl_lightning.cluster import STOP_SIGNALS
-
-
-class HoldAfterRoundOne(Callback):
-    def on_round_start(self, fabric, loop, round_index: int) -> None:
-        deadline = time.monotonic() + 120
-        while (round_index == 1 and (Path(loop.out_dir) / "hold").exists() and not STOP_SIGNALS.requested
-               and time.monotonic() < deadline):
-            time.sleep(0.02)
-'''
-HOLD = {"callbacks": [{"class_path": "gate_callbacks.HoldAfterRoundOne"}]}
+HOLD = {"callbacks": [{"class_path": "holds.HoldAfterRound", "init_args": {"after": 1}}]}
+TESTS = Path(__file__).resolve().parent
 
 
 @pytest.fixture
 def gate(tmp_path, monkeypatch) -> None:
-    """HOLD importable in this process (the plan's callback is parsed here) and in the runs it starts,
+    """HOLD importable in the runs the sweep starts (this process has the tests folder on sys.path),
     with the test's folder as the working directory."""
-    (tmp_path / "gate_callbacks.py").write_text(GATE_MODULE)
     monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(TESTS))
 
 
 @pytest.fixture(autouse=True)

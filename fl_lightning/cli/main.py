@@ -27,9 +27,10 @@ COMMANDS = {"fit": fit, "compare": compare, "table": table, "sweep": sweep, "das
 @functools.cache
 def command_parser() -> CommandParser:
     """The parser of every command, built once in a process: building it takes longer than a small
-    run's parse, and `main` called again in one process (a notebook, a script of runs) parses each
+    run trains, and `main` called again in one process (a notebook, a script of runs) parses each
     command line with it as a parser of its own would."""
     return build_parser(COMMANDS)
+
 
 # Subcommands whose first argument may be the plan itself: `fl-lightning sweep PLAN`.
 PLAN_COMMANDS = ("sweep", "table", "dashboard")
