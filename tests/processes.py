@@ -234,6 +234,12 @@ class Popen:
                 self.send_signal(signal.SIGKILL)
 
 
+def threaded_environment() -> dict[str, str]:
+    """This process's environment, with the OMP_NUM_THREADS a forked process needs: one thread
+    unless the caller's environment sets it."""
+    return {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+
+
 def start_run_process(command: list[str], environment: dict[str, str], log: Optional[IO[bytes]]) -> Popen:
     """What `fl_lightning.experiments.local.start_run_process` starts, forked: the `conftest.forked_runs`
     fixture has a sweep in the test's own process start its runs this way."""
@@ -332,8 +338,8 @@ def call_on_ranks(ranks: int, function: Callable[..., Any], timeout: float = 300
     with tempfile.TemporaryDirectory() as folder:
         call, returned = Path(folder) / "call.pkl", Path(folder) / "returned.pt"
         call.write_bytes(pickle.dumps((function, kwargs)))
-        environment = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-        results = run_ranks([sys.executable, "-c", _CALL, str(call), str(returned)], environment, ranks, timeout)
+        results = run_ranks([sys.executable, "-c", _CALL, str(call), str(returned)], threaded_environment(), ranks,
+                            timeout)
         failed = [f"rank {rank} exited {result.returncode}:\n{result.stderr}" for rank, result in enumerate(results)
                   if result.returncode != 0]
         assert not failed, "\n".join(failed)

@@ -69,18 +69,21 @@ def files_of(folder: Path) -> dict[str, tuple[int, bytes]]:
             for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-def sweep_environment() -> dict[str, str]:
-    """A sweep started as a process of its own (forked, tests/processes.py), as from a shell: its runs
-    get their threads from the sweep."""
-    return {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-
-
 def wait_until(condition, process: processes.Popen, what: str) -> None:
     deadline = time.monotonic() + TIMEOUT_S
     while not condition():
         assert process.poll() is None, f"the sweep exited {process.returncode} before {what}"
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.05)
+
+
+def start_sweep(tmp_path: Path, name: str, *arguments: str) -> tuple[processes.Popen, Path, Path]:
+    """`fl-lightning sweep ...` as a process of its own: (the process, its stdout file, its stderr file)."""
+    output, errors = tmp_path / f"{name}.out", tmp_path / f"{name}.err"
+    with open(output, "w") as stdout, open(errors, "w") as stderr:
+        process = processes.Popen([sys.executable, "-m", "fl_lightning", "sweep", *arguments],
+                                  env=processes.threaded_environment(), stdout=stdout, stderr=stderr)
+    return process, output, errors
 
 
 @pytest.mark.slow
@@ -96,10 +99,8 @@ def test_interrupted_sweep_resumes_without_retraining_finished_runs(tmp_path, ca
     # SIGTERM. The sweep is a process of its own, its runs fresh interpreters, as from a shell.
     held.out_dir.mkdir(parents=True)
     (held.out_dir / "hold").touch()
-    output, errors = tmp_path / "sweep.out", tmp_path / "sweep.err"
-    with open(output, "w") as stdout, open(errors, "w") as stderr:
-        process = processes.Popen([sys.executable, "-m", "fl_lightning", "sweep", "--plan", str(plan), "--jobs", "2",
-                                   "--runs_root", str(runs)], env=sweep_environment(), stdout=stdout, stderr=stderr)
+    process, output, errors = start_sweep(tmp_path, "sweep", "--plan", str(plan), "--jobs", "2", "--runs_root",
+                                          str(runs))
     try:
         wait_until(lambda: "[0] finished at round 3" in output.read_text()
                    and (checkpoint_dir(held.out_dir) / "round_000001.ckpt").exists(), process,
@@ -144,15 +145,6 @@ def test_interrupted_sweep_resumes_without_retraining_finished_runs(tmp_path, ca
     # One point in the foreground: finished, so nothing runs.
     status, out, _ = run_sweep(capsys, "--plan", str(plan), "--runs_root", str(runs), "--index", "1")
     assert status == 0 and "[1] skipped, finished" in out and out.splitlines()[-1] == "0 finished, 0 failed, 1 skipped"
-
-
-def start_sweep(tmp_path: Path, name: str, *arguments: str) -> tuple[processes.Popen, Path, Path]:
-    """`fl-lightning sweep ...` as a process of its own: (the process, its stdout file, its stderr file)."""
-    output, errors = tmp_path / f"{name}.out", tmp_path / f"{name}.err"
-    with open(output, "w") as stdout, open(errors, "w") as stderr:
-        process = processes.Popen([sys.executable, "-m", "fl_lightning", "sweep", *arguments],
-                                  env=sweep_environment(), stdout=stdout, stderr=stderr)
-    return process, output, errors
 
 
 def finish(process: processes.Popen) -> int:
