@@ -75,9 +75,7 @@ def estimate_plan(plan: Plan, resolved: list[ResolvedPoint], options: SweepOptio
     jobs = options.jobs or 1
     machine = plan_resources(jobs, options.gpus_per_run, options.threads_per_run)
     devices, unit = ((machine.devices, "GPU") if machine.gpu_slots is not None else (machine.threads, "CPU-core"))
-    groups: dict[str, list[ResolvedPoint]] = {}
-    for entry in resolved:
-        groups.setdefault(_shape(entry.config), []).append(entry)
+    groups = group_by_shape(resolved)
     print(f"estimate of plan {plan.name} ({len(resolved)} runs): {len(groups)} point(s), one per distinct model, "
           f"data and federation, each trained {TIMED_ROUNDS} round(s) here {machine.describe()}", flush=True)
     estimates = []
@@ -87,6 +85,15 @@ def estimate_plan(plan: Plan, resolved: list[ResolvedPoint], options: SweepOptio
             estimates.append(_time_point(entries, machine, devices, Path(folder) / f"point{number}"))
     _print_budget(estimates, unit, machine, jobs)
     return estimates
+
+
+def group_by_shape(resolved: list[ResolvedPoint]) -> dict[str, list[ResolvedPoint]]:
+    """The grid points by what the cost of their rounds depends on, in grid order: each group is timed
+    once, at its first point."""
+    groups: dict[str, list[ResolvedPoint]] = {}
+    for entry in resolved:
+        groups.setdefault(_shape(entry.config), []).append(entry)
+    return groups
 
 
 def _shape(config: dict) -> str:
