@@ -284,6 +284,26 @@ def test_runs_made_with_other_settings_than_their_point_are_left_out_and_named(s
     assert "alpha-0.5/SCAFFOLD/seed0 (federation.rounds: it logged round 4, past the 2 of the plan)" in markdown
 
 
+def test_only_the_points_with_runs_are_resolved_and_a_refused_one_refuses_the_plan(sweep, capsys):
+    # A method added after the runs, with a setting that fit refuses: while none of its points has a
+    # run, its row is empty and the others are tabulated as before.
+    plan = yaml.safe_load(sweep.read_text())
+    plan["methods"]["FedProx"] = [{"algorithm": "fedprox", "algorithm.init_args.mu": "much"}]
+    sweep.write_text(yaml.safe_dump(plan, sort_keys=False))
+    _, rows, _ = run_table(sweep)
+    assert rows_by_method(rows)["FedProx"]["alpha-0.5:n"] == "0"
+    assert rows_by_method(rows)["SCAFFOLD"]["alpha-0.5:n"] == "3"
+    # A run in one of its folders: the plan is refused, naming the point and the field.
+    write_run(run_folder(sweep, "alpha-0.1", "fedprox", 1), [0.5, 0.6])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        run_table(sweep)
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert error.startswith("error: plan: expected grid points whose settings fit accepts, got ")
+    assert error.endswith("] FedProx | alpha-0.1 | seed 1: algorithm.mu: expected a finite number, got 'much'\n")
+
+
 def test_a_torn_last_line_is_left_out_and_said(sweep, capsys):
     metrics = run_folder(sweep, "alpha-0.5", "fedavg", 0) / "metrics.jsonl"
     with open(metrics, "a") as handle:

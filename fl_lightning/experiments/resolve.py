@@ -48,20 +48,36 @@ def fit_parser() -> CommandParser:
     return build_parser()
 
 
+class GridResolver:
+    """Grid points resolved one at a time, as they are asked for, each once, by one GridPointParser: a
+    point of a setting and method whose first seed it has parsed is parsed from that one's settings."""
+
+    def __init__(self):
+        self._parser = fit_parser()
+        self._grid_parser = GridPointParser(self._parser)
+        self._resolved: dict[tuple[str, ...], ResolvedPoint] = {}
+
+    def resolve(self, point: GridPoint) -> ResolvedPoint:
+        """The point resolved; when `fit` would refuse its settings, holding the error."""
+        argv = point.fit_arguments()
+        if tuple(argv) not in self._resolved:
+            self._resolved[tuple(argv)] = self._resolve(point, argv)
+        return self._resolved[tuple(argv)]
+
+    def _resolve(self, point: GridPoint, argv: list[str]) -> ResolvedPoint:
+        try:
+            settings = self._grid_parser.parse(argv)
+            arguments = self._parser.instantiate(settings).fit
+            arguments.pop("config", None)
+            return ResolvedPoint(point, fit_config(**arguments).config, settings)
+        except ConfigError as err:
+            return ResolvedPoint(point, None, error=err)
+
+
 def resolve_grid(points: list[GridPoint]) -> list[ResolvedPoint]:
     """Every point resolved; a point whose settings `fit` would refuse holds its error."""
-    parser = fit_parser()
-    grid_parser = GridPointParser(parser)
-    resolved = []
-    for point in points:
-        try:
-            settings = grid_parser.parse(point.fit_arguments())
-            arguments = parser.instantiate(settings).fit
-            arguments.pop("config", None)
-            resolved.append(ResolvedPoint(point, fit_config(**arguments).config, settings))
-        except ConfigError as err:
-            resolved.append(ResolvedPoint(point, None, error=err))
-    return resolved
+    resolver = GridResolver()
+    return [resolver.resolve(point) for point in points]
 
 
 class PlanRefused(ConfigError):
@@ -83,7 +99,12 @@ def check_grid(plan: Path, resolved: list[ResolvedPoint]) -> None:
     if broken:
         raise PlanRefused("plan", f"grid points whose settings fit accepts (every point is checked before any "
                           f"run starts; {len(broken)} of {len(resolved)} are refused)", plan,
-                          [f"[{entry.point.index}] {describe_point(entry.point)}: {entry.error}" for entry in broken])
+                          [refusal(entry) for entry in broken])
+
+
+def refusal(entry: ResolvedPoint) -> str:
+    """What `fit` refuses in a point's settings, and which point it is."""
+    return f"[{entry.point.index}] {describe_point(entry.point)}: {entry.error}"
 
 
 def fit_settings_text(resolved: ResolvedPoint) -> str:

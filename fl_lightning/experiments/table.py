@@ -28,7 +28,9 @@ Table (`table.md`, printed, and `table.csv`):
   and the notes under the table name the runs left out and those not started.
 - with a plan, each run's config.yaml is compared with its grid point's settings as `fit` compares
   them before a resume: a run made with other settings (the plan edited after it ran) is left out
-  and named in the notes with the fields that differ, never averaged in.
+  and named in the notes with the fields that differ, never averaged in. Only the points that have
+  runs are resolved (a grid's points without a run are not started, whatever their settings), and
+  one whose settings `fit` refuses refuses the plan.
 - a torn last line of metrics.jsonl (a killed run, until it resumes) is left out, and the notes say
   so. A metric that no run logged is an error that lists the metrics the runs did log.
 - the best cell of each column (highest mean, lowest for losses, compared as displayed; ties all

@@ -4,19 +4,20 @@ table), or run folders, each an entry with its row, column and seed, and the col
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import itertools
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Union
 
 from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.overrides import value_text
-from fl_lightning.experiments.plan import load_plan
+from fl_lightning.experiments.plan import GridPoint, load_plan
 from fl_lightning.experiments.reference import paper_numbers
-from fl_lightning.experiments.resolve import check_grid, resolve_grid
+from fl_lightning.experiments.resolve import GridResolver, PlanRefused, refusal
 from fl_lightning.experiments.runs import find_runs, read_run
 from fl_lightning.run_dir import defining_settings
 from fl_lightning.run_logging import METRICS_FILE
@@ -24,14 +25,28 @@ from fl_lightning.run_logging import METRICS_FILE
 
 @dataclass
 class Entry:
-    """A run the table expects: its row, column, seed and folder."""
+    """A run the table expects: its row, column, seed and folder, and with a plan its grid point."""
 
     method: str
     setting: str
     seed: int
     path: Path
-    config: Optional[dict] = None
-    """The settings `fit` builds for the run's grid point; None without a plan."""
+    point: Optional[GridPoint] = None
+    """None without a plan."""
+    plan_file: Optional[Path] = None
+    resolver: Optional[GridResolver] = field(default=None, repr=False, compare=False)
+
+    @functools.cached_property
+    def config(self) -> Optional[dict]:
+        """The settings `fit` builds for the run's grid point, resolved when first asked for (a table of
+        one plan asks for those of the points that have runs); the plan is refused if `fit` would
+        refuse them. None without a plan."""
+        if self.point is None:
+            return None
+        resolved = self.resolver.resolve(self.point)
+        if resolved.error is not None:
+            raise PlanRefused("plan", "grid points whose settings fit accepts", self.plan_file, [refusal(resolved)])
+        return resolved.config
 
     @property
     def rounds(self) -> Optional[int]:
@@ -74,16 +89,15 @@ def load_entries(plan: Union[str, list[str]], runs_root: Path, overrides: Option
 def _from_plan(path: Path, runs_root: Path, overrides: Optional[list[str]] = None) -> Loaded:
     plan = load_plan(path, runs_root=runs_root, overrides=overrides)
     grid = plan.grid()
-    resolved = resolve_grid(grid)
-    check_grid(path, resolved)
+    resolver = GridResolver()
     settings = list(dict.fromkeys(point.setting_name for point in grid))
     axis_values = {axis: list(choices) for axis, choices in plan.settings.items()}
     labels = {point.setting_name: setting_label(point.setting, axis_values) for point in grid}
     reference = plan.reference
     if reference is not None and not reference.is_file() and (path.parent / reference).is_file():
         reference = path.parent / reference
-    return Loaded(entries=[Entry(e.point.method, e.point.setting_name, e.point.seed, e.point.out_dir, e.config)
-                            for e in resolved],
+    return Loaded(entries=[Entry(point.method, point.setting_name, point.seed, point.out_dir, point, path, resolver)
+                            for point in grid],
                    methods=list(plan.methods), settings=settings, labels=labels, metric=plan.metric,
                    reference=reference, out=plan.runs_root / plan.name, plan_file=path)
 
