@@ -1,7 +1,8 @@
 """A callback that holds a run at a known round, so that a test signals or inspects it there
-whatever the machine's speed. Runs started as processes import it with the tests folder on
-PYTHONPATH."""
+whatever the machine's speed, and what a test gives a run to be held. Runs started as processes
+import this module with the tests folder on PYTHONPATH (`pythonpath`)."""
 
+import os
 import time
 from pathlib import Path
 
@@ -9,6 +10,7 @@ from fl_lightning.callbacks import Callback
 from fl_lightning.cluster import STOP_SIGNALS
 
 HOLD_S = 120
+TESTS = Path(__file__).resolve().parent
 
 
 class HoldAfterRound(Callback):
@@ -26,3 +28,13 @@ class HoldAfterRound(Callback):
         deadline = time.monotonic() + HOLD_S
         while hold.exists() and not STOP_SIGNALS.requested and time.monotonic() < deadline:
             time.sleep(0.01)
+
+
+def hold_after(after: int) -> dict:
+    """HoldAfterRound(after) as a `callbacks` entry of a config."""
+    return {"class_path": "holds.HoldAfterRound", "init_args": {"after": after}}
+
+
+def pythonpath() -> str:
+    """PYTHONPATH for a run that imports this module: the tests folder first."""
+    return os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))

@@ -43,11 +43,11 @@ def test_the_smoke_plan_is_timed_at_one_point_per_model_and_split():
     # FedAvg and FedAvg + CONST train other models (CONST: no biases) on two splits: four points, two
     # runs (seeds) each.
     resolved = resolve_grid(load_plan(SMOKE).grid())
-    groups = list(group_by_shape(resolved).values())
-    assert [[(entry.point.index, entry.point.method, entry.point.setting_name) for entry in group] for group in groups] \
-        == [[(index, method, alpha), (index + 1, method, alpha)] for index, method, alpha in [
-            (0, "FedAvg", "alpha-0.5"), (2, "FedAvg + CONST", "alpha-0.5"), (4, "FedAvg", "alpha-0.1"),
-            (6, "FedAvg + CONST", "alpha-0.1")]]
+    groups = [[(entry.point.index, entry.point.method, entry.point.setting_name) for entry in group]
+              for group in group_by_shape(resolved).values()]
+    assert groups == [[(index, method, alpha), (index + 1, method, alpha)] for index, method, alpha in [
+        (0, "FedAvg", "alpha-0.5"), (2, "FedAvg + CONST", "alpha-0.5"), (4, "FedAvg", "alpha-0.1"),
+        (6, "FedAvg + CONST", "alpha-0.1")]]
 
 
 def write_one_shape_plan(path: Path) -> Path:

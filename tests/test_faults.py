@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import holds
 import processes
 import pytest
 import torch
@@ -181,7 +182,13 @@ def test_non_finite_round_fails_naming_round_and_clients_and_saves_nothing(setti
 # lands at a known round whatever the machine's speed.
 TWO_RANK_ROUNDS = 6
 HELD_ROUND = 2
-TESTS = Path(__file__).resolve().parent
+
+
+def held_run_arguments(rounds: int = TWO_RANK_ROUNDS) -> list[str]:
+    """`fit` options of a run of `rounds` rounds, one evaluation and checkpoint at the end, held after
+    HELD_ROUND while its folder has a file `hold` (its process needs `holds.pythonpath()`)."""
+    return ["--federation.rounds", str(rounds), "--federation.eval_every", str(rounds),
+            "--checkpoint.every", str(10 * rounds), "--callbacks", json.dumps([holds.hold_after(HELD_ROUND)])]
 
 
 def launch_ranks_as_srun(out_dir: Path, bin_dir: Path, logs: Path) -> list[processes.Popen]:
@@ -196,13 +203,10 @@ def launch_ranks_as_srun(out_dir: Path, bin_dir: Path, logs: Path) -> list[proce
             SLURM_JOB_ID=SLURM_JOB_ID, SLURM_JOB_NAME="fault-test", SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2",
             SLURM_NNODES="1", SLURM_NODEID="0", SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank),
             MASTER_ADDR="127.0.0.1", MASTER_PORT=port, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
-            PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+            PYTHONPATH=holds.pythonpath(),
         )
-        hold = {"class_path": "holds.HoldAfterRound", "init_args": {"after": HELD_ROUND}}
         command = fit_command(out_dir, "--fabric.accelerator", "cpu", "--fabric.devices", "2",
-                              "--fabric.process_group_timeout_s", "60", "--federation.rounds", str(TWO_RANK_ROUNDS),
-                              "--federation.eval_every", str(TWO_RANK_ROUNDS),
-                              "--checkpoint.every", str(10 * TWO_RANK_ROUNDS), "--callbacks", json.dumps([hold]))
+                              "--fabric.process_group_timeout_s", "60", *held_run_arguments())
         with open(logs / f"rank{rank}.out", "w") as stdout, open(logs / f"rank{rank}.err", "w") as stderr:
             ranks.append(processes.Popen(command, env=environment, stdout=stdout, stderr=stderr))
     return ranks

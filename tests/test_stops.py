@@ -2,8 +2,9 @@
 signals a job step (every process of it, W&B's service included) and given a stand-in `scontrol`,
 must end with exit status 0, no traceback, and the job requeued exactly when it should be.
 
-Each test reads the run's console lines to know where it is, and sends its signals until the
-process has exited: a signal that lands during the interpreter's shutdown must not kill it either.
+A run is signalled where it is known to be: after its last round (read from its console lines), or
+held after round 2 (tests/holds.py) until its stop signal; and the signals go on until the process
+has exited: a signal that lands during the interpreter's shutdown must not kill it either.
 The tests that are about that shutdown run a fresh interpreter; the others a fork of a server that
 has imported fl_lightning once (tests/processes.py), which exits as the interpreter would but
 without the interpreter's own finalization.
@@ -15,9 +16,19 @@ import signal
 import subprocess
 from pathlib import Path
 
+import holds
 import processes
 import pytest
-from test_faults import RUN_TIMEOUT_S, SLURM_JOB_ID, fit_command, process_environment
+from test_faults import (
+    HELD_ROUND,
+    RUN_TIMEOUT_S,
+    SLURM_JOB_ID,
+    TWO_RANK_ROUNDS,
+    fit_command,
+    held_run_arguments,
+    process_environment,
+    wait_until,
+)
 
 # `show job` reports the state in $STAND_IN_DIR/job_state; `requeue` is recorded, then either fails
 # with the message in $STAND_IN_DIR/requeue_error or does what Slurm does on a requeue: SIGTERM to
@@ -117,15 +128,20 @@ def test_a_stop_under_slurm_exits_0_without_a_traceback(state, requeue_error, si
     (tmp_path / "job_state").write_text(state)
     if requeue_error:
         (tmp_path / "requeue_error").write_text(requeue_error)
-    process = start_fit(tmp_path, "--logger.wandb_mode", "offline", fresh_interpreter=fresh_interpreter,
-                        **slurm_job)
-    read_until(process, "round 2/")
+    # Held after round HELD_ROUND until signalled (tests/holds.py): the stop comes at the end of the next.
+    out_dir = tmp_path / "run"
+    out_dir.mkdir()
+    (out_dir / "hold").touch()
+    process = start_fit(tmp_path, "--logger.wandb_mode", "offline", *held_run_arguments(),
+                        fresh_interpreter=fresh_interpreter, PYTHONPATH=holds.pythonpath(), **slurm_job)
+    wait_until(lambda: (out_dir / "held_rank0").exists(), [process], f"the run held after round {HELD_ROUND}")
     for pid in step_processes(process):
         os.kill(pid, signum)
     status = signal_until_exit(process)
     stdout, stderr = process.stdout.read(), (tmp_path / "stderr.txt").read_text()
     assert status == 0, stderr
     assert said in stdout
+    assert f"checkpoint saved) at round {HELD_ROUND + 1}/{TWO_RANK_ROUNDS}" in stdout, stdout
     calls = tmp_path / "calls.txt"
     assert (calls.read_text().splitlines() if calls.exists() else []) == requeue_calls
     assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr

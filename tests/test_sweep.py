@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import holds
 import processes
 import pytest
 import yaml
@@ -36,8 +37,7 @@ TIMEOUT_S = 120
 
 # Holds a run after round 1 (its checkpoint written) while its run folder has a file `hold`, until the
 # run is asked to stop: the sweep is interrupted at a known point, whatever the machine's speed.
-HOLD = {"callbacks": [{"class_path": "holds.HoldAfterRound", "init_args": {"after": 1}}]}
-TESTS = Path(__file__).resolve().parent
+HOLD = {"callbacks": [holds.hold_after(1)]}
 
 
 @pytest.fixture
@@ -45,7 +45,7 @@ def gate(tmp_path, monkeypatch) -> None:
     """HOLD importable in the runs the sweep starts (this process has the tests folder on sys.path),
     with the test's folder as the working directory."""
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("PYTHONPATH", str(TESTS))
+    monkeypatch.setenv("PYTHONPATH", holds.pythonpath())
 
 
 @pytest.fixture(autouse=True)
