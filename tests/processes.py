@@ -19,7 +19,8 @@ would: non-daemon threads joined, atexit handlers run, output flushed, the exit 
 
 `Popen` and `run` have the parts of subprocess's interface the tests use. `run_ranks` and
 `call_on_ranks` start the ranks of one node this way, as Fabric's own launcher starts the ranks after
-the first (then Fabric starts none itself), instead of a fresh interpreter for each. The children are
+the first (then Fabric starts none itself), instead of a fresh interpreter for each; a sweep in a
+child started with `fork_runs=True` starts its runs as forks of the same server. The children are
 children of the forkserver, not of pytest: their exit status comes through multiprocessing's
 sentinel, and nothing that needs the parent (waitpid, RUSAGE_CHILDREN) applies. The tests about
 the real start-up path (a signal while the interpreter imports, a bad input in a real process,
@@ -99,7 +100,7 @@ def _received_fd(duplicate) -> int:
 
 
 def _child(command: list[str], environment: dict[str, str], cwd: str, stdout: int, stderr: int,
-           server_environment: dict[str, str]) -> None:
+           server_environment: dict[str, str], fork_runs: bool) -> None:
     """The forked child: becomes what a fresh interpreter of `command` would be, runs it, exits."""
     import io
     import runpy
@@ -126,6 +127,8 @@ def _child(command: list[str], environment: dict[str, str], cwd: str, stdout: in
     import torch  # imported by the server, before OMP_NUM_THREADS was the child's
 
     torch.set_num_threads(int(environment["OMP_NUM_THREADS"]))
+    if fork_runs:
+        _fork_runs_from_the_server(server_environment)
 
     status = 0
     try:
@@ -159,6 +162,21 @@ def _child(command: list[str], environment: dict[str, str], cwd: str, stdout: in
     os._exit(status)
 
 
+def _fork_runs_from_the_server(server_environment: dict[str, str]) -> None:
+    """In a child: a sweep it runs starts its runs as forks of the forkserver this child was forked
+    from (the product's start_run_process replaced, as `conftest.forked_runs` does in pytest's
+    process), never of the child itself, whose state its own command has changed. multiprocessing
+    gives a forkserver's children the server's address and their share of its liveness pipe, which is
+    all a request needs; its ensure_running, which would start another server in a process that is
+    not the server's parent, is skipped."""
+    global _server_environment
+    from fl_lightning.experiments import local
+
+    _server_environment = server_environment
+    forkserver._forkserver.ensure_running = lambda: None
+    local.start_run_process = start_run_process
+
+
 Destination = Union[None, int, IO]
 
 
@@ -168,7 +186,8 @@ class Popen:
     and stderr as text streams when given subprocess.PIPE (stderr=subprocess.STDOUT: where stdout goes)."""
 
     def __init__(self, command: list[str], env: Optional[dict[str, str]] = None, stdout: Destination = None,
-                 stderr: Destination = None, cwd: Optional[Union[str, os.PathLike]] = None):
+                 stderr: Destination = None, cwd: Optional[Union[str, os.PathLike]] = None, fork_runs: bool = False):
+        """fork_runs: a sweep in the child starts its runs as forks too, not as fresh interpreters."""
         environment = dict(os.environ if env is None else env)
         if "OMP_NUM_THREADS" not in environment:
             # torch read its default thread count in the server; a child could only guess a fresh one's.
@@ -194,8 +213,8 @@ class Popen:
                 child_ends.append(destination.fileno())
         self._process = context.Process(
             target=_child, name="fl-lightning",
-            args=(self.args, environment, os.fspath(cwd or os.getcwd()),
-                  _FdForChild(child_ends[0]), _FdForChild(child_ends[1]), _server_environment),
+            args=(self.args, environment, os.fspath(cwd or os.getcwd()), _FdForChild(child_ends[0]),
+                  _FdForChild(child_ends[1]), _server_environment, fork_runs),
         )
         try:
             self._process.start()

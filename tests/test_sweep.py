@@ -77,12 +77,15 @@ def wait_until(condition, process: processes.Popen, what: str) -> None:
         time.sleep(0.05)
 
 
-def start_sweep(tmp_path: Path, name: str, *arguments: str) -> tuple[processes.Popen, Path, Path]:
-    """`fl-lightning sweep ...` as a process of its own: (the process, its stdout file, its stderr file)."""
+def start_sweep(tmp_path: Path, name: str, *arguments: str, fresh_runs: bool = False
+                ) -> tuple[processes.Popen, Path, Path]:
+    """`fl-lightning sweep ...` as a process of its own: (the process, its stdout file, its stderr file).
+    Its runs are forks of it, or with `fresh_runs` fresh interpreters, as the sweep starts them for users."""
     output, errors = tmp_path / f"{name}.out", tmp_path / f"{name}.err"
     with open(output, "w") as stdout, open(errors, "w") as stderr:
         process = processes.Popen([sys.executable, "-m", "fl_lightning", "sweep", *arguments],
-                                  env=processes.threaded_environment(), stdout=stdout, stderr=stderr)
+                                  env=processes.threaded_environment(), stdout=stdout, stderr=stderr,
+                                  fork_runs=not fresh_runs)
     return process, output, errors
 
 
@@ -96,7 +99,7 @@ def test_interrupted_sweep_resumes_without_retraining_finished_runs(tmp_path, ca
     finished, held = points[0], points[1]
 
     # Two at a time: FedProx is held after round 1 until the sweep gets Ctrl-C, which it passes on as
-    # SIGTERM. The sweep is a process of its own, its runs fresh interpreters, as from a shell.
+    # SIGTERM. The sweep is a process of its own, as from a shell.
     held.out_dir.mkdir(parents=True)
     (held.out_dir / "hold").touch()
     process, output, errors = start_sweep(tmp_path, "sweep", "--plan", str(plan), "--jobs", "2", "--runs_root",
@@ -196,7 +199,10 @@ def test_sighup_stops_the_runs_at_a_round_boundary_and_leaves_none_training(tmp_
     (point,) = load_plan(plan, runs_root=runs).grid()
     point.out_dir.mkdir(parents=True)
     (point.out_dir / "hold").touch()
-    process, output, errors = start_sweep(tmp_path, "sweep", "--plan", str(plan), "--runs_root", str(runs))
+    # Its run a fresh interpreter in a session of its own, as the sweep starts runs for users: the one
+    # test of a sweep whose run the product starts itself.
+    process, output, errors = start_sweep(tmp_path, "sweep", "--plan", str(plan), "--runs_root", str(runs),
+                                          fresh_runs=True)
     try:
         wait_until(lambda: (checkpoint_dir(point.out_dir) / "round_000001.ckpt").exists(), process,
                    "the run checkpointed round 1")
