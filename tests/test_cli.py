@@ -14,7 +14,8 @@ from fl_lightning.cli.main import COMMANDS, command_parser, main
 from fl_lightning.cli.parser import build_parser, parse_command_line
 from fl_lightning.models import registered_models
 
-QUICKSTART = str(Path(__file__).parent.parent / "configs" / "quickstart.yaml")
+CONFIGS = Path(__file__).parent.parent / "configs"
+QUICKSTART = str(CONFIGS / "quickstart.yaml")
 
 
 def parse(*argv):
@@ -64,6 +65,25 @@ def test_one_parser_parses_each_command_line_as_a_parser_of_its_own(capsys):
     capsys.readouterr()
     for argv, expected in [*zip(command_lines, fresh), *reversed(list(zip(command_lines, fresh)))]:
         assert parse_command_line(argv, command_parser()) == expected, argv
+
+
+def test_a_line_that_starts_with_its_command_parses_as_the_whole_parser_parses_it():
+    """parse_command_line parses such a line with its command's parser alone (twice as fast): the
+    settings must be those of the whole parser, with config files, short names, bare flags, lists of
+    classes and JSON values in the line."""
+    parser = command_parser()
+    callbacks = '[{"class_path": "fl_lightning.callbacks.EarlyStopping", "init_args": {"patience": 2}}]'
+    command_lines = [
+        ["fit", "--config", QUICKSTART, "--algorithm", "fedprox", "--algorithm.mu", "0.3", "--seed", "4"],
+        ["fit", "--config", QUICKSTART, "--config", str(CONFIGS / "const.yaml"), "--algorithm", "scaffold",
+         "--model.options", "{hidden: 16, depth: 2}", "--callbacks", callbacks, "--data.alpha", "0.1"],
+        ["fit", "--config", QUICKSTART, "--algorithm=ctpfl", "--federation.rounds=2", "--logger.progress_bar"],
+        ["sweep", "--plan", "plan.yaml", "--jobs", "2", "--override+", "federation.rounds=1", "--dry_run"],
+        ["table", "--plan", "plan.yaml", "--metric", "test_loss", "--at", "best"],
+    ]
+    for argv in command_lines:
+        whole = parser.parse_args(expand_bare_flags(expand_short_names(argv), parser.commands))
+        assert parse_command_line(argv, parser) == whole, argv
 
 
 def test_help_documents_every_group(capsys):

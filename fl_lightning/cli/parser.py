@@ -69,16 +69,32 @@ def _epilog(command: str) -> Optional[str]:
     )
 
 
+# Options that print instead of parsing.
+_PRINTING = ("--help", "-h", "--print_config")
+
+
 def parse_command_line(argv: list[str], parser: CommandParser) -> Namespace:
     """The one way a command line becomes settings (for `fl-lightning` and for each grid point of a
     sweep): config files checked, algorithm short names and bare flags expanded, and any parse error
-    restated as a ConfigError naming the field. Returns the parsed, not yet instantiated, namespace."""
+    restated as a ConfigError naming the field. Returns the parsed, not yet instantiated, namespace.
+
+    A line that starts with its command and neither asks for help nor prints its config is parsed by
+    that command's parser alone: the same settings as a parse by the whole parser, in half the time
+    (the whole parser checks every value again under the command's name). A line that this parse
+    refuses is parsed by the whole parser, for the error that parse gives."""
     check_config_files(argv)
     command = next((parser.commands[arg] for arg in argv if arg in parser.commands), None)
     if command is not None:
         check_class_paths(argv, command)
+    expanded = expand_bare_flags(expand_short_names(argv), parser.commands)
+    if expanded and expanded[0] in parser.commands and not any(arg.partition("=")[0] in _PRINTING for arg in expanded):
+        try:
+            settings = parser.subcommand_parsers[expanded[0]].parse_args(expanded[1:])
+            return Namespace(config=None, subcommand=expanded[0], **{expanded[0]: settings})
+        except ArgumentError:
+            pass
     try:
-        return parser.parse_args(expand_bare_flags(expand_short_names(argv), parser.commands))
+        return parser.parse_args(expanded)
     except ArgumentError as err:
         raise explain_parse_error(str(err), argv, parser.commands) from err
 
@@ -88,8 +104,6 @@ def parse_command_line(argv: list[str], parser: CommandParser) -> Namespace:
 PER_RUN_OPTIONS = ("--seed", "--out_dir", "--logger.name")
 # Options that could set a per-run value again after the command line gave it.
 _SETTING_PER_RUN_VALUES = ("--config", "--logger")
-# Options that print instead of parsing.
-_PRINTING = ("--help", "-h", "--print_config")
 
 
 class GridPointParser:
