@@ -79,9 +79,9 @@ def parse_command_line(argv: list[str], parser: CommandParser) -> Namespace:
     restated as a ConfigError naming the field. Returns the parsed, not yet instantiated, namespace.
 
     A line that starts with its command and neither asks for help nor prints its config is parsed by
-    that command's parser alone: the same settings as a parse by the whole parser, in half the time
-    (the whole parser checks every value again under the command's name). A line that this parse
-    refuses is parsed by the whole parser, for the error that parse gives."""
+    that command's parser alone: the settings the whole parser gives, which, after that parser has
+    parsed the line, computes the command's defaults and checks its settings once more (about 40% of
+    a parse). A line that this parse refuses is parsed by the whole parser, for the error it gives."""
     check_config_files(argv)
     command = next((parser.commands[arg] for arg in argv if arg in parser.commands), None)
     if command is not None:
