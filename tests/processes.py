@@ -172,8 +172,11 @@ def _fork_runs_from_the_server(server_environment: dict[str, str]) -> None:
     global _server_environment
     from fl_lightning.experiments import local
 
+    server = forkserver._forkserver
+    if server._forkserver_address is None or server._forkserver_alive_fd is None:
+        raise RuntimeError("fork_runs: this Python's forkserver gives its children no address to fork from")
     _server_environment = server_environment
-    forkserver._forkserver.ensure_running = lambda: None
+    server.ensure_running = lambda: None
     local.start_run_process = start_run_process
 
 
