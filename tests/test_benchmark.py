@@ -171,3 +171,16 @@ def test_host_sync_count_refuses_a_machine_without_cuda(capsys):
         pytest.skip("counts on CUDA instead")
     assert host_syncs.main(["--clients", "2"]) == 2
     assert "needs a CUDA device" in capsys.readouterr().err
+
+
+def test_resolve_benchmark_prints_its_three_figures(capsys, monkeypatch):
+    monkeypatch.chdir(SCRIPT.parents[1])  # the plan names its fragments from the repository root
+    spec = importlib.util.spec_from_file_location("resolve_benchmark", SCRIPT.with_name("resolve.py"))
+    resolve_benchmark = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(resolve_benchmark)
+    resolve_benchmark.main(["--plan", "configs/plans/smoke.yaml", "--repeats", "2"])
+    lines = capsys.readouterr().out.splitlines()
+    assert re.fullmatch(r"parse of `fit .*` \(median of 2\): \d+ ms by its command's parser, \d+ ms by the whole "
+                        r"parser", lines[0]), lines[0]
+    assert re.fullmatch(r"resolving the 8 points of configs/plans/smoke.yaml: [\d.]+ CPU s", lines[1]), lines[1]
+    assert re.fullmatch(r"table of configs/plans/smoke.yaml without runs: [\d.]+ CPU s", lines[2]), lines[2]

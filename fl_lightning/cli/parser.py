@@ -80,8 +80,9 @@ def parse_command_line(argv: list[str], parser: CommandParser) -> Namespace:
 
     A line that starts with its command and neither asks for help nor prints its config is parsed by
     that command's parser alone: the settings the whole parser gives, which, after that parser has
-    parsed the line, computes the command's defaults and checks its settings once more (about 40% of
-    a parse). A line that this parse refuses is parsed by the whole parser, for the error it gives."""
+    parsed the line, computes the command's defaults and checks its settings once more (a fit line
+    takes it about 40% longer: benchmarks/resolve.py). A line that this parse refuses is parsed by
+    the whole parser, for the error it gives."""
     check_config_files(argv)
     command = next((parser.commands[arg] for arg in argv if arg in parser.commands), None)
     if command is not None:
