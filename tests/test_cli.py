@@ -68,7 +68,7 @@ def test_one_parser_parses_each_command_line_as_a_parser_of_its_own(capsys):
 
 
 def test_a_line_that_starts_with_its_command_parses_as_the_whole_parser_parses_it():
-    """parse_command_line parses such a line with its command's parser alone (twice as fast): the
+    """parse_command_line parses such a line with its command's parser alone, which is faster: the
     settings must be those of the whole parser, with config files, short names, bare flags, lists of
     classes and JSON values in the line."""
     parser = command_parser()

@@ -176,23 +176,23 @@ def test_non_finite_round_fails_naming_round_and_clients_and_saves_nothing(setti
     assert "Traceback" not in completed.stderr
 
 
-# The two-rank runs that a stop signal interrupts: held at the start of round HELD_ROUND + 1
-# (tests/holds.py) until they are signalled or their folder's `hold` file is gone, so the signal
-# lands at a known round whatever the machine's speed.
-TWO_RANK_ROUNDS = 6
+# The runs that a stop signal interrupts (two ranks here, one in test_stops.py): held at the start of
+# round HELD_ROUND + 1 (tests/holds.py) until they are signalled or their folder's `hold` file is
+# gone, so the signal lands at a known round whatever the machine's speed.
+HELD_RUN_ROUNDS = 6
 HELD_ROUND = 2
 
 
-def held_run_arguments(rounds: int = TWO_RANK_ROUNDS) -> list[str]:
-    """`fit` options of a run of `rounds` rounds, one evaluation and checkpoint at the end, held after
-    HELD_ROUND while its folder has a file `hold` (its process needs `holds.pythonpath()`)."""
-    return ["--federation.rounds", str(rounds), "--federation.eval_every", str(rounds),
-            "--checkpoint.every", str(10 * rounds), "--callbacks", json.dumps([holds.hold_after(HELD_ROUND)])]
+def held_run_arguments() -> list[str]:
+    """`fit` options of a run of HELD_RUN_ROUNDS rounds, one evaluation and checkpoint at the end, held
+    after HELD_ROUND while its folder has a file `hold` (its process needs `holds.pythonpath()`)."""
+    return ["--federation.rounds", str(HELD_RUN_ROUNDS), "--federation.eval_every", str(HELD_RUN_ROUNDS),
+            "--checkpoint.every", str(10 * HELD_RUN_ROUNDS), "--callbacks", json.dumps([holds.hold_after(HELD_ROUND)])]
 
 
 def launch_ranks_as_srun(out_dir: Path, bin_dir: Path, logs: Path) -> list[processes.Popen]:
     """Two ranks on one simulated node, each started with the variables srun gives its tasks;
-    `bin_dir` (the stand-in scontrol) comes first on PATH. They train TWO_RANK_ROUNDS rounds, held
+    `bin_dir` (the stand-in scontrol) comes first on PATH. They train HELD_RUN_ROUNDS rounds, held
     after HELD_ROUND while `out_dir` has a file `hold`."""
     logs.mkdir(parents=True, exist_ok=True)
     port = str(processes.free_port())
@@ -269,7 +269,7 @@ def test_stop_under_slurm_checkpoints_requeues_and_resumes(signum, signalled_ran
     assert requeue_calls(scontrol_calls) == [f"requeue {SLURM_JOB_ID}"]
     rank0_output = (tmp_path / "logs-signalled" / "rank0.out").read_text()
     why = f"signal {signum.name}" if 0 in signalled_ranks else "requested by another rank"
-    assert f"stopped ({why}; checkpoint saved) at round {stop_round}/{TWO_RANK_ROUNDS}" in rank0_output
+    assert f"stopped ({why}; checkpoint saved) at round {stop_round}/{HELD_RUN_ROUNDS}" in rank0_output
     assert f"requeued SLURM job {SLURM_JOB_ID}" in rank0_output
     rows_before = completed_rows(out_dir)
 
@@ -277,7 +277,7 @@ def test_stop_under_slurm_checkpoints_requeues_and_resumes(signum, signalled_ran
         rank_logs(tmp_path / "logs-requeued")
     assert requeue_calls(scontrol_calls) == [f"requeue {SLURM_JOB_ID}"]  # no second requeue
     rows = completed_rows(out_dir)
-    assert [row["round"] for row in rows] == list(range(1, TWO_RANK_ROUNDS + 1))
+    assert [row["round"] for row in rows] == list(range(1, HELD_RUN_ROUNDS + 1))
     assert rows[:stop_round] == rows_before[:stop_round]
     assert_same_model(final_model(out_dir), final_model(two_rank_reference))
 

@@ -21,9 +21,9 @@ import processes
 import pytest
 from test_faults import (
     HELD_ROUND,
+    HELD_RUN_ROUNDS,
     RUN_TIMEOUT_S,
     SLURM_JOB_ID,
-    TWO_RANK_ROUNDS,
     fit_command,
     held_run_arguments,
     process_environment,
@@ -141,7 +141,7 @@ def test_a_stop_under_slurm_exits_0_without_a_traceback(state, requeue_error, si
     stdout, stderr = process.stdout.read(), (tmp_path / "stderr.txt").read_text()
     assert status == 0, stderr
     assert said in stdout
-    assert f"checkpoint saved) at round {HELD_ROUND + 1}/{TWO_RANK_ROUNDS}" in stdout, stdout
+    assert f"checkpoint saved) at round {HELD_ROUND + 1}/{HELD_RUN_ROUNDS}" in stdout, stdout
     calls = tmp_path / "calls.txt"
     assert (calls.read_text().splitlines() if calls.exists() else []) == requeue_calls
     assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr
