@@ -80,7 +80,8 @@ def wait_until(condition, process: processes.Popen, what: str) -> None:
 def start_sweep(tmp_path: Path, name: str, *arguments: str, fresh_runs: bool = False
                 ) -> tuple[processes.Popen, Path, Path]:
     """`fl-lightning sweep ...` as a process of its own: (the process, its stdout file, its stderr file).
-    Its runs are forks of it, or with `fresh_runs` fresh interpreters, as the sweep starts them for users."""
+    Its runs are forks of the tests' forkserver, or with `fresh_runs` fresh interpreters, as the sweep
+    starts them for users."""
     output, errors = tmp_path / f"{name}.out", tmp_path / f"{name}.err"
     with open(output, "w") as stdout, open(errors, "w") as stderr:
         process = processes.Popen([sys.executable, "-m", "fl_lightning", "sweep", *arguments],
