@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 import processes
 import pytest
@@ -12,6 +13,13 @@ def forked_processes_stopped():
     stopped and waited for: its children's CPU time then counts in pytest's, and none outlives it."""
     yield
     processes.shut_down()
+
+
+@pytest.fixture
+def in_repository_root(monkeypatch):
+    """The repository root as the working folder: the shipped plans name their config fragments
+    relative to it."""
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
 
 
 @pytest.fixture

@@ -24,14 +24,10 @@ from fl_lightning.experiments.dashboard import (
 )
 from fl_lightning.experiments.plan import load_plan
 
-pytestmark = pytest.mark.slow  # end to end: the tests train runs in-process or in subprocesses
+# End to end: the tests train runs in-process or in subprocesses.
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("in_repository_root")]
 ROOT = Path(__file__).parent.parent
 SMOKE = "configs/plans/smoke.yaml"
-
-
-@pytest.fixture(autouse=True)
-def at_the_repository_root(monkeypatch):
-    monkeypatch.chdir(ROOT)  # plans name their config fragments relative to it
 
 
 @pytest.fixture

@@ -21,11 +21,7 @@ SMOKE = REPOSITORY / "configs" / "plans" / "smoke.yaml"
 # Rounds of some tenths of a second, long enough to time on a machine that other work shares.
 LONGER_ROUNDS = ["--override", "federation.local_steps=40"]
 UNITS = {"B": 1, "KiB": 1024, "MiB": 1024 ** 2, "GiB": 1024 ** 3}
-
-
-@pytest.fixture(autouse=True)
-def in_repository_root(monkeypatch):
-    monkeypatch.chdir(REPOSITORY)  # the plans name their fragments from the repository root
+pytestmark = pytest.mark.usefixtures("in_repository_root")
 
 
 def size(text: str) -> float:

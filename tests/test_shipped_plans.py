@@ -43,12 +43,7 @@ from fl_lightning.experiments.table import table
 
 ROOT = Path(__file__).parent.parent
 PLANS = ROOT / "configs" / "plans"
-
-
-@pytest.fixture(autouse=True)
-def in_repository_root(monkeypatch):
-    # Plans name their fragments relative to the working folder, the repository root.
-    monkeypatch.chdir(ROOT)
+pytestmark = pytest.mark.usefixtures("in_repository_root")
 
 
 # --- the papers' grids ------------------------------------------------------------------------------
