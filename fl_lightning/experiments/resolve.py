@@ -59,10 +59,10 @@ class GridResolver:
 
     def resolve(self, point: GridPoint) -> ResolvedPoint:
         """The point resolved; when `fit` would refuse its settings, holding the error."""
-        argv = point.fit_arguments()
-        if tuple(argv) not in self._resolved:
-            self._resolved[tuple(argv)] = self._resolve(point, argv)
-        return self._resolved[tuple(argv)]
+        argv = tuple(point.fit_arguments())
+        if argv not in self._resolved:
+            self._resolved[argv] = self._resolve(point, list(argv))
+        return self._resolved[argv]
 
     def _resolve(self, point: GridPoint, argv: list[str]) -> ResolvedPoint:
         try:
