@@ -24,6 +24,7 @@ from typing import Optional
 import yaml
 
 from fl_lightning.errors import ConfigError
+from fl_lightning.yaml_text import load_yaml
 
 CONFIG_FILE = "config.yaml"
 VALIDATION_FILE = "validation.json"
@@ -127,7 +128,7 @@ def recorded_config(out_dir: Path) -> Optional[dict]:
     if not path.is_file():
         return None
     try:
-        return yaml.safe_load(path.read_text())
+        return load_yaml(path.read_text())
     except yaml.YAMLError as err:
         raise ConfigError("out_dir", f"a readable {CONFIG_FILE} in the run folder", f"{path} ({err})") from err
 

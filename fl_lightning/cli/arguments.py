@@ -19,6 +19,7 @@ from fl_lightning.algorithms import SHORT_NAMES, Algorithm
 from fl_lightning.cli.messages import class_in, describe_type
 from fl_lightning.configurable import class_path_of, init_parameters, resolve_dotted_path, subclasses, why_unresolved
 from fl_lightning.errors import ConfigError
+from fl_lightning.yaml_text import load_yaml
 
 # Options whose value may be an algorithm's short name.
 ALGORITHM_OPTIONS = ("--algorithm", "--algorithm.help", "--algorithm.class_path")
@@ -202,7 +203,7 @@ def _config_file_content(value: str) -> dict:
     except OSError as err:
         raise ConfigError("config", "a readable YAML file", f"{value} ({err.strerror})") from err
     try:
-        content = yaml.safe_load(text)
+        content = load_yaml(text)
     except yaml.YAMLError as err:
         where = getattr(err, "problem_mark", None)
         line = f" at line {where.line + 1}" if where is not None else ""
@@ -235,7 +236,7 @@ def check_class_paths(argv: list[str], command: Callable) -> None:
                 if class_in(annotation) is not None}
     given: list[tuple[str, object]] = []
     for value in _config_files(argv):  # readable YAML mappings: check_config_files has seen to that
-        content = yaml.safe_load(Path(value).read_text(encoding="utf-8"))
+        content = load_yaml(Path(value).read_text(encoding="utf-8"))
         given += [(name, _setting(content, name)) for name in settings if _setting(content, name) is not None]
     for position, arg in enumerate(argv):
         option, equals, value = arg.partition("=")
@@ -254,7 +255,7 @@ def check_class_paths(argv: list[str], command: Callable) -> None:
 
 def _yaml_value(text: str):
     try:
-        return yaml.safe_load(text)
+        return load_yaml(text)
     except yaml.YAMLError:
         return text  # jsonargparse reports it
 

@@ -32,6 +32,7 @@ import yaml
 
 from fl_lightning.errors import ConfigError
 from fl_lightning.run_dir import is_safe_to_change
+from fl_lightning.yaml_text import load_yaml
 
 ROUNDS = "federation.rounds"
 """Safe to change on resume, yet another table: it always makes a variant."""
@@ -64,7 +65,7 @@ def parse_overrides(overrides: Optional[list[str]]) -> dict[str, Any]:
         if key in parsed:
             raise ConfigError("override", "each setting once", key)
         try:
-            parsed[key] = yaml.safe_load(text)
+            parsed[key] = load_yaml(text)
         except yaml.YAMLError as err:
             raise ConfigError("override", "a YAML value after KEY=", f"{override} ({err})") from err
     return parsed

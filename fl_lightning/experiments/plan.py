@@ -39,6 +39,7 @@ import yaml
 from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.overrides import parse_overrides, value_text, variant_name
 from fl_lightning.experiments.resources import PlanResources, read_resources
+from fl_lightning.yaml_text import load_yaml
 
 Part = Union[str, dict]
 """A config fragment's path, or a mapping of dotted settings."""
@@ -132,7 +133,7 @@ def load_plan(path: Path, runs_root: Path = Path("runs"), overrides: Optional[li
     (KEY=VALUE, the command line's --override) are applied last to every point (see overrides.py)."""
     path = Path(path)
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = load_yaml(path.read_text())
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
         raise ConfigError("plan", "a readable YAML plan file", f"{path} ({err})") from err
     if not isinstance(raw, dict):

@@ -22,6 +22,7 @@ import yaml
 from fl_lightning.cli.parser import CommandParser, GridPointParser, build_parser
 from fl_lightning.errors import ConfigError
 from fl_lightning.fit import fit_config
+from fl_lightning.yaml_text import load_yaml
 
 if TYPE_CHECKING:
     from fl_lightning.experiments.plan import GridPoint
@@ -110,5 +111,5 @@ def refusal(entry: ResolvedPoint) -> str:
 def fit_settings_text(resolved: ResolvedPoint) -> str:
     """The point's `fit` settings, every config fragment and override resolved, as YAML that
     `fl-lightning fit --config` reads back."""
-    dumped = yaml.safe_load(fit_parser().dump(resolved.settings))["fit"]
+    dumped = load_yaml(fit_parser().dump(resolved.settings))["fit"]
     return yaml.safe_dump(dumped, sort_keys=False)
