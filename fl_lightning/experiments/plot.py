@@ -65,4 +65,7 @@ def plot_curves(result: Table, path: Path, band: str = "minmax") -> None:
     band_text = "min–max over seeds" if band == "minmax" else "± sample std over seeds"
     figure.suptitle(f"{result.metric}: mean, band {band_text}", fontsize="medium")
     figure.tight_layout()
+    # tight_layout leaves a placeholder layout engine, for which savefig draws the figure once more
+    # before drawing it into the file; the layout is already done.
+    figure.set_layout_engine(None)
     figure.savefig(path, dpi=120)
