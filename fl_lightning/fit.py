@@ -59,6 +59,7 @@ from fl_lightning.errors import ConfigError
 from fl_lightning.flat import FlatLayout
 from fl_lightning.run_dir import (
     CONFIG_FILE,
+    PARTITION_PLOT,
     VALIDATION_FILE,
     RunDirLock,
     check_same_experiment,
@@ -330,8 +331,10 @@ def _write_run_files(run) -> None:
     if run.validation is not None:
         write_text_atomically(out / VALIDATION_FILE,
                               json.dumps({str(i): p for i, p in enumerate(as_lists(run.validation))}))
-    histogram = class_histogram(run.train.labels.numpy(), run.partition, run.train.num_classes)
-    plot_partition(histogram, out / "partition.png")
+    # A resumed run has the partition it started with (fit refuses a changed one), and its plot.
+    if run.resume_state is None or not (out / PARTITION_PLOT).is_file():
+        histogram = class_histogram(run.train.labels.numpy(), run.partition, run.train.num_classes)
+        plot_partition(histogram, out / PARTITION_PLOT)
 
 
 def _build_fabric(args: FabricArgs, callbacks: list[Callback]):

@@ -75,6 +75,19 @@ def test_run_outputs(cifar_root, tmp_path):
     assert (tmp_path / "config.yaml").exists() and (tmp_path / "partition.png").exists()
 
 
+def test_a_resumed_run_keeps_its_partition_plot_and_draws_a_missing_one(cifar_root, tmp_path):
+    fit(algorithm=FedAvg(), **small_setup(cifar_root, tmp_path, rounds=1))
+    plot = tmp_path / "partition.png"
+    drawn = plot.read_bytes()
+    plot.write_bytes(b"the plot the run drew")
+    fit(algorithm=FedAvg(), **{**small_setup(cifar_root, tmp_path, rounds=2), "resume": "auto"})
+    assert plot.read_bytes() == b"the plot the run drew"
+    plot.unlink()
+    fit(algorithm=FedAvg(), **{**small_setup(cifar_root, tmp_path, rounds=3), "resume": "auto"})
+    assert plot.read_bytes() == drawn
+    assert [row["round"] for row in read_metrics(tmp_path)] == [1, 2, 3]
+
+
 def test_client_state_costs_its_raw_size_on_the_host():
     """One float32 vector per name per client that trained, kept off the accelerator, copied (not
     aliased) so the round's working tensors can be freed."""

@@ -8,6 +8,7 @@ from typing import get_args
 
 import numpy as np
 
+from fl_lightning.atomic_files import write_atomically
 from fl_lightning.choices import PartitionScheme
 from fl_lightning.errors import ConfigError
 
@@ -218,4 +219,5 @@ def plot_partition(histogram: np.ndarray, path: Path) -> None:
     # Fixed margins in inches (room for the labels and up to five-digit ticks): tight_layout would
     # draw the figure once more to measure them.
     figure.subplots_adjust(left=0.9 / width, right=1 - 0.2 / width, bottom=0.6 / height, top=1 - 0.4 / height)
-    figure.savefig(path, format="png", dpi=100)
+    # Whole or not at all: a resumed run keeps the plot it finds (fl_lightning.fit).
+    write_atomically(path, lambda file: figure.savefig(file, format="png", dpi=100))
