@@ -1,10 +1,47 @@
+import gc
 import os
+import re
 from pathlib import Path
 
 import processes
 import pytest
 
 os.environ.setdefault("WANDB_SILENT", "true")
+
+TESTS = Path(__file__).parent
+
+
+def uses_the_forkserver(test_file: Path) -> bool:
+    """Whether a test file starts processes through tests/processes.py: it imports the module, or
+    asks for the `forked_runs` fixture."""
+    text = test_file.read_text()
+    return re.search(r"^(import processes|from processes import)", text, re.MULTILINE) is not None or \
+        re.search(r"def test_\w+\([^)]*\bforked_runs\b", text) is not None
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile`, with the files that use the forkserver of tests/processes.py taken as one
+    file: they run on one worker, so that one forkserver (about 10 CPU s of imports) serves them all
+    instead of one per worker. Other modes are xdist's own."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    sharing = {path.relative_to(config.rootpath).as_posix() for path in TESTS.glob("test_*.py")
+               if uses_the_forkserver(path)}
+
+    class ForkserverFilesTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            test_file = super()._split_scope(nodeid)
+            return "the forkserver's files" if test_file in sharing else test_file
+
+    return ForkserverFilesTogether(config, log)
+
+
+def pytest_unconfigure(config):
+    """The tests are over: the interpreter's shutdown would garbage-collect, several times, every
+    object their imports made (seconds that the end of `make test` waits for each worker)."""
+    gc.freeze()
 
 
 @pytest.fixture(scope="session", autouse=True)
