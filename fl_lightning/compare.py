@@ -5,7 +5,8 @@ Runs are read, and their final and best values taken, by the same code as `fl-li
 contains "loss"; a torn last line of metrics.jsonl (a killed run, until it resumes) is left out and
 reported. With `plan`, a run folder that is one of the plan's grid points is compared with the
 point's settings, as `fl-lightning table` compares them, and left out and listed when it was made
-with other settings.
+with other settings. As in a table, only the points of the runs compared are resolved, and one whose
+settings `fit` refuses refuses the plan.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Optional, Union
 
 from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.plan import load_plan
-from fl_lightning.experiments.resolve import check_grid, resolve_grid
+from fl_lightning.experiments.resolve import GridResolver, check_grid
 from fl_lightning.experiments.runs import find_runs, other_experiment, read_run, run_labels, value_at
 
 
@@ -39,7 +40,7 @@ def compare(runs: Union[list[Path], str], metric: str = "test_accuracy", plot: O
     paths = find_runs([runs] if isinstance(runs, (str, Path)) else list(runs), recursive=False)
     if not paths:
         raise ConfigError("runs", "folders written by `fl-lightning fit` (with metrics.jsonl)", str(runs))
-    expected = _grid_settings(Path(plan), Path(runs_root)) if plan is not None else {}
+    expected = _grid_settings(Path(plan), Path(runs_root), paths) if plan is not None else {}
     rows, curves, logged, left_out = [], {}, set(), []
     for path, label in zip(paths, run_labels(paths)):
         run = read_run(path)
@@ -72,9 +73,13 @@ def compare(runs: Union[list[Path], str], metric: str = "test_accuracy", plot: O
     return rows
 
 
-def _grid_settings(plan: Path, runs_root: Path) -> dict[Path, dict]:
-    """Run folder (resolved) -> the settings `fit` builds for its grid point."""
-    resolved = resolve_grid(load_plan(plan, runs_root=runs_root).grid())
+def _grid_settings(plan: Path, runs_root: Path, runs: list[Path]) -> dict[Path, dict]:
+    """Run folder (resolved) -> the settings `fit` builds for its grid point, for the folders of `runs`
+    that are grid points of the plan."""
+    compared = {path.resolve() for path in runs}
+    resolver = GridResolver()
+    resolved = [resolver.resolve(point) for point in load_plan(plan, runs_root=runs_root).grid()
+                if point.out_dir.resolve() in compared]
     check_grid(plan, resolved)
     return {entry.point.out_dir.resolve(): entry.config for entry in resolved}
 

@@ -430,3 +430,22 @@ def test_compare_with_a_plan_leaves_out_runs_made_with_other_settings(sweep, cap
     assert [line.split()[0] for line in out.splitlines()[1:]] == [
         str(run_folder(sweep, "alpha-0.5", "scaffold", seed)) for seed in (0, 1)]
     assert f"left out, made with other settings than their grid point's: {changed} (seed 7 -> 2 (config.yaml))" in err
+
+
+def test_compare_with_a_plan_resolves_the_points_of_the_runs_compared_and_a_refused_one_refuses(sweep, capsys):
+    # As in a table: a method whose settings fit refuses, with no run among those compared, is not resolved.
+    plan = yaml.safe_load(sweep.read_text())
+    plan["methods"]["FedProx"] = [{"algorithm": "fedprox", "algorithm.init_args.mu": "much"}]
+    sweep.write_text(yaml.safe_dump(plan, sort_keys=False))
+    runs_root = sweep.parent / "runs"
+    main(["compare", "--runs", str(runs_root / "demo" / "alpha-0.5" / "scaffold" / "seed*"), "--plan", str(sweep),
+          "--runs_root", str(runs_root)])
+    assert len(capsys.readouterr().out.splitlines()) == 1 + 3
+    refused = run_folder(sweep, "alpha-0.1", "fedprox", 1)
+    write_run(refused, [0.5, 0.6])
+    with pytest.raises(SystemExit) as exit_info:
+        main(["compare", "--runs", f"[{refused}]", "--plan", str(sweep), "--runs_root", str(runs_root)])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert error.startswith("error: plan: expected grid points whose settings fit accepts")
+    assert error.endswith("] FedProx | alpha-0.1 | seed 1: algorithm.mu: expected a finite number, got 'much'\n")
