@@ -19,6 +19,7 @@ def uses_the_forkserver(test_file: Path) -> bool:
         re.search(r"def test_\w+\([^)]*\bforked_runs\b", text) is not None
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, which a run without it lacks
 def pytest_xdist_make_scheduler(config, log):
     """`--dist loadfile`, with the files that use the forkserver of tests/processes.py taken as one
     file: they run on one worker, so that one forkserver (about 10 CPU s of imports) serves them all
