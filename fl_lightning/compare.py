@@ -17,7 +17,7 @@ from typing import Optional, Union
 
 from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.plan import load_plan
-from fl_lightning.experiments.resolve import GridResolver, check_grid
+from fl_lightning.experiments.resolve import GridResolver, accepted_config
 from fl_lightning.experiments.runs import find_runs, other_experiment, read_run, run_labels, value_at
 
 
@@ -77,11 +77,9 @@ def _grid_settings(plan: Path, runs_root: Path, runs: list[Path]) -> dict[Path, 
     """Run folder (resolved) -> the settings `fit` builds for its grid point, for the folders of `runs`
     that are grid points of the plan."""
     compared = {path.resolve() for path in runs}
-    resolver = GridResolver()
-    resolved = [resolver.resolve(point) for point in load_plan(plan, runs_root=runs_root).grid()
-                if point.out_dir.resolve() in compared]
-    check_grid(plan, resolved)
-    return {entry.point.out_dir.resolve(): entry.config for entry in resolved}
+    grid, resolver = load_plan(plan, runs_root=runs_root).grid(), GridResolver()
+    return {out_dir: accepted_config(plan, resolver.resolve(point))
+            for point in grid if (out_dir := point.out_dir.resolve()) in compared}
 
 
 def _print_table(rows: list[dict]) -> None:

@@ -103,6 +103,14 @@ def check_grid(plan: Path, resolved: list[ResolvedPoint]) -> None:
                           [refusal(entry) for entry in broken])
 
 
+def accepted_config(plan: Path, resolved: ResolvedPoint) -> dict:
+    """The point's config, for a table or a compare of a run of it; when `fit` refuses the point's
+    settings, the plan is refused, naming the point and the field."""
+    if resolved.error is not None:
+        raise PlanRefused("plan", "grid points whose settings fit accepts", plan, [refusal(resolved)])
+    return resolved.config
+
+
 def refusal(entry: ResolvedPoint) -> str:
     """What `fit` refuses in a point's settings, and which point it is."""
     return f"[{entry.point.index}] {describe_point(entry.point)}: {entry.error}"

@@ -17,7 +17,7 @@ from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.overrides import value_text
 from fl_lightning.experiments.plan import GridPoint, load_plan
 from fl_lightning.experiments.reference import paper_numbers
-from fl_lightning.experiments.resolve import GridResolver, PlanRefused, refusal
+from fl_lightning.experiments.resolve import GridResolver, accepted_config
 from fl_lightning.experiments.runs import find_runs, read_run
 from fl_lightning.run_dir import defining_settings
 from fl_lightning.run_logging import METRICS_FILE
@@ -43,10 +43,7 @@ class Entry:
         refuse them. None without a plan."""
         if self.point is None:
             return None
-        resolved = self.resolver.resolve(self.point)
-        if resolved.error is not None:
-            raise PlanRefused("plan", "grid points whose settings fit accepts", self.plan_file, [refusal(resolved)])
-        return resolved.config
+        return accepted_config(self.plan_file, self.resolver.resolve(self.point))
 
     @property
     def rounds(self) -> Optional[int]:
