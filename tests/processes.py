@@ -288,6 +288,19 @@ def _captured(output: IO[bytes]) -> str:
     return output.read().decode(errors="replace")
 
 
+def wait_until(condition: Callable[[], bool], running: list, what: str, timeout: float) -> None:
+    """Poll `condition` until it holds; fail, naming `what`, if one of the `running` processes
+    (subprocess's or this module's Popen) exits first, or after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        ended = [process for process in running if process.poll() is not None]
+        if ended:
+            raise AssertionError(f"{ended[0].args[:4]} exited {ended[0].returncode} before {what}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.01)
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

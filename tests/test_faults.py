@@ -13,7 +13,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import holds
@@ -87,16 +86,6 @@ def assert_same_model(got: dict[str, torch.Tensor], expected: dict[str, torch.Te
     assert got.keys() == expected.keys()
     for name in expected:
         assert torch.allclose(got[name], expected[name], atol=1e-6), f"{name} differs"
-
-
-def wait_until(condition, running: list[subprocess.Popen | processes.Popen], what: str) -> None:
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    while not condition():
-        if any(p.poll() is not None for p in running):
-            pytest.fail(f"the run ended before {what}")
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.01)
 
 
 def wait_all(running: list[processes.Popen]) -> list[int]:
@@ -256,8 +245,8 @@ def test_stop_under_slurm_checkpoints_requeues_and_resumes(signum, signalled_ran
     out_dir.mkdir()
     (out_dir / "hold").touch()
     ranks = launch_ranks_as_srun(out_dir, bin_dir, tmp_path / "logs-signalled")
-    wait_until(lambda: all((out_dir / f"held_rank{rank}").exists() for rank in range(2)), ranks,
-               f"both ranks held after round {HELD_ROUND}")
+    processes.wait_until(lambda: all((out_dir / f"held_rank{rank}").exists() for rank in range(2)), ranks,
+                         f"both ranks held after round {HELD_ROUND}", RUN_TIMEOUT_S)
     for rank in signalled_ranks:
         ranks[rank].send_signal(signum)
     (out_dir / "hold").unlink()  # after the signal: a rank that did not get it goes on, and learns of it
@@ -381,7 +370,7 @@ def wait_for_handler(process: subprocess.Popen, signum: signal.Signals) -> None:
         mask = int(re.search(r"^SigCgt:\s*([0-9a-f]+)$", status, re.M).group(1), 16)
         return bool(mask & (1 << (signum - 1)))
 
-    wait_until(caught, [process], f"a handler for {signum.name}")
+    processes.wait_until(caught, [process], f"a handler for {signum.name}", RUN_TIMEOUT_S)
 
 
 def test_signal_during_start_up_stops_after_round_one_and_the_rerun_matches(reference, tmp_path):

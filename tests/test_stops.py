@@ -27,7 +27,6 @@ from test_faults import (
     fit_command,
     held_run_arguments,
     process_environment,
-    wait_until,
 )
 
 # `show job` reports the state in $STAND_IN_DIR/job_state; `requeue` is recorded, then either fails
@@ -134,7 +133,8 @@ def test_a_stop_under_slurm_exits_0_without_a_traceback(state, requeue_error, si
     (out_dir / "hold").touch()
     process = start_fit(tmp_path, "--logger.wandb_mode", "offline", *held_run_arguments(),
                         fresh_interpreter=fresh_interpreter, PYTHONPATH=holds.pythonpath(), **slurm_job)
-    wait_until(lambda: (out_dir / "held_rank0").exists(), [process], f"the run held after round {HELD_ROUND}")
+    processes.wait_until(lambda: (out_dir / "held_rank0").exists(), [process],
+                         f"the run held after round {HELD_ROUND}", RUN_TIMEOUT_S)
     for pid in step_processes(process):
         os.kill(pid, signum)
     status = signal_until_exit(process)

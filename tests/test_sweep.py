@@ -6,7 +6,6 @@ sbatch); how runs share the machine."""
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 
 import holds
@@ -69,14 +68,6 @@ def files_of(folder: Path) -> dict[str, tuple[int, bytes]]:
             for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-def wait_until(condition, process: processes.Popen, what: str) -> None:
-    deadline = time.monotonic() + TIMEOUT_S
-    while not condition():
-        assert process.poll() is None, f"the sweep exited {process.returncode} before {what}"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 def start_sweep(tmp_path: Path, name: str, *arguments: str, fresh_runs: bool = False
                 ) -> tuple[processes.Popen, Path, Path]:
     """`fl-lightning sweep ...` as a process of its own: (the process, its stdout file, its stderr file).
@@ -106,9 +97,9 @@ def test_interrupted_sweep_resumes_without_retraining_finished_runs(tmp_path, ca
     process, output, errors = start_sweep(tmp_path, "sweep", "--plan", str(plan), "--jobs", "2", "--runs_root",
                                           str(runs))
     try:
-        wait_until(lambda: "[0] finished at round 3" in output.read_text()
-                   and (checkpoint_dir(held.out_dir) / "round_000001.ckpt").exists(), process,
-                   "FedAvg finished and FedProx checkpointed round 1")
+        processes.wait_until(lambda: "[0] finished at round 3" in output.read_text()
+                             and (checkpoint_dir(held.out_dir) / "round_000001.ckpt").exists(), [process],
+                             "FedAvg finished and FedProx checkpointed round 1", TIMEOUT_S)
         process.send_signal(signal.SIGINT)
         process.wait(timeout=TIMEOUT_S)
     finally:
@@ -170,8 +161,8 @@ def test_two_sweeps_of_one_plan_split_the_grid(tmp_path, capsys, gate, forked_ru
     options = ("--plan", str(plan), "--runs_root", str(runs))
     first, first_out, first_err = start_sweep(tmp_path, "first", *options)
     try:
-        wait_until(lambda: (checkpoint_dir(held.out_dir) / "round_000001.ckpt").exists(), first,
-                   "the first sweep's run of seed 0 checkpointed round 1")
+        processes.wait_until(lambda: (checkpoint_dir(held.out_dir) / "round_000001.ckpt").exists(), [first],
+                             "the first sweep's run of seed 0 checkpointed round 1", TIMEOUT_S)
         # While the first sweep's run of seed 0 is held, a second sweep (in this process, its run
         # forked) takes seed 1.
         status, out, err = run_sweep(capsys, *options)
@@ -205,8 +196,8 @@ def test_sighup_stops_the_runs_at_a_round_boundary_and_leaves_none_training(tmp_
     process, output, errors = start_sweep(tmp_path, "sweep", "--plan", str(plan), "--runs_root", str(runs),
                                           fresh_runs=True)
     try:
-        wait_until(lambda: (checkpoint_dir(point.out_dir) / "round_000001.ckpt").exists(), process,
-                   "the run checkpointed round 1")
+        processes.wait_until(lambda: (checkpoint_dir(point.out_dir) / "round_000001.ckpt").exists(), [process],
+                             "the run checkpointed round 1", TIMEOUT_S)
         process.send_signal(signal.SIGHUP)  # the terminal closed
         assert finish(process) == 128 + signal.SIGHUP, errors.read_text()
     finally:
