@@ -154,8 +154,8 @@ class DataArgs:
     """The dataset, where it lies on disk, how it is split over clients and augmented."""
 
     name: Union[DatasetName, str] = "cifar10"
-    """The dataset: cifar10, cifar100, tiny_imagenet, digits (scikit-learn's bundled 8x8 digits; no
-    download, root unused), or a loader of your own as module.function, called as
+    """The dataset: cifar10, cifar100, tiny_imagenet, digits (8x8 handwritten digits bundled with
+    fl-lightning; no download, root unused), or a loader of your own as module.function, called as
     loader(root=..., download=...) and returning (train, test) ImageDatasets (docs/extending.md)."""
     root: Path = Path("data")
     """Folder holding the dataset in its standard layout (e.g. root/cifar-10-batches-py)."""

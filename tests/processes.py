@@ -1,7 +1,7 @@
 """`fl-lightning` processes for the tests, started without paying the imports each time.
 
 A fresh Python that imports fl_lightning and Lightning costs about 8 CPU seconds before it trains
-anything (torch, torchmetrics -> torchvision -> torch._dynamo, scipy, wandb), several times what
+anything (torch, torchmetrics -> torchvision -> torch._dynamo, wandb), several times what
 the tests' tiny runs cost. Here every process is a fork of one forkserver
 (`multiprocessing.get_context("forkserver")`), a fresh single-threaded Python that has imported
 those modules once. The pytest process itself is never forked: torch uses GNU libgomp, and a fork
@@ -50,8 +50,7 @@ PRELOADED_MODULES = [
     "fl_lightning.clients.groups", "fl_lightning.clients.paths", "lightning.fabric", "lightning.pytorch",
     "torchmetrics", "torchvision", "torch._dynamo", "torch._inductor", "torch.utils.serialization",
     "matplotlib.pyplot", "matplotlib.backends.backend_agg", "PIL.JpegImagePlugin", "PIL.features",
-    "scipy.signal", "scipy.io", "sklearn.metrics", "sklearn.datasets", "sklearn.model_selection",
-    "sklearn.feature_extraction", "attrs", "docstring_parser", "requests",
+    "attrs", "docstring_parser", "requests",
     # W&B's, as far as `wandb.init` in offline mode and `wandb.teardown` go.
     "wandb", "wandb.sdk", "wandb.sdk.launch", "wandb.apis.public", "wandb.docker", "wandb._analytics",
     "opentelemetry.sdk.metrics", "opentelemetry.sdk.trace", "opentelemetry.sdk.resources", "opentelemetry.sdk._logs",

@@ -229,6 +229,10 @@ def test_digits_load_offline(tmp_path):
     assert int(train.images.max()) == 255 and int(train.images.min()) == 0
     assert train.num_classes == 10
     assert set(test.labels.tolist()) == set(range(10)) == set(train.labels.tolist())
+    # Split 80/20 within each class.
+    for label in range(10):
+        in_train, in_test = int((train.labels == label).sum()), int((test.labels == label).sum())
+        assert abs(in_train - 0.8 * (in_train + in_test)) <= 1
     pixels = train.images.double() / 255
     assert train.mean == pytest.approx((pixels.mean().item(),))
     assert train.std == pytest.approx((pixels.std(unbiased=False).item(),))
