@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from fl_lightning.data import class_histogram, partition_indices, plot_partition
+from fl_lightning.data import class_histogram, partition, partition_indices, plot_partition
 from fl_lightning.errors import ConfigError
 
 
@@ -125,3 +125,18 @@ def test_plot_partition_writes_a_png(labels, tmp_path):
     plot_partition(class_histogram(labels, parts, 10), path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert path.stat().st_size > 5000
+
+
+def test_a_split_plotted_again_gets_the_figure_a_fresh_draw_gives(labels, tmp_path):
+    """The figure of a split is drawn once per process: again it is the same PNG, and another
+    split, even one of the same counts in another shape, gets its own."""
+    histogram = class_histogram(labels, partition_indices(labels, 12, "dirichlet", alpha=0.5), 10)
+    figures = {}
+    for name, counts in [("first", histogram), ("again", histogram.copy()), ("other shape", histogram.reshape(10, 12)),
+                         ("other split", histogram[::-1])]:
+        plot_partition(counts, tmp_path / f"{name}.png")
+        figures[name] = (tmp_path / f"{name}.png").read_bytes()
+    partition._partition_png.cache_clear()
+    plot_partition(histogram, tmp_path / "drawn.png")
+    assert figures["first"] == figures["again"] == (tmp_path / "drawn.png").read_bytes()
+    assert len({figures["first"], figures["other shape"], figures["other split"]}) == 3

@@ -3,6 +3,8 @@ part of each client's samples for validation."""
 
 from __future__ import annotations
 
+import functools
+import io
 from pathlib import Path
 from typing import get_args
 
@@ -184,13 +186,23 @@ def class_histogram(labels: np.ndarray, parts: list[np.ndarray], num_classes: in
 
 def plot_partition(histogram: np.ndarray, path: Path) -> None:
     """Saves a PNG with one horizontal bar per client, stacked by class."""
+    histogram = np.asarray(histogram, dtype=np.int64)
+    png = _partition_png(histogram.shape, histogram.tobytes())
+    # Whole or not at all: a resumed run keeps the plot it finds (fl_lightning.fit).
+    write_atomically(path, lambda file: file.write(png))
+
+
+# Runs of one process on one split (the methods of a comparison at one seed, from a script or a
+# notebook) draw its figure once: drawing it takes longer than a small run's round.
+@functools.lru_cache(maxsize=8)
+def _partition_png(shape: tuple[int, int], counts: bytes) -> bytes:
     import matplotlib
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.collections import PolyCollection
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    histogram = np.asarray(histogram)
+    histogram = np.frombuffer(counts, dtype=np.int64).reshape(shape)
     num_clients, num_classes = histogram.shape
     # One collection of rectangles instead of a bar per client and class: a thousand clients of a
     # hundred classes would otherwise be 100,000 artists.
@@ -221,5 +233,6 @@ def plot_partition(histogram: np.ndarray, path: Path) -> None:
     # Fixed margins in inches (room for the labels and up to five-digit ticks): tight_layout would
     # draw the figure once more to measure them.
     figure.subplots_adjust(left=0.9 / width, right=1 - 0.2 / width, bottom=0.6 / height, top=1 - 0.4 / height)
-    # Whole or not at all: a resumed run keeps the plot it finds (fl_lightning.fit).
-    write_atomically(path, lambda file: figure.savefig(file, format="png", dpi=100))
+    png = io.BytesIO()
+    figure.savefig(png, format="png", dpi=100)
+    return png.getvalue()
