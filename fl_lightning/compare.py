@@ -17,6 +17,7 @@ from typing import Optional, Union
 
 from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.plan import load_plan
+from fl_lightning.experiments.plot import save_laid_out
 from fl_lightning.experiments.resolve import GridResolver, accepted_config
 from fl_lightning.experiments.runs import find_runs, other_experiment, read_run, run_labels, value_at
 
@@ -108,5 +109,4 @@ def _plot(curves: dict[str, list[tuple[int, float]]], metric: str, path: Path) -
     axes.set_ylabel(metric)
     axes.grid(alpha=0.3)
     axes.legend(fontsize="small")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    save_laid_out(figure, path)

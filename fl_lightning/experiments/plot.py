@@ -64,6 +64,11 @@ def plot_curves(result: Table, path: Path, band: str = "minmax") -> None:
         axes_grid[index // columns][index % columns].set_visible(False)
     band_text = "min–max over seeds" if band == "minmax" else "± sample std over seeds"
     figure.suptitle(f"{result.metric}: mean, band {band_text}", fontsize="medium")
+    save_laid_out(figure, path)
+
+
+def save_laid_out(figure, path: Path) -> None:
+    """Lays the figure out tightly (labels and legends inside it) and saves it as a PNG at 120 dpi."""
     figure.tight_layout()
     # tight_layout leaves a placeholder layout engine, for which savefig draws the figure once more
     # before drawing it into the file; the layout is already done.
