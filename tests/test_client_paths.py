@@ -381,8 +381,23 @@ def test_batchnorm_clients_grouped_in_bfloat16_match_the_loop_in_bfloat16(algori
     torch.testing.assert_close(grouped_params, loop_params, rtol=0, atol=0.05)
 
 
+@pytest.fixture
+def inductor_cache_of_these_kernels(monkeypatch):
+    """torch.compile's C++ kernels cached for the vector instructions ATen runs with here: torch 2.14's
+    inductor cache does not key them by ATEN_CPU_CAPABILITY, and a kernel built under another one
+    gave NaN or a crash. Without a vector ISA (ATEN_CPU_CAPABILITY=default) inductor's C++ code for
+    these steps does not build (a torch bug: at::vec used unconditionally)."""
+    from torch._inductor import cpu_vec_isa
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    if not cpu_vec_isa.pick_vec_isa():
+        pytest.skip("torch.compile's CPU code does not build without a vector ISA in this torch")
+    capability = torch.backends.cpu.get_cpu_capability().lower()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(Path(default_cache_dir()) / f"fl-lightning-{capability}"))
+
+
 @pytest.mark.slow
-def test_compiled_client_steps_give_the_same_model():
+def test_compiled_client_steps_give_the_same_model(inductor_cache_of_these_kernels):
     settings = dict(algorithm_name="scaffold", batch_norm=True, local_steps=2, client_path="loop")
     compiled = federated_loop(**settings, compile_steps=True)
     assert compiled.trainer._loop_call is not compiled.trainer._call_with_buffers

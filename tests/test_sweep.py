@@ -90,12 +90,12 @@ def test_interrupted_sweep_resumes_without_retraining_finished_runs(tmp_path, ca
     assert [(p.method, p.seed) for p in points] == [("FedAvg", 0), ("FedProx", 0)]
     finished, held = points[0], points[1]
 
-    # Two at a time: FedProx is held after round 1 until the sweep gets Ctrl-C, which it passes on as
-    # SIGTERM. The sweep is a process of its own, as from a shell.
+    # One at a time (a machine of one core takes no more): FedAvg finishes, then FedProx is held after
+    # round 1 until the sweep gets Ctrl-C, which it passes on as SIGTERM. The sweep is a process of its
+    # own, as from a shell.
     held.out_dir.mkdir(parents=True)
     (held.out_dir / "hold").touch()
-    process, output, errors = start_sweep(tmp_path, "sweep", "--plan", str(plan), "--jobs", "2", "--runs_root",
-                                          str(runs))
+    process, output, errors = start_sweep(tmp_path, "sweep", "--plan", str(plan), "--runs_root", str(runs))
     try:
         processes.wait_until(lambda: "[0] finished at round 3" in output.read_text()
                              and (checkpoint_dir(held.out_dir) / "round_000001.ckpt").exists(), [process],
@@ -128,7 +128,7 @@ def test_interrupted_sweep_resumes_without_retraining_finished_runs(tmp_path, ca
     # The same command again (in this process, its run forked): the finished run is skipped (no
     # process, no file touched), the stopped one continues from its checkpoint.
     (held.out_dir / "hold").unlink()
-    status, out, err = run_sweep(capsys, "--plan", str(plan), "--jobs", "2", "--runs_root", str(runs))
+    status, out, err = run_sweep(capsys, "--plan", str(plan), "--runs_root", str(runs))
     assert status == 0, err
     assert f"[{finished.index}] skipped, finished (round 3)" in out
     assert out.splitlines()[-1] == "1 finished, 0 failed, 1 skipped"
@@ -219,6 +219,7 @@ def test_a_failing_method_is_reported_and_the_others_finish(tmp_path, capsys, mo
     plan = write_plan(tmp_path / "plan.yaml", {"FedAvg": [], "Broken": [{"federation.batch_size": 100000}]},
                       seeds=[0], settings={})
     runs = tmp_path / "runs"
+    monkeypatch.setattr(local_module, "available_cores", lambda: 2)  # two runs at once, on any machine
     status, out, err = run_sweep(capsys, "--plan", str(plan), "--jobs", "2", "--runs_root", str(runs))
     assert status == 1
     broken = runs / "smoke" / "default" / "broken" / "seed0"
