@@ -3,16 +3,19 @@
 Stop signals are recorded from the first moment, before the heavy imports: Slurm's early signal
 (`sbatch --signal=USR1@T`) may arrive while the process is still starting, and SIGUSR1's default
 action would kill it with no checkpoint. Once the command is done they are ignored until the
-process exits (see fl_lightning.cluster.StopSignals).
+process exits (see fl_lightning.cluster.StopSignals). OpenMP's wait policy is set then too, before
+torch loads (fl_lightning.cpu.passive_wait_by_default).
 """
 
 import gc
 
 from fl_lightning.cluster import STOP_SIGNALS
+from fl_lightning.cpu import passive_wait_by_default
 
 
 def main() -> None:
     STOP_SIGNALS.hold_until_exit()
+    passive_wait_by_default()
     try:
         from fl_lightning.cli.main import main as run_command
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Callable, Literal, Optional, Union
 
 from fl_lightning.config import FabricArgs
+from fl_lightning.cpu import available_cores
 from fl_lightning.errors import ConfigError
 from fl_lightning.run_dir import is_launching_process
 
@@ -227,37 +228,27 @@ class Ranks:
 
     per_node: Union[int, Literal["auto"]]
     """The devices Fabric is given: a number of ranks, or `auto` (Fabric's: every visible GPU)."""
-    one_thread: bool
-    """Whether each rank runs torch on one intra-op thread (set in the rank before it trains)."""
 
 
 def resolve_ranks(devices: Union[int, Literal["auto"]], *, on_cpu: bool, cores: int, slurm_tasks: Optional[int] = None,
                   started_ranks: Optional[int] = None, interactive: bool = False) -> Ranks:
     """The rule of `fabric.devices` (FabricArgs.devices), from what this process sees.
 
-    A number is kept, threads untouched. `auto`: under SLURM (`slurm_tasks`) the allocation's tasks
-    per node, threads untouched (--cpus-per-task sets them); on a GPU Fabric's `auto`; in an
-    interactive session 1 rank, threads untouched; else on the CPU one rank per core (`cores`) on
-    one thread each. A rank started by a launcher (`started_ranks`: the ranks per node its launcher
-    started) takes that number rather than counting cores again, so every rank agrees.
+    A number is kept. `auto`: under SLURM (`slurm_tasks`) the allocation's tasks per node; on a GPU
+    Fabric's `auto`; in an interactive session 1 rank; else on the CPU one rank per core (`cores`).
+    A rank started by a launcher (`started_ranks`: the ranks per node its launcher started) takes
+    that number rather than counting cores again, so every rank agrees. (Each CPU rank's threads:
+    fl_lightning.cpu.)
     """
     if devices != "auto":
-        return Ranks(int(devices), one_thread=False)
+        return Ranks(int(devices))
     if slurm_tasks is not None:
-        return Ranks(slurm_tasks, one_thread=False)
+        return Ranks(slurm_tasks)
     if not on_cpu:
-        return Ranks("auto", one_thread=False)
+        return Ranks("auto")
     if interactive:
-        return Ranks(1, one_thread=False)
-    return Ranks(started_ranks if started_ranks is not None else max(1, cores), one_thread=True)
-
-
-def available_cores() -> int:
-    """The CPU cores this process may run on: its affinity (a SLURM task's, a container's or
-    `taskset`'s share) where the platform reports one, else all of the machine's."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0)) or 1
-    return os.cpu_count() or 1
+        return Ranks(1)
+    return Ranks(started_ranks if started_ranks is not None else max(1, cores))
 
 
 def started_ranks_per_node(num_nodes: int) -> Optional[int]:

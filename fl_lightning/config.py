@@ -109,6 +109,11 @@ class ComputeArgs:
     """`torch.compile` a client step's forward pass and its backward in the loop path (the grouped
     path runs under vmap, where it is not compiled). Compiling takes from seconds to minutes once
     per process; measure before relying on it (docs/performance.md)."""
+    cpu_threads: Union[PositiveInt, Literal["auto"]] = "auto"
+    """torch's intra-op threads of each rank on the CPU. `auto`: one thread for a model of fewer than a
+    million parameters (faster for such models, and unharmed by other work on the machine), else the
+    CPUs each rank may use (affinity, cgroup quota, SLURM_CPUS_PER_TASK, shared by the node's ranks);
+    OMP_NUM_THREADS in the environment takes precedence over `auto` (fl_lightning/cpu.py)."""
 
 
 @dataclass

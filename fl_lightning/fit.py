@@ -6,6 +6,7 @@ command line, and `algorithm` / `server_optimizer` are classes chosen with `clas
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -54,6 +55,7 @@ from fl_lightning.config import (
 )
 from fl_lightning.configurable import Configurable, resolve_dotted_path
 from fl_lightning.constraints import Constraint
+from fl_lightning.cpu import ThreadChoice, choose_threads, cpu_rank
 from fl_lightning.data import class_histogram, plot_partition
 from fl_lightning.errors import ConfigError
 from fl_lightning.flat import FlatLayout
@@ -255,11 +257,15 @@ def _build_and_train(settings: RunSettings, checked: FitConfig, resume_state: Op
         module.load_state_dict(resume_state["model"])
         return FlatLayout.of(module.named_parameters()).flatten(dict(module.named_parameters()))
 
+    threads = _cpu_threads(settings, module)
+    if launching and threads is not None:
+        print(threads.describe(), flush=True)
     engine = _build_fabric(settings.fabric, _run_callbacks(settings.federation, logger, settings.checkpoint,
                                                            settings.callbacks, out_dir, identity))
     # Ranks return nothing: a spawned rank's return value travels through a pipe that a model
     # would block. The final model is the last checkpoint, always written at the end.
-    engine.launch(_train_and_record, run)
+    with _threads_of_started_ranks(threads):
+        engine.launch(_train_and_record, run, threads)
     final = torch.load(checkpoint_dir(out_dir) / LAST, map_location="cpu", weights_only=False)
     module.load_state_dict(final["model"])
     return FlatLayout.of(module.named_parameters()).flatten(dict(module.named_parameters()))
@@ -303,15 +309,10 @@ def _complete_logs_of_finished_run(logger: LoggerArgs, out_dir: Path, identity: 
 # `run` is a federation.FederatedRun, left unannotated: federation imports Lightning, which parsing
 # and refusing a command line need not wait for, and jsonargparse, reading fit's signature, runs
 # the imports of this module's `if TYPE_CHECKING:` block.
-def _train_and_record(fabric, run) -> None:
+def _train_and_record(fabric, run, threads: Optional[ThreadChoice]) -> None:
     from fl_lightning.federation import train
 
-    # Each rank sets its own threads (a rank started by Fabric is a process of its own); rank 0 may
-    # be the caller's process, whose threads are put back afterwards.
-    threads = torch.get_num_threads()
-    if ranks_of(FabricArgs(**run.hyperparameters["fabric"])).one_thread:
-        torch.set_num_threads(1)
-    try:
+    with contextlib.nullcontext() if threads is None else cpu_rank(threads, run.hyperparameters["fabric"]["precision"]):
         if fabric.global_rank == 0:
             _write_run_files(run)
         train(fabric, run)
@@ -319,8 +320,32 @@ def _train_and_record(fabric, run) -> None:
         # interpreter's teardown, where its threads can abort a rank after the run has finished.
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def _cpu_threads(settings: RunSettings, module: torch.nn.Module) -> Optional[ThreadChoice]:
+    """Each CPU rank's threads (fl_lightning.cpu), the same in every rank; None off the CPU."""
+    if not settings.fabric.runs_on_cpu():
+        return None
+    return choose_threads(settings.compute.cpu_threads, sum(p.numel() for p in module.parameters()),
+                          _ranks_per_node(ranks_of(settings.fabric)))
+
+
+@contextlib.contextmanager
+def _threads_of_started_ranks(threads: Optional[ThreadChoice]):
+    """The ranks Fabric starts take the choice as OMP_NUM_THREADS (its launcher would otherwise set
+    the node's cores over its ranks); this process's environment is left as it was."""
+    if threads is None:
+        yield
+        return
+    before = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(threads.threads)
+    try:
+        yield
     finally:
-        torch.set_num_threads(threads)
+        if before is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = before
 
 
 def _write_run_files(run) -> None:

@@ -81,8 +81,6 @@ fl_read_allocation() {
     if [[ -n ${SLURM_CPUS_PER_TASK:-} ]]; then
         export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK
     fi
-    # One thread per CPU the rank was given, not one per core of the node.
-    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}
 }
 
 fl_check_config() {

@@ -7,6 +7,10 @@ import processes
 import pytest
 
 os.environ.setdefault("WANDB_SILENT", "true")
+# torch's threads in the test processes are the tests' own (`one_torch_thread`), not the rule of
+# `compute.cpu_threads: auto`, which a run leaves alone when OMP_NUM_THREADS is set (its own tests
+# unset it); the processes tests start take it too.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 TESTS = Path(__file__).parent
 

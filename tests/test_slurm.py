@@ -283,12 +283,15 @@ def test_outside_sbatch_the_script_says_so(tmp_path):
     assert job.srun_args == []
 
 
-@pytest.mark.parametrize("cpus_per_task, srun_cpus, threads", [(None, "unset", "1"), ("3", "3", "3")])
-def test_cpus_per_task_reach_the_ranks(cpus_per_task, srun_cpus, threads, tmp_path):
+@pytest.mark.parametrize("cpus_per_task, srun_cpus", [(None, "unset"), ("3", "3")])
+def test_cpus_per_task_reach_the_ranks(cpus_per_task, srun_cpus, tmp_path, monkeypatch):
+    """srun gets the job's CPUs per task, and each rank chooses its threads from them
+    (fl_lightning.cpu): the script sets no OMP_NUM_THREADS, which would override that choice."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     extra = {"SLURM_CPUS_PER_TASK": cpus_per_task} if cpus_per_task else {}
     job = run_script(FIT_SCRIPT, tmp_path, allocation_environment(1, 2, **extra))
     assert job.status == 0, job.stderr
-    assert job.srun_env == {"SRUN_CPUS_PER_TASK": srun_cpus, "OMP_NUM_THREADS": threads}
+    assert job.srun_env == {"SRUN_CPUS_PER_TASK": srun_cpus, "OMP_NUM_THREADS": "unset"}
 
 
 # --- the environment hook ----------------------------------------------------------------------

@@ -29,7 +29,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Optional
 
-from fl_lightning.cluster import available_cores
+from fl_lightning.cpu import available_cores
 from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.plan import GridPoint
 from fl_lightning.experiments.resolve import ResolvedPoint, describe_point
