@@ -84,21 +84,23 @@ def test_server_optimizer_under_fedavg_matches_reference(cifar_root, tmp_path, n
 @pytest.mark.slow
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_server_optimizer_under_ctpfl_matches_reference(cifar_root, tmp_path, name):
-    """CTP-FL hands the server v = the mean gradient along the shared path, so Delta = -v."""
+    """CTP-FL hands the server the mean gradient along the shared path u (Delta = -u), and its next
+    query points follow the step the server took: v = (x_previous - x) / lr."""
     make_optimizer, reference_step = OPTIMIZERS[name]
     span, K = 0.5, 3
+    optimizer = make_optimizer()
     setup = small_setup(cifar_root, tmp_path, rounds=4, local_epochs=K)
-    final = fit(algorithm=CTPFL(span=span), server_optimizer=make_optimizer(), **setup)
+    final = fit(algorithm=CTPFL(span=span), server_optimizer=optimizer, **setup)
 
     problem = LinearProblem(cifar_root, tmp_path)
-    x, v, state = problem.initial_params(), None, {}
+    x, state = problem.initial_params(), {}
+    v = torch.zeros_like(x)
     federation = setup["federation"]
     for r in range(federation.rounds):
-        v_prev = torch.zeros_like(x) if v is None else v
         clients = sample_clients(SEED, r, federation.num_clients, federation.clients_per_round)
-        v = sum(problem.grad(x - k * span / (K - 1) * v_prev, c) for c in clients for k in range(K))
-        v = v / (K * len(clients))
-        x = reference_step(x, -v, state)
+        u = sum(problem.grad(x - k * span / (K - 1) * v, c) for c in clients for k in range(K)) / (K * len(clients))
+        x, previous = reference_step(x, -u, state), x
+        v = (previous - x) / optimizer.lr
     assert_close(final, x)
 
 

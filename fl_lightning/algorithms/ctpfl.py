@@ -2,9 +2,19 @@
 
 Every client evaluates one mini-batch gradient at each of K shared points
 z_k = x - t_k v on the line through the global model x along the previous server direction v,
-t_k = k h / (K - 1) (t_0 = 0 when K = 1), and uploads their mean u_i. The server sets
-v <- sum_i p_i u_i and steps x <- x - gamma v (the server optimizer; gamma = its lr). No local
-model is trained. h = 0 is synchronised mini-batch SGD.
+t_k = k h / (K - 1) (t_0 = 0 when K = 1), and uploads their mean u_i. The server steps on the
+aggregate sum_i p_i u_i with its optimizer (gamma = its lr): x <- x - gamma v with v the aggregate
+under plain SGD, as in the paper. No local model is trained.
+
+The direction is the step the server took, v = (x_previous - x) / gamma: the paper's own identity
+(v^r = (x^{r-1} - x^r) / gamma), which under plain SGD is the aggregate itself (and is kept as it,
+exactly). With server momentum or an adaptive server optimizer (FedAdam, FedYogi, FedAdagrad) the
+step is not the aggregate, and the query points follow the trajectory the model actually moves on:
+with h = gamma the last point is one server step ahead of x.
+
+h = 0 queries every gradient at x: one SGD step per round on S x K x B samples (synchronised
+mini-batch SGD, FedSGD with a large batch). A round is then one step of the global model, where a
+round of FedAvg is K local steps of each client: equal rounds are not equal progress.
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ from fl_lightning.algorithms.base import PSEUDO_GRADIENT, Algorithm
 from fl_lightning.clients import ClientRun, clip_to_norm
 from fl_lightning.config import FederationArgs
 from fl_lightning.errors import ConfigError
+from fl_lightning.server_optimizers import ServerSGD
 
 
 class CTPFL(Algorithm):
@@ -90,8 +101,14 @@ class CTPFL(Algorithm):
         return gradient + self.weight_decay * query if self.weight_decay else gradient
 
     def server_update(self, params: torch.Tensor, aggregate: dict[str, torch.Tensor]) -> None:
-        self.server_state["direction"] = aggregate[PSEUDO_GRADIENT].clone()
-        self.server_optimizer.step(params, self.server_state["direction"])
+        optimizer = self.server_optimizer
+        if isinstance(optimizer, ServerSGD) and not optimizer.momentum:  # the step is gamma times the aggregate
+            self.server_state["direction"] = aggregate[PSEUDO_GRADIENT].clone()
+            optimizer.step(params, self.server_state["direction"])
+            return
+        previous = params.clone()
+        optimizer.step(params, aggregate[PSEUDO_GRADIENT])
+        self.server_state["direction"] = (previous - params) / optimizer.lr
 
     def round_metrics(self) -> dict[str, float]:
         norm = self.server_state["direction"].norm().item()
