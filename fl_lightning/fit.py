@@ -122,8 +122,9 @@ def fit(
         resume: "auto" continues the run in out_dir from its newest good checkpoint (if any); a path
             resumes from that checkpoint; null starts fresh. A resume refuses settings that differ
             from the run's (more rounds, logging, checkpointing and devices may change).
-        overwrite: with resume null, replace the results of a run already in out_dir (without it,
-            such a folder is refused).
+        overwrite: replace the run already in out_dir (its results are removed) and train from round 0,
+            with resume left at auto or null; refused with resume naming a checkpoint. Without it, resume
+            null over a folder that holds a run is refused.
 
     Returns the final global parameters as one flat tensor, in the module's parameter order.
     """
@@ -200,15 +201,15 @@ def _validate_settings(federation: FederationArgs, client_optimizer: ClientOptim
     federation.validate()
     client_optimizer.validate()
     check_signal_name(checkpoint.requeue_signal)
-    if overwrite and resume is not None:
-        raise ConfigError("overwrite", "false unless resume is null (overwrite replaces a run; resume continues it)",
-                          overwrite)
+    if overwrite and resume is not None and str(resume) != "auto":
+        raise ConfigError("overwrite", "false when resume names a checkpoint (overwrite starts the run in out_dir "
+                          "afresh; resuming from a checkpoint continues one)", overwrite)
 
 
 def _resume_state(resume, overwrite: bool, out_dir: Path, config: dict, rounds: int, launching: bool
                   ) -> Optional[dict]:
     """The checkpoint to continue from, once it is certain to belong to the same experiment."""
-    if resume is None:
+    if resume is None or overwrite:
         # Only the launching process judges the folder: other ranks may start after it wrote there.
         if launching and holds_results(out_dir):
             if not overwrite:

@@ -103,7 +103,7 @@ fl_forward() {
 # sent to the batch shell (scancel --batch or --full) are forwarded to srun, which relays them to
 # the ranks, and ignored once srun has ended. On a requeued attempt (SLURM_RESTART_COUNT > 0), `--resume auto --overwrite false`
 # come after FIT_ARGS: the attempt continues from the run's newest checkpoint, and a start-over
-# asked for at submission (--resume null --overwrite true) is not repeated over the progress the
+# asked for at submission (--overwrite true) is not repeated over the progress the
 # earlier attempts made. Returns srun's exit status.
 fl_launch() {
     local config=$1

@@ -265,10 +265,10 @@ BAD_INPUTS: dict[str, tuple[list[str], str, str]] = {
         ["--out_dir", "{tmp}/used_run", "--resume", "null"], "resume",
         "error: resume: expected 'auto' to continue the run already in {tmp}/used_run, overwrite: true to replace "
         "it, or another out_dir, got None"),
-    "overwrite while resuming": (
-        ["--overwrite", "true", "--resume", "auto"], "overwrite",
-        "error: overwrite: expected false unless resume is null (overwrite replaces a run; resume continues it), "
-        "got True"),
+    "overwrite while resuming from a checkpoint": (
+        ["--overwrite", "true", "--resume", "{tmp}/garbage.ckpt"], "overwrite",
+        "error: overwrite: expected false when resume names a checkpoint (overwrite starts the run in out_dir "
+        "afresh; resuming from a checkpoint continues one), got True"),
     "unknown client path": (
         ["--compute.client_path", "fast"], "compute.client_path",
         "error: compute.client_path: expected one of auto, loop, grouped, got 'fast'"),
@@ -283,7 +283,7 @@ WORDED_ELSEWHERE = {
     "requeue signal not a signal", "resume from a missing checkpoint", "out_dir under a file", "unknown model",
     "misspelt algorithm setting", "setting of an algorithm not chosen", "two nodes outside SLURM",
     "resume from a file that is not a checkpoint", "CTP-FL with local_epochs on clients of unequal sizes",
-    "fresh start over a folder holding a run", "overwrite while resuming",
+    "fresh start over a folder holding a run", "overwrite while resuming from a checkpoint",
 }
 
 

@@ -137,6 +137,26 @@ def test_fresh_start_in_a_folder_with_results_refuses_unless_overwrite(run_copy,
     assert [p.name for p in numbered_checkpoints(checkpoint_dir(run_copy))] == ["round_000002.ckpt"]
 
 
+@pytest.mark.parametrize("resume", [[], ["--resume", "auto"]], ids=["resume left at its default", "resume auto"])
+def test_overwrite_alone_replaces_the_run_and_starts_from_round_0(run_copy, capsys, resume):
+    """Fewer rounds than the run in the folder reached: a resume would refuse them."""
+    run_id = load_checkpoint(checkpoint_dir(run_copy) / "last.ckpt")["run_id"]
+    main([*BASE, "--federation.rounds", "3", *resume, "--overwrite", "true", "--out_dir", str(run_copy)])
+    assert "resuming" not in capsys.readouterr().err
+    assert [row["round"] for row in read_metrics(run_copy)] == [1, 2, 3]
+    assert [p.name for p in numbered_checkpoints(checkpoint_dir(run_copy))] == ["round_000002.ckpt",
+                                                                                 "round_000003.ckpt"]
+    assert load_checkpoint(checkpoint_dir(run_copy) / "last.ckpt")["run_id"] != run_id
+
+
+def test_overwrite_with_a_checkpoint_to_resume_from_is_refused(run_copy, capsys):
+    before = folder_snapshot(run_copy)
+    stderr = refused(capsys, run_copy, "--resume", str(checkpoint_dir(run_copy) / "last.ckpt"), "--overwrite", "true")
+    assert stderr.startswith("error: overwrite: expected false when resume names a checkpoint")
+    assert stderr.count("\n") == 1
+    assert folder_snapshot(run_copy) == before
+
+
 def test_explicit_checkpoint_of_another_algorithm_is_refused(run_copy, tmp_path, capsys):
     stderr = refused(capsys, tmp_path / "elsewhere", "--algorithm", "scaffold",
                      "--resume", str(checkpoint_dir(run_copy) / "last.ckpt"))
