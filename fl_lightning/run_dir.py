@@ -10,13 +10,10 @@ carried out (more rounds, evaluation and checkpoint cadence, logging, devices) m
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import hashlib
 import json
 import os
 import shutil
-import socket
 import sys
 from pathlib import Path
 from typing import Optional
@@ -24,6 +21,7 @@ from typing import Optional
 import yaml
 
 from fl_lightning.errors import ConfigError
+from fl_lightning.file_lock import FileLock, LockHeld
 from fl_lightning.yaml_text import load_yaml
 
 CONFIG_FILE = "config.yaml"
@@ -170,29 +168,16 @@ class RunDirLock:
 
     def __init__(self, out_dir: Path, name: str = LOCK_FILE):
         self.path = Path(out_dir) / name
-        self._file = None
+        self._lock = FileLock(self.path)
 
     def acquire(self) -> None:
-        handle = open(self.path, "a+")
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as err:
-            handle.seek(0)
-            holder = handle.read().strip() or "another process"
-            handle.close()
-            if err.errno not in (errno.EAGAIN, errno.EACCES):
-                raise
-            raise FolderInUse(holder, self.path.parent) from err
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-        handle.flush()
-        self._file = handle
+            self._lock.acquire()
+        except LockHeld as held:
+            raise FolderInUse(held.holder, self.path.parent) from held
 
     def release(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        self._lock.release()
 
 
 def report_safe_changes(changes: dict) -> None:

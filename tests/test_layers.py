@@ -30,7 +30,7 @@ LAYERS = [
     ("errors", ["fl_lightning", "fl_lightning.errors"]),
     ("helpers",
      ["fl_lightning.atomic_files", "fl_lightning.choices", "fl_lightning.configurable", "fl_lightning.cpu",
-      "fl_lightning.flat", "fl_lightning.yaml_text"]),
+      "fl_lightning.file_lock", "fl_lightning.flat", "fl_lightning.yaml_text"]),
     ("data and models", ["fl_lightning.data", "fl_lightning.models"]),
     ("settings", ["fl_lightning.config"]),
     ("run folder, logging and cluster",

@@ -1,13 +1,14 @@
 """Datasets as uint8 tensors, their split over clients, and batched on-device augmentation."""
 
 from fl_lightning.data.augment import DeviceTransform
-from fl_lightning.data.datasets import DATASET_NAMES, ImageDataset, load_dataset
+from fl_lightning.data.datasets import DATASET_NAMES, ImageDataset, check_dataset, load_dataset
 from fl_lightning.data.partition import class_histogram, hold_out_validation, partition_indices, plot_partition
 
 __all__ = [
     "DATASET_NAMES",
     "DeviceTransform",
     "ImageDataset",
+    "check_dataset",
     "class_histogram",
     "hold_out_validation",
     "load_dataset",

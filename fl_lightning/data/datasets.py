@@ -20,6 +20,10 @@ evaluated on). Each split holds
 Both splits need the same C and H. `load_dataset` checks all of this and raises a `ConfigError`
 naming data.name for anything else; a loader reports a missing or unreadable dataset with a
 `ConfigError` naming data.root, as the built-in ones do.
+
+The built-in datasets read from data.root (`LAYOUTS`) are downloaded, extracted and decoded by one
+process at a time of all those that share data.root (fl_lightning.data.download); `check_dataset`
+tells, from file names alone, whether a run would find one whole, download it or refuse it.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import pickle
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, get_args
+from typing import Callable, Literal, Optional, get_args
 
 import numpy as np
 import torch
@@ -38,6 +42,7 @@ import torch
 from fl_lightning.atomic_files import write_atomically
 from fl_lightning.choices import DatasetName
 from fl_lightning.configurable import missing_module, resolve_dotted_path, why_unresolved
+from fl_lightning.data.download import DatasetLock, fetch_folder
 from fl_lightning.errors import ConfigError
 
 
@@ -72,6 +77,36 @@ CIFAR10_TRAIN_FILES = tuple(f"data_batch_{number}" for number in range(1, 6))
 TINY_IMAGENET_URL = "http://cs231n.stanford.edu/tiny-imagenet-200.zip"
 TINY_IMAGENET_CACHE = "fl_lightning_cache.pt"
 TINY_IMAGENET_SIZE = 64
+
+
+@dataclass(frozen=True)
+class DatasetLayout:
+    """Where a built-in dataset lies under data.root, what its folder must hold, and the archive it
+    is downloaded as (which unpacks to that folder)."""
+
+    folder: str
+    entries: tuple[str, ...]
+    """Files and folders the folder must hold, every one: a partial copy would silently train on less data."""
+    description: str
+    url: str
+    md5: Optional[str]
+    """Of the archive, as published."""
+
+    def lacking(self, folder: Path) -> list[str]:
+        return [entry for entry in self.entries if not (folder / entry).exists()]
+
+
+LAYOUTS = {
+    "cifar10": DatasetLayout("cifar-10-batches-py", (*CIFAR10_TRAIN_FILES, "test_batch"),
+                             "data_batch_1..5 and test_batch (CIFAR-10, python version)", CIFAR10_URL,
+                             "c58f30108f718f92721af3b95e74349a"),
+    "cifar100": DatasetLayout("cifar-100-python", ("train", "test"), "train and test (CIFAR-100, python version)",
+                              CIFAR100_URL, "eb9058c3a382ffc7106e4002c42a8d85"),
+    "tiny_imagenet": DatasetLayout("tiny-imagenet-200", ("wnids.txt", "train", "val/val_annotations.txt"),
+                                   "wnids.txt, train/<wnid>/images/*.JPEG and val/ with val_annotations.txt",
+                                   TINY_IMAGENET_URL, "90528d7ca1a48142e341f4ef8d21d0de"),
+}
+"""The built-in datasets read from data.root (digits is bundled)."""
 
 
 DatasetLoader = Callable[..., "tuple[ImageDataset, ImageDataset]"]
@@ -176,38 +211,69 @@ def _describe(value: object) -> str:
     return f"type {type(value).__name__}"
 
 
-def _missing_dataset(root: Path, folder: Path, layout: str) -> ConfigError:
-    return ConfigError("data.root", f"{folder}/ to hold {layout} (or set data.download: true)", str(root))
+DatasetState = Literal["present", "to download", "missing", "bundled", "not looked into"]
 
 
-def _download(url: str, root: Path, fetch) -> None:
-    """Run `fetch` (a torchvision download of `url` into root); any failure becomes a ConfigError
-    naming data.download and the URL, since offline that is the usual cause."""
-    try:
-        fetch()
-    except Exception as err:  # urllib, socket, checksum and file-system errors alike
-        raise ConfigError(
-            "data.download",
-            f"a network connection to download {url} into {root} (or the dataset already there)",
-            f"{type(err).__name__}: {err}",
-        ) from err
+@dataclass
+class DatasetCheck:
+    """What data.root holds of one dataset, found without reading its files (`check_dataset`)."""
+
+    name: str
+    folder: Optional[Path]
+    """The dataset's folder; None for digits (bundled) and for a loader of the user's."""
+    state: DatasetState
+    """present: whole in its layout (tiny_imagenet: or decoded in its cache); to download: absent, with
+    download; missing: absent without download, or only part of its layout there (which a download does
+    not replace); not looked into: a loader of the user's, which only its call can check."""
+    problem: Optional[ConfigError] = None
+    """What a run refuses the dataset with (state missing): one line naming the folder and its layout."""
 
 
-def _require_files(root: Path, folder: Path, names: tuple[str, ...], layout: str, download: bool,
-                   url: str, fetch) -> None:
-    """Every file of the layout must be there: a partial copy would silently train on less data."""
+def check_dataset(name: str, root: Path, download: bool = False) -> DatasetCheck:
+    """What root holds of the dataset `name`: whether a run with data.root `root` and data.download
+    `download` would find it whole in its layout, download it, or refuse it (and with what error).
+    Looks at names only, reading no file: cheap enough for every dataset of a plan."""
+    if name == "digits":
+        return DatasetCheck(name, None, "bundled")
+    if name not in LAYOUTS:
+        return DatasetCheck(name, None, "not looked into")
+    layout, root = LAYOUTS[name], Path(root)
+    folder = root / layout.folder
+    absent = layout.lacking(folder)
+    if not absent or (name == "tiny_imagenet" and (folder / TINY_IMAGENET_CACHE).is_file()):
+        return DatasetCheck(name, folder, "present")
+    if len(absent) < len(layout.entries):
+        replace = " (data.download does not replace a folder: remove it to download the dataset again)"
+        return DatasetCheck(name, folder, "missing", ConfigError(
+            "data.root", f"{folder}/ to hold {layout.description}",
+            f"{root}, whose {folder.name}/ lacks {', '.join(absent)}{replace if download else ''}"))
+    if download:
+        return DatasetCheck(name, folder, "to download")
+    return DatasetCheck(name, folder, "missing", ConfigError(
+        "data.root", f"{folder}/ to hold {layout.description} (or set data.download: true)", str(root)))
 
-    def missing() -> list[str]:
-        return [name for name in names if not (folder / name).is_file()]
 
-    if missing() and download:
-        _download(url, root, fetch)
-    absent = missing()
-    if len(absent) == len(names):
-        raise _missing_dataset(root, folder, layout)
-    if absent:
-        raise ConfigError("data.root", f"{folder}/ to hold {layout}",
-                          f"{root}, whose {folder.name}/ lacks {', '.join(absent)}")
+def _prepared_folder(name: str, root: Path, download: bool, ready: Callable[[], bool],
+                     prepare: Callable[[], None] = lambda: None) -> Path:
+    """The dataset's folder under root once `ready()` holds. Until it does, one process at a time of
+    all those sharing root (the DatasetLock) downloads what is absent (with `download`) and runs
+    `prepare`; the others wait for it, then find the dataset ready. A dataset that is missing is the
+    ConfigError of `check_dataset`."""
+    layout = LAYOUTS[name]
+    if not ready():
+        check = check_dataset(name, root, download)
+        if check.problem is not None:
+            raise check.problem
+        with DatasetLock(root, layout.folder):
+            if not ready():
+                if check_dataset(name, root, download).state == "to download":
+                    fetch_folder(layout.url, layout.md5, root, layout.folder, layout.lacking, layout.description)
+                # What is there now, fetched or not, must be whole.
+                check = check_dataset(name, root)
+                if check.problem is not None:
+                    raise check.problem
+                prepare()
+    return root / layout.folder
 
 
 def _read_cifar_batch(path: Path, label_key: str) -> tuple[np.ndarray, np.ndarray]:
@@ -236,16 +302,13 @@ def _cifar_split(paths: list[Path], label_key: str, num_classes: int, mean, std)
     return ImageDataset(torch.from_numpy(images), torch.from_numpy(labels), num_classes, mean, std)
 
 
+def _whole_folder(name: str, root: Path, download: bool) -> Path:
+    layout = LAYOUTS[name]
+    return _prepared_folder(name, root, download, lambda: not layout.lacking(root / layout.folder))
+
+
 def _load_cifar10(root: Path, download: bool) -> tuple[ImageDataset, ImageDataset]:
-    folder = root / "cifar-10-batches-py"
-
-    def fetch() -> None:
-        import torchvision
-
-        torchvision.datasets.CIFAR10(str(root), train=True, download=True)
-
-    _require_files(root, folder, (*CIFAR10_TRAIN_FILES, "test_batch"),
-                   "data_batch_1..5 and test_batch (CIFAR-10, python version)", download, CIFAR10_URL, fetch)
+    folder = _whole_folder("cifar10", root, download)
     return (
         _cifar_split([folder / name for name in CIFAR10_TRAIN_FILES], "labels", 10, CIFAR10_MEAN, CIFAR10_STD),
         _cifar_split([folder / "test_batch"], "labels", 10, CIFAR10_MEAN, CIFAR10_STD),
@@ -253,15 +316,7 @@ def _load_cifar10(root: Path, download: bool) -> tuple[ImageDataset, ImageDatase
 
 
 def _load_cifar100(root: Path, download: bool) -> tuple[ImageDataset, ImageDataset]:
-    folder = root / "cifar-100-python"
-
-    def fetch() -> None:
-        import torchvision
-
-        torchvision.datasets.CIFAR100(str(root), train=True, download=True)
-
-    _require_files(root, folder, ("train", "test"), "train and test (CIFAR-100, python version)", download,
-                   CIFAR100_URL, fetch)
+    folder = _whole_folder("cifar100", root, download)
     return (
         _cifar_split([folder / "train"], "fine_labels", 100, CIFAR100_MEAN, CIFAR100_STD),
         _cifar_split([folder / "test"], "fine_labels", 100, CIFAR100_MEAN, CIFAR100_STD),
@@ -269,24 +324,16 @@ def _load_cifar100(root: Path, download: bool) -> tuple[ImageDataset, ImageDatas
 
 
 def _load_tiny_imagenet(root: Path, download: bool) -> tuple[ImageDataset, ImageDataset]:
-    """Decodes the JPEGs once and keeps them in a cache file; delete it to decode again."""
-    folder = root / "tiny-imagenet-200"
-    cache = folder / TINY_IMAGENET_CACHE
-    if not cache.is_file():
-        has_layout = all(
-            (folder / part).exists() for part in ("wnids.txt", "train", "val/val_annotations.txt")
-        )
-        if not has_layout:
-            if not download:
-                raise _missing_dataset(
-                    root, folder, "wnids.txt, train/<wnid>/images/*.JPEG and val/ with val_annotations.txt"
-                )
-            from torchvision.datasets.utils import download_and_extract_archive
+    """Decodes the JPEGs once, in one process of all those sharing root, and keeps them in a cache
+    file; delete it to decode again."""
+    cache = root / LAYOUTS["tiny_imagenet"].folder / TINY_IMAGENET_CACHE
 
-            _download(TINY_IMAGENET_URL, root, lambda: download_and_extract_archive(TINY_IMAGENET_URL, str(root)))
+    def decode() -> None:
+        decoded = _decode_tiny_imagenet(cache.parent)
         # A run killed mid-write must not leave a truncated cache that later runs would trust.
-        decoded = _decode_tiny_imagenet(folder)
         write_atomically(cache, lambda file: torch.save(decoded, file))
+
+    _prepared_folder("tiny_imagenet", root, download, cache.is_file, decode)
     tensors = torch.load(cache, weights_only=True)
     num_classes = len(tensors["wnids"])
     return (

@@ -7,6 +7,8 @@ random stripe phase and pixel noise. A small model therefore learns them well ab
 from __future__ import annotations
 
 import pickle
+import tarfile
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -136,3 +138,21 @@ def write_tiny_imagenet(
         annotations.append(f"{filename}\t{wnids[label]}\t0\t0\t63\t63\n")
     (folder / "val" / "val_annotations.txt").write_text("".join(annotations))
     return folder
+
+
+def write_archive(folder: Path, archive: Path) -> Path:
+    """Packs the dataset folder `folder` (as written above) the way its published archive is packed,
+    every entry under the folder's own name: a .tar.gz (CIFAR's) or a .zip (Tiny-ImageNet's), as
+    `archive` ends. Returns `archive`."""
+    folder, archive = Path(folder), Path(archive)
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    if archive.name.endswith(".tar.gz"):
+        with tarfile.open(archive, "w:gz") as packed:
+            packed.add(folder, arcname=folder.name)
+    elif archive.suffix == ".zip":
+        with zipfile.ZipFile(archive, "w") as packed:
+            for path in sorted(folder.rglob("*")):
+                packed.write(path, path.relative_to(folder.parent))
+    else:
+        raise ValueError(f"archive must end in .tar.gz or .zip, got {archive.name!r}")
+    return archive

@@ -1,0 +1,52 @@
+"""An exclusive lock on a file, which names its holder: the lock of a run folder, and of a dataset's
+download in data.root."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import socket
+from pathlib import Path
+
+
+class LockHeld(Exception):
+    """Another process holds the lock."""
+
+    def __init__(self, holder: str, path: Path):
+        super().__init__(f"{path} is held by {holder}")
+        self.holder = holder
+        """`pid 1234 on host`, as the holder wrote it (or "another process")."""
+
+
+class FileLock:
+    """An flock on `path` (created when missing), taken without waiting; while held, the file holds
+    `pid <pid> on <host>`. The kernel drops it when the process dies, so a killed holder leaves no
+    stale lock behind; on NFS, Linux takes it on the server, so it holds across nodes."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._file = None
+
+    def acquire(self) -> None:
+        """Take the lock, or raise LockHeld naming its holder."""
+        handle = open(self.path, "a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            handle.close()
+            if err.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+            raise LockHeld(holder, self.path) from err
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        handle.flush()
+        self._file = handle
+
+    def release(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
