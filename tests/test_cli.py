@@ -12,6 +12,7 @@ from fl_lightning.algorithms import CTPFL, SHORT_NAMES, FedAvg
 from fl_lightning.cli.arguments import expand_bare_flags, expand_short_names
 from fl_lightning.cli.main import COMMANDS, command_parser, main
 from fl_lightning.cli.parser import build_parser, parse_command_line
+from fl_lightning.experiments.data_check import fit_line_of
 from fl_lightning.models import registered_models
 
 CONFIGS = Path(__file__).parent.parent / "configs"
@@ -261,6 +262,16 @@ def test_sweep_and_table_take_the_plan_as_their_first_argument(tmp_path, capsys)
     main(["sweep", str(plan), "--list", "true", "--runs_root", str(tmp_path / "runs")])
     listed = capsys.readouterr().out
     assert "fedavg" in listed and "seed1" in listed and "not started" in listed
+
+
+def test_data_takes_plans_or_a_fit_command_line():
+    fit_line = ["--config", QUICKSTART, "--data.root", "/scratch/data", "--data.download"]
+    assert fit_line_of(["data", *fit_line]) == fit_line
+    for argv in (["data", "plan.yaml"], ["data", "a.yaml", "b.yaml", "--override", "data.download=true"],
+                 ["data", "--plan", "plan.yaml"], ["data", "--plan=plan.yaml"], ["data", "--help"], ["data"],
+                 ["sweep", "--config", QUICKSTART], ["fit", "--config", QUICKSTART]):
+        assert fit_line_of(argv) is None, argv
+    assert "data" in COMMANDS
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""Downloads that many runs ask for at once: one process downloads under the
+"""Downloads that many runs ask for at once, and `fl-lightning data`: one process downloads under the
 lock of data.root while the others wait, a half-extracted folder is never read, a crashed or stopped
 downloader blocks no one. The network is a local HTTP server that serves archives packed as the
 published ones are (`fl_lightning.data.generate.write_archive`), each request held until the test
@@ -17,11 +17,13 @@ import processes
 import pytest
 from torchvision.datasets.utils import calculate_md5
 
+from fl_lightning.cli.main import main
 from fl_lightning.data import datasets, download
 from fl_lightning.data.datasets import LAYOUTS, check_dataset, load_dataset
 from fl_lightning.data.generate import write_archive, write_cifar, write_tiny_imagenet
 from fl_lightning.errors import ConfigError
 
+QUICKSTART = str(Path(__file__).parent.parent / "configs" / "quickstart.yaml")
 HOLD_S = 120
 ARCHIVES = {"cifar10": "cifar-10-python.tar.gz", "tiny_imagenet": "tiny-imagenet-200.zip"}
 WRITERS = {"cifar10": lambda root: write_cifar(root, "cifar10", num_train=50, num_test=10),
@@ -232,3 +234,57 @@ def test_a_data_root_the_lock_cannot_be_made_in_is_one_error(tmp_path):
     assert str(caught.value) == (
         "data.root: expected a folder this process can create and write (for the lock of a dataset's download and "
         f"decoding), got '{tmp_path}/a_file/data (Not a directory)'")
+
+
+def write_plan(tmp_path: Path, datasets: dict[str, str]) -> Path:
+    """A plan over datasets, setting name -> its data settings (a YAML flow mapping), for two seeds each."""
+    axis = "".join(f"    {name}: [{settings}]\n" for name, settings in datasets.items())
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(f"name: datasets\nconfigs: [{QUICKSTART}]\nmethods: {{FedAvg: [{{algorithm: fedavg}}]}}\n"
+                    f"settings:\n  dataset:\n{axis}seeds: [0, 1]\n")
+    return plan
+
+
+def test_data_of_a_plan_prints_each_dataset_once(tmp_path, cifar_root, capsys):
+    plan = write_plan(tmp_path, {"digits": "{data.name: digits}",
+                                 "cifar10": f"{{data.name: cifar10, data.root: {cifar_root}}}"})
+    main(["data", str(plan)])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [
+        "digits: bundled with fl-lightning (digits.npz): 1437 train and 360 test images of 1x8x8, 10 classes",
+        f"cifar10: {cifar_root}/cifar-10-batches-py/ holds data_batch_1..5 and test_batch (CIFAR-10, python version): "
+        f"layout OK; 240 train and 60 test images of 3x32x32, 10 classes; {lines[-1].split('; ')[-1]}",
+    ]
+    assert lines[1].endswith(" MB on disk")
+
+
+def test_data_downloads_a_plans_dataset_with_an_override(server, tmp_path, monkeypatch, capsys):
+    publish(server, tmp_path, "cifar10", monkeypatch)
+    root = tmp_path / "fetched"
+    plan = write_plan(tmp_path, {"cifar10": f"{{data.name: cifar10, data.root: {root}}}"})
+    main(["data", str(plan), "--override", "data.download=true"])
+    out = capsys.readouterr().out
+    assert out.count(f"downloading {LAYOUTS['cifar10'].url} into {root}") == 1
+    assert "50 train and 10 test images of 3x32x32" in out and check_dataset("cifar10", root).state == "present"
+
+
+def test_data_refuses_a_missing_dataset_in_the_line_fit_gives_before_downloading(server, tmp_path, monkeypatch,
+                                                                               capsys):
+    """A fit line's dataset is refused as fit refuses it; of a plan's two datasets, the one missing
+    without download stops the command before the other is downloaded."""
+    publish(server, tmp_path, "cifar10", monkeypatch)
+    missing = tmp_path / "nowhere"
+    fit_line = ["--config", QUICKSTART, "--data.name", "cifar100", "--data.root", str(missing)]
+    plan = write_plan(tmp_path, {"cifar10": f"{{data.name: cifar10, data.root: {tmp_path / 'fetched'}, "
+                                            "data.download: true}",
+                                 "cifar100": f"{{data.name: cifar100, data.root: {missing}}}"})
+    refusals = []
+    for argv in (["data", *fit_line], ["fit", *fit_line, "--out_dir", str(tmp_path / "run")], ["data", str(plan)]):
+        with pytest.raises(SystemExit) as exited:
+            main(argv)
+        assert exited.value.code == 2
+        refusals.append(capsys.readouterr().err)
+    assert refusals == 3 * [
+        f"error: data.root: expected {missing}/cifar-100-python/ to hold train and test (CIFAR-100, python version) "
+        f"(or set data.download: true), got '{missing}'\n"]
+    assert server.requests == []

@@ -1,5 +1,5 @@
 """The `fl-lightning` commands: `fit --config FILE [--group.field value ...]`, `sweep PLAN`,
-`table PLAN`, `dashboard PLAN` and `compare --runs [DIR, ...]`.
+`table PLAN`, `dashboard PLAN`, `data PLAN` (or `data --config FILE ...`) and `compare --runs [DIR, ...]`.
 
 Every bad input ends in one line on stderr, `error: <field>: expected ..., got ...`, and exit
 status 2, before any data is loaded or training starts (see `fl_lightning.cli.messages`).
@@ -17,11 +17,12 @@ from fl_lightning.cluster import RequeueFailed
 from fl_lightning.compare import compare
 from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.dashboard import dashboard
+from fl_lightning.experiments.data_check import data, data_of_fit_line, fit_line_of
 from fl_lightning.experiments.sweep import sweep
 from fl_lightning.experiments.table import table
 from fl_lightning.fit import fit
 
-COMMANDS = {"fit": fit, "compare": compare, "table": table, "sweep": sweep, "dashboard": dashboard}
+COMMANDS = {"fit": fit, "compare": compare, "table": table, "sweep": sweep, "dashboard": dashboard, "data": data}
 
 
 @functools.cache
@@ -33,11 +34,12 @@ def command_parser() -> CommandParser:
 
 
 # Subcommands whose first argument may be the plan itself: `fl-lightning sweep PLAN`.
-PLAN_COMMANDS = ("sweep", "table", "dashboard")
+PLAN_COMMANDS = ("sweep", "table", "dashboard", "data")
 
 
 def main(argv: Optional[list[str]] = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    data_fit_line = fit_line_of(argv)  # `data --config FILE ...`: a fit command line, parsed as fit parses it
     if argv and argv[0] in PLAN_COMMANDS:
         argv = _plan_command_line(argv)
     try:
@@ -45,6 +47,9 @@ def main(argv: Optional[list[str]] = None) -> None:
             from fl_lightning.models.registry import model_help
 
             print(model_help(model))
+            return
+        if data_fit_line is not None:
+            data_of_fit_line(data_fit_line)
             return
         parser = command_parser()
         config = parse_command_line(argv, parser)
