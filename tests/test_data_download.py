@@ -7,6 +7,7 @@ lets it through."""
 import dataclasses
 import functools
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -258,6 +259,20 @@ def test_data_of_a_plan_prints_each_dataset_once(tmp_path, cifar_root, capsys):
     assert lines[1].endswith(" MB on disk")
 
 
+def test_data_of_a_fit_line_reads_tiny_imagenet_from_its_cache_alone(tmp_path, capsys):
+    folder = write_tiny_imagenet(tmp_path / "data")
+    fit_line = ["data", "--config", QUICKSTART, "--data.name", "tiny_imagenet", "--data.root", str(tmp_path / "data")]
+    main(fit_line)
+    assert "holds wnids.txt, train/<wnid>/images/*.JPEG and val/ with val_annotations.txt: layout OK; 12 train and " \
+           "6 test images of 3x64x64, 3 classes; " in capsys.readouterr().out
+    for part in ("train", "val"):
+        shutil.rmtree(folder / part)
+    main(fit_line)
+    assert capsys.readouterr().out.startswith(
+        f"tiny_imagenet: {folder}/ holds its decoded images (fl_lightning_cache.pt), without the JPEG layout; 12 "
+        "train and 6 test images of 3x64x64, 3 classes; ")
+
+
 def test_data_downloads_a_plans_dataset_with_an_override(server, tmp_path, monkeypatch, capsys):
     publish(server, tmp_path, "cifar10", monkeypatch)
     root = tmp_path / "fetched"
@@ -268,6 +283,7 @@ def test_data_downloads_a_plans_dataset_with_an_override(server, tmp_path, monke
     assert "50 train and 10 test images of 3x32x32" in out and check_dataset("cifar10", root).state == "present"
 
 
+@pytest.mark.slow
 def test_data_refuses_a_missing_dataset_in_the_line_fit_gives_before_downloading(server, tmp_path, monkeypatch,
                                                                                capsys):
     """A fit line's dataset is refused as fit refuses it; of a plan's two datasets, the one missing
