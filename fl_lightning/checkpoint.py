@@ -1,6 +1,8 @@
 """Checkpoints: written atomically, checksummed, verified on load, the newest good one found for resume.
 
-Layout: out_dir/checkpoints/round_000010.ckpt ... and last.ckpt (a hard link to the newest).
+Layout: out_dir/checkpoints/round_000010.ckpt ... and last.ckpt (a hard link to the newest), the
+file users and evaluation scripts load: a resume checks it too, and puts the newest good checkpoint
+in its place when it is damaged, missing or behind (`restore_last`).
 A checkpoint is a plain dict saved with `torch.save`, loadable with `torch.load`. Per-client state
 of stateful algorithms is saved by each owner rank beside it, as round_000010.clients_rank0.pt ...,
 before the main file (whose presence marks the checkpoint complete). Pruning removes a checkpoint's
@@ -138,15 +140,51 @@ def load_client_shards(checkpoint_path: Path, round_completed: int, num_shards: 
 def save_checkpoint(state: dict, out_dir: Path, keep: int) -> Path:
     folder = checkpoint_dir(out_dir)
     folder.mkdir(parents=True, exist_ok=True)
-    numbered = folder / f"round_{state['round']:06d}.ckpt"
+    numbered = numbered_checkpoint(folder, state["round"])
     _save_file(state, numbered)
-    atomic_files.replace_atomically(lambda temporary: os.link(numbered, temporary), folder / LAST)
+    _link_last(numbered)
     for stale in numbered_checkpoints(folder)[:-keep]:
         # Shards first: the main file is what marks a checkpoint complete, so it goes last.
         for shard in folder.glob(stale.name.removesuffix(".ckpt") + ".clients_rank*.pt"):
             shard.unlink(missing_ok=True)
         stale.unlink(missing_ok=True)
     return numbered
+
+
+def numbered_checkpoint(folder: Path, round_completed: int) -> Path:
+    return folder / f"round_{round_completed:06d}.ckpt"
+
+
+def _link_last(numbered: Path) -> None:
+    atomic_files.replace_atomically(lambda temporary: os.link(numbered, temporary), numbered.parent / LAST)
+
+
+def restore_last(out_dir: Path, state: dict) -> None:
+    """Make last.ckpt the checkpoint a resume chose (`state`, the newest good one), with a warning,
+    when it is unreadable, fails its checks, is missing or holds an earlier round: a finished run
+    trains nothing, so nothing else would ever rewrite it."""
+    folder = checkpoint_dir(out_dir)
+    newest, last = numbered_checkpoint(folder, state["round"]), folder / LAST
+    if not newest.is_file() or (last.is_file() and os.path.samefile(newest, last)):
+        return  # the resume read last.ckpt itself, or last.ckpt is the newest checkpoint
+    problem = _last_checkpoint_problem(last, state["round"])
+    if problem is not None:
+        warnings.warn(f"{problem}; rewritten from {newest} (round {state['round']})", stacklevel=2)
+        _link_last(newest)
+
+
+def _last_checkpoint_problem(last: Path, newest_round: int) -> Optional[str]:
+    """What is wrong with last.ckpt beside a newest good checkpoint of `newest_round`; None when it
+    passes its checks and holds that round or a later one (a copy, whose hard link a copy broke)."""
+    if not last.is_file():
+        return f"checkpoint {last} is missing"
+    try:
+        last_round = load_checkpoint(last)["round"]
+    except ValueError as err:
+        return str(err)
+    if last_round < newest_round:
+        return f"checkpoint {last} holds round {last_round}, behind the newest good checkpoint"
+    return None
 
 
 def run_is_over(state: dict, rounds: int) -> bool:

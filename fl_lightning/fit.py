@@ -40,6 +40,7 @@ from fl_lightning.checkpoint import (
     newest_good_checkpoint,
     remove_orphan_shards,
     remove_temporary_files,
+    restore_last,
     run_is_over,
 )
 from fl_lightning.cluster import Ranks, check_signal_name, check_slurm_allocation, ranks_of
@@ -231,6 +232,8 @@ def _resume_state(resume, overwrite: bool, out_dir: Path, config: dict, rounds: 
         changes = check_same_experiment(recorded, config, source, out_dir)
         if launching and index == 0:
             report_safe_changes(changes)
+    if launching and state is not None and str(resume) == "auto":
+        restore_last(out_dir, state)
     return state
 
 

@@ -127,6 +127,29 @@ def test_last_ckpt_alone_is_found_when_the_numbered_checkpoints_are_gone(run_cop
     assert [row["round"] for row in read_metrics(run_copy)] == [1, 2, 3, 4]
 
 
+def test_a_garbage_last_ckpt_of_a_finished_run_is_rewritten_from_the_newest_good_checkpoint(run_copy, capsys):
+    folder = checkpoint_dir(run_copy)
+    newest = numbered_checkpoints(folder)[-1]
+    (folder / "last.ckpt").unlink()  # replaced, not written through: a hard link would take the newest with it
+    (folder / "last.ckpt").write_bytes(os.urandom(4096))
+    with pytest.warns(UserWarning, match=rf"checkpoint {folder / 'last.ckpt'} is unreadable .*; rewritten from "
+                      rf"{newest} \(round {ROUNDS}\)"):
+        fit(run_copy)
+    assert "nothing to train" in capsys.readouterr().err
+    last = load_checkpoint(folder / "last.ckpt")
+    assert last["round"] == ROUNDS and os.path.samefile(folder / "last.ckpt", newest)
+
+
+def test_a_last_ckpt_behind_the_newest_checkpoint_is_rewritten(run_copy):
+    """A kill between a checkpoint's save and the link of last.ckpt to it, at the last round."""
+    folder = checkpoint_dir(run_copy)
+    *_, previous, newest = numbered_checkpoints(folder)
+    shutil.copyfile(previous, folder / "last.ckpt")
+    with pytest.warns(UserWarning, match=f"holds round {ROUNDS - 2}, behind the newest good checkpoint"):
+        fit(run_copy)
+    assert os.path.samefile(folder / "last.ckpt", newest)
+
+
 def test_fresh_start_in_a_folder_with_results_refuses_unless_overwrite(run_copy, capsys):
     with pytest.raises(SystemExit) as exited:
         main([*BASE, "--federation.rounds", "2", "--resume", "null", "--out_dir", str(run_copy)])
