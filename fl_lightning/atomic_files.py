@@ -1,12 +1,18 @@
 """Files replaced atomically: the new content goes to a temporary file beside the target, is synced
 to disk (fsync), then renamed over the target, so that a reader, or a run after a crash or a kill,
-finds the old file or the complete new one, never a partial write."""
+finds the old file or the complete new one, never a partial write.
+
+A write that fails for a cause of the file system (a full disk, a read-only folder) raises
+`WriteFailed` naming the file; the old file is left as it was, and no temporary file is left."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
-from typing import BinaryIO, Callable
+from typing import BinaryIO, Callable, Iterator, Optional
+
+from fl_lightning.errors import RunInterrupted, WriteFailed
 
 
 def replace_atomically(write: Callable[[Path], None], target: Path) -> None:
@@ -14,11 +20,13 @@ def replace_atomically(write: Callable[[Path], None], target: Path) -> None:
     file (`.<name>.<pid>.tmp`) is removed whatever happens."""
     target = Path(target)
     temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    try:
-        write(temporary)
-        os.replace(temporary, target)
-    finally:
-        temporary.unlink(missing_ok=True)
+    with failures_reported_as_writes_of(target):
+        try:
+            write(temporary)
+            os.replace(temporary, target)
+        finally:
+            if os.path.lexists(temporary):  # a read-only file system refuses to unlink even a missing file
+                temporary.unlink()
 
 
 def write_atomically(target: Path, write: Callable[[BinaryIO], None]) -> None:
@@ -35,3 +43,29 @@ def write_atomically(target: Path, write: Callable[[BinaryIO], None]) -> None:
 
 def write_text_atomically(target: Path, text: str) -> None:
     write_atomically(target, lambda file: file.write(text.encode()))
+
+
+@contextlib.contextmanager
+def failures_reported_as_writes_of(path: Path) -> Iterator[None]:
+    """An OSError raised while writing `path` as WriteFailed naming it, also when the writer wrapped
+    it in an error of its own (torch.save raises a RuntimeError whose context is the OSError)."""
+    try:
+        yield
+    except RunInterrupted:
+        raise
+    except Exception as err:
+        cause = os_error_in(err)
+        if cause is None:
+            raise
+        raise WriteFailed(path, cause) from err
+
+
+def os_error_in(err: BaseException) -> Optional[OSError]:
+    """The OSError that `err` is, or that caused it (its chain of causes and contexts), or None."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, OSError):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None

@@ -12,7 +12,8 @@ The loop (`fl_lightning.federation.train`) calls these hooks on every rank throu
 - `on_round_end(fabric, loop, metrics)`: after the server step; `metrics` (a dict with "round",
   the 1-based number of the round just completed) may be extended in place, and is the row that
   metrics.jsonl, W&B and the checkpoint record.
-- `on_fit_end(fabric, loop)`: once, after the last round, a stop, or a failure (`loop.failed`).
+- `on_fit_end(fabric, loop)`: once, after the last round, a stop, or a failure (`loop.failed`, and
+  `loop.failure` the exception that ended the run).
 
 To stop a run, a hook calls `loop.request_stop(reason)`. Requests ride the stop slot of the next
 aggregation, so every rank agrees without a collective of its own: a request made in
@@ -39,7 +40,7 @@ from typing import Literal, Optional
 
 from fl_lightning.cluster import STOP_SIGNALS, requeue_after_stop
 from fl_lightning.configurable import Configurable
-from fl_lightning.errors import ConfigError
+from fl_lightning.errors import ConfigError, WriteFailed
 from fl_lightning.run_logging import MetricsLog, WandbRun, round_line, summary_line
 
 
@@ -218,7 +219,8 @@ class LogToWandb(Callback):
 
     def on_fit_end(self, fabric, loop) -> None:
         if fabric.global_rank == 0:
-            self.run.finish(loop.history)
+            # W&B's service cannot write the run's file into a folder the run could not write to.
+            self.run.finish(loop.history, wait_for_file=not isinstance(loop.failure, WriteFailed))
 
 
 class ShowProgress(Callback):

@@ -187,6 +187,25 @@ def _last_checkpoint_problem(last: Path, newest_round: int) -> Optional[str]:
     return None
 
 
+def last_good_checkpoint(out_dir: Path) -> Optional[Path]:
+    """The checkpoint a rerun resumes from, as far as a failing run can tell without reading it: the
+    newest numbered one (each is written whole, and after its shards)."""
+    saved = numbered_checkpoints(checkpoint_dir(out_dir))
+    return saved[-1] if saved else None
+
+
+def rerun_advice(out_dir: Path, remedy: str = "") -> str:
+    """What a run that cannot go on tells the user: its last good checkpoint, and that the same
+    command (after `remedy`, if any) resumes from it."""
+    last = last_good_checkpoint(out_dir)
+    then = f"{remedy}, then " if remedy else ""
+    if last is None:
+        return f"no checkpoint was saved yet: {then}run the same command again to start the run"
+    round_completed = int(_NUMBERED.search(last.name).group(1))
+    return f"the last good checkpoint is {last}: {then}run the same command again to resume from round " \
+           f"{round_completed}"
+
+
 def run_is_over(state: dict, rounds: int) -> bool:
     """Whether the run a checkpoint belongs to has nothing left to train for `rounds` rounds: it
     reached them, or it recorded a final stop (`final_stop`, e.g. early stopping), which more rounds

@@ -22,8 +22,7 @@ from fl_lightning.checkpoint import (
     CALLBACKS,
     FINAL_STOP,
     PENDING_FINAL_STOPS,
-    checkpoint_dir,
-    numbered_checkpoints,
+    last_good_checkpoint,
     save_checkpoint,
     save_client_shard,
 )
@@ -244,7 +243,8 @@ class FederatedLoop:
         self.stop_reasons: set[str] = set()  # every stop this process asked for
         self._asked_since_aggregation: dict[str, bool] = {}  # reason -> whether final, for the next aggregation
         self._requeue_requested = False
-        self.stopping = self.requeue_agreed = self.failed = False
+        self.stopping = self.requeue_agreed = False
+        self.failure: Optional[BaseException] = None  # what ended the run, when it failed
         self.final_stop: Optional[str] = None  # the reasons of an agreed final stop
         if state is not None:
             # A final stop asked for after the checkpoint's round still rides the next aggregation,
@@ -264,6 +264,10 @@ class FederatedLoop:
     @property
     def completed_rounds(self) -> int:
         return self.history[-1]["round"] if self.history else 0
+
+    @property
+    def failed(self) -> bool:
+        return self.failure is not None
 
     @property
     def stopped_early(self) -> bool:
@@ -342,8 +346,8 @@ class FederatedLoop:
     def _check_finite(self, round_index: int, clients: list[int], what: str, tensors: list[torch.Tensor]) -> None:
         if all(torch.isfinite(t).all() for t in tensors):
             return
-        saved = numbered_checkpoints(checkpoint_dir(self.out_dir))
-        last_good = f"the last good checkpoint is {saved[-1]}" if saved else "no checkpoint was saved yet"
+        saved = last_good_checkpoint(self.out_dir)
+        last_good = "no checkpoint was saved yet" if saved is None else f"the last good checkpoint is {saved}"
         raise FloatingPointError(f"round {round_index + 1}: {what} {clients} is not finite (NaN or inf; is a "
                                  f"learning rate too large?); {last_good}")
 
@@ -430,8 +434,8 @@ def train(fabric, run: FederatedRun) -> None:
             fabric.call("on_round_end", fabric, loop, metrics)
             if loop.stopping:
                 break
-    except BaseException:
-        loop.failed = True
+    except BaseException as err:
+        loop.failure = err
         raise
     finally:
         fabric.call("on_fit_end", fabric, loop)

@@ -9,6 +9,8 @@ import os
 import socket
 from pathlib import Path
 
+from fl_lightning.atomic_files import failures_reported_as_writes_of
+
 
 class LockHeld(Exception):
     """Another process holds the lock."""
@@ -40,11 +42,12 @@ class FileLock:
             if err.errno not in (errno.EAGAIN, errno.EACCES):
                 raise
             raise LockHeld(holder, self.path) from err
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-        handle.flush()
         self._file = handle
+        with failures_reported_as_writes_of(self.path):
+            handle.seek(0)
+            handle.truncate()
+            handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+            handle.flush()
 
     def release(self) -> None:
         if self._file is not None:

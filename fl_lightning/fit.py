@@ -40,6 +40,7 @@ from fl_lightning.checkpoint import (
     newest_good_checkpoint,
     remove_orphan_shards,
     remove_temporary_files,
+    rerun_advice,
     restore_last,
     run_is_over,
 )
@@ -58,7 +59,7 @@ from fl_lightning.configurable import Configurable, resolve_dotted_path
 from fl_lightning.constraints import Constraint
 from fl_lightning.cpu import ThreadChoice, choose_threads, cpu_rank
 from fl_lightning.data import class_histogram, plot_partition
-from fl_lightning.errors import ConfigError
+from fl_lightning.errors import ConfigError, RunInterrupted
 from fl_lightning.flat import FlatLayout
 from fl_lightning.run_dir import (
     CONFIG_FILE,
@@ -145,15 +146,17 @@ def fit(
     _check_writable(out_dir)
     launching = is_launching_process()
     lock = RunDirLock(out_dir)
-    if launching:
-        lock.acquire()
     try:
         if launching:
+            lock.acquire()
             print(f"run folder: {out_dir}", flush=True)
             remove_temporary_files(out_dir)
             remove_orphan_shards(out_dir)
         resume_state = _resume_state(resume, overwrite, out_dir, checked.config, federation.rounds, launching)
         return _build_and_train(settings, checked, resume_state, launching)
+    except RunInterrupted as err:
+        err.advice = rerun_advice(out_dir, err.remedy)
+        raise
     finally:
         lock.release()
 

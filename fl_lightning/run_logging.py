@@ -3,7 +3,10 @@
 Every round that ran is in the logs exactly once, whatever stopped the process: each checkpoint
 carries the metrics of every round up to it, and a resumed run rewrites metrics.jsonl from them
 and replays into W&B the rounds its run lacks. Logging is never allowed to stop training: a W&B
-failure is reported once and W&B is left out for the rest of that process.
+failure is reported once and W&B is left out for the rest of that process. A file of the run that
+cannot be written (metrics.jsonl, the W&B folder: a full disk, a read-only folder) is no logging
+failure but the run folder's, and ends the run as a checkpoint that cannot be written does
+(`fl_lightning.errors.WriteFailed`).
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from fl_lightning.atomic_files import write_text_atomically
+from fl_lightning.atomic_files import failures_reported_as_writes_of, write_text_atomically
 from fl_lightning.cluster import slurm_job_id
 from fl_lightning.config import LoggerArgs
+from fl_lightning.errors import UNWRITABLE_ERRNOS, WriteFailed
 from fl_lightning.wandb_file import history_steps, is_finished, read_records
 
 METRICS_FILE = "metrics.jsonl"
@@ -45,7 +49,8 @@ class MetricsLog:
         write_text_atomically(self.path, "".join(_json_row(row) + "\n" for row in history))
 
     def append(self, metrics: dict) -> None:
-        with open(self.path, "a") as f:
+        # A row cut short by a full disk is the torn last line a resume rewrites from the checkpoint.
+        with failures_reported_as_writes_of(self.path), open(self.path, "a") as f:
             f.write(_json_row(metrics) + "\n")
 
 
@@ -116,6 +121,7 @@ class WandbRun:
         try:
             self._run = self._init(self.args.wandb_mode, hyperparameters)
         except Exception as err:  # wandb raises several error types when the server is unreachable
+            self._refuse_unwritable_folder(err)
             if self.args.wandb_mode != "online":
                 return self._disable("start", err)
             warnings.warn(f"W&B online init failed ({err}); logging offline instead", stacklevel=2)
@@ -126,6 +132,12 @@ class WandbRun:
                 self._run = self._init("offline", hyperparameters)
             except Exception as offline_err:
                 self._disable("start", offline_err)
+
+    def _refuse_unwritable_folder(self, err: Exception) -> None:
+        """A W&B folder that cannot be written is a run folder that cannot be written (WriteFailed),
+        not a W&B failure to log past: offline or online, W&B keeps its files there."""
+        if isinstance(err, OSError) and err.errno in UNWRITABLE_ERRNOS:
+            raise WriteFailed(err.filename or self.out_dir / "wandb", err) from err
 
     def _init(self, mode: str, hyperparameters: dict):
         import wandb
@@ -151,11 +163,12 @@ class WandbRun:
         if self._run is not None and self._call("log", lambda: self._run.log(metrics, step=metrics["round"])):
             self._logged_rounds.append(metrics["round"])
 
-    def finish(self, history: list[dict]) -> None:
+    def finish(self, history: list[dict], wait_for_file: bool = True) -> None:
         """Record the final and best test accuracy in the run's summary (what a dashboard's table
         compares), then close the run, and wait until W&B's service has written every round this
         process logged into the run's file (`run.finish` returns before it has), or warn naming
         what the file lacks: a requeue or exit right after would otherwise lose the last rounds.
+        `wait_for_file` false (the run's folder cannot be written) closes the run without waiting.
 
         Under SLURM, W&B's service is then shut down (`wandb.teardown`), not left to W&B's exit
         hook: Slurm sends SIGTERM to every process of the job step, the service included, on
@@ -171,7 +184,7 @@ class WandbRun:
             run_file = Path(self._run.settings.sync_file)
             finished = self._call("finish", self._run.finish)
             self._run = None
-            if finished:
+            if finished and wait_for_file:
                 self._wait_for_run_file(run_file)
         if slurm_job_id() is not None:
             _shut_down_wandb_service()

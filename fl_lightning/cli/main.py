@@ -2,7 +2,10 @@
 `table PLAN`, `dashboard PLAN`, `data PLAN` (or `data --config FILE ...`) and `compare --runs [DIR, ...]`.
 
 Every bad input ends in one line on stderr, `error: <field>: expected ..., got ...`, and exit
-status 2, before any data is loaded or training starts (see `fl_lightning.cli.messages`).
+status 2, before any data is loaded or training starts (see `fl_lightning.cli.messages`). A run
+that cannot go on for a cause outside its settings ends in one `error:` line too, naming the cause
+and the checkpoint the same command resumes from: exit status 74 for a file it cannot write (a full
+disk, a read-only folder; `fl_lightning.errors.RunInterrupted`).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Optional
 from fl_lightning.cli.parser import CommandParser, build_parser, parse_command_line
 from fl_lightning.cluster import RequeueFailed
 from fl_lightning.compare import compare
-from fl_lightning.errors import ConfigError
+from fl_lightning.errors import ConfigError, RunInterrupted
 from fl_lightning.experiments.dashboard import dashboard
 from fl_lightning.experiments.data_check import data, data_of_fit_line, fit_line_of
 from fl_lightning.experiments.sweep import sweep
@@ -63,6 +66,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     except (FloatingPointError, RequeueFailed) as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(1) from err
+    except RunInterrupted as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(err.exit_status) from err
 
 
 def _plan_command_line(argv: list[str]) -> list[str]:
