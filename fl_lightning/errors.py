@@ -49,3 +49,8 @@ class WriteFailed(RunInterrupted):
     def __init__(self, path: os.PathLike, cause: OSError):
         super().__init__(f"cannot write {path} ({cause.strerror or cause})", _REMEDIES.get(cause.errno, ""))
 
+
+class RankLost(RunInterrupted):
+    """Another rank of the run is gone (its process died, its node went down) while this one needed it."""
+
+    exit_status = 75  # EX_TEMPFAIL of sysexits.h: a temporary failure, the same command may be run again

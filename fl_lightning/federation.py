@@ -34,6 +34,7 @@ from fl_lightning.config import ClientOptimizerArgs, ComputeArgs, DataArgs, Fede
 from fl_lightning.constraints import Constraint
 from fl_lightning.data import DeviceTransform, ImageDataset
 from fl_lightning.flat import FlatLayout
+from fl_lightning.lost_ranks import RankProcesses
 from fl_lightning.module import ClassificationModule
 from fl_lightning.server_optimizers import ServerOptimizer
 
@@ -424,8 +425,10 @@ class FederatedLoop:
 
 def train(fabric, run: FederatedRun) -> None:
     """Run the federation, calling the callbacks given to Fabric around every round; the final
-    global model is the last checkpoint."""
+    global model is the last checkpoint. A collective that fails because another rank is gone
+    raises RankLost, naming it."""
     loop = FederatedLoop(fabric, run)
+    ranks = RankProcesses.gather(fabric)  # now: a rank gone later cannot say who it was
     fabric.call("on_fit_start", fabric, loop)
     try:
         for round_index in range(loop.start_round, loop.rounds):
@@ -435,7 +438,10 @@ def train(fabric, run: FederatedRun) -> None:
             if loop.stopping:
                 break
     except BaseException as err:
-        loop.failure = err
+        lost = ranks.lost(err, round_index + 1)
+        loop.failure = lost or err
+        if lost is not None:
+            raise lost from err
         raise
     finally:
         fabric.call("on_fit_end", fabric, loop)

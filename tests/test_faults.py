@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -179,22 +180,24 @@ def held_run_arguments() -> list[str]:
             "--checkpoint.every", str(10 * HELD_RUN_ROUNDS), "--callbacks", json.dumps([holds.hold_after(HELD_ROUND)])]
 
 
-def launch_ranks_as_srun(out_dir: Path, bin_dir: Path, logs: Path) -> list[processes.Popen]:
-    """Two ranks on one simulated node, each started with the variables srun gives its tasks;
-    `bin_dir` (the stand-in scontrol) comes first on PATH. They train HELD_RUN_ROUNDS rounds, held
-    after HELD_ROUND while `out_dir` has a file `hold`."""
+def launch_ranks_as_srun(out_dir: Path, bin_dir: Path, logs: Path, nodes: int = 1, *extra: str
+                         ) -> list[processes.Popen]:
+    """Two ranks, on one simulated node or one on each of two, each started with the variables srun
+    gives its tasks; `bin_dir` (the stand-in scontrol) comes first on PATH. They train HELD_RUN_ROUNDS
+    rounds, held after HELD_ROUND while `out_dir` has a file `hold`."""
     logs.mkdir(parents=True, exist_ok=True)
     port = str(processes.free_port())
     ranks = []
     for rank in range(2):
         environment = process_environment(
-            SLURM_JOB_ID=SLURM_JOB_ID, SLURM_JOB_NAME="fault-test", SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2",
-            SLURM_NNODES="1", SLURM_NODEID="0", SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank),
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=port, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
-            PYTHONPATH=holds.pythonpath(),
+            SLURM_JOB_ID=SLURM_JOB_ID, SLURM_JOB_NAME="fault-test", SLURM_NTASKS="2",
+            SLURM_NTASKS_PER_NODE=str(2 // nodes), SLURM_NNODES=str(nodes), SLURM_NODEID=str(rank * nodes // 2),
+            SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank % (2 // nodes)), MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", PYTHONPATH=holds.pythonpath(),
         )
-        command = fit_command(out_dir, "--fabric.accelerator", "cpu", "--fabric.devices", "2",
-                              "--fabric.process_group_timeout_s", "60", *held_run_arguments())
+        command = fit_command(out_dir, "--fabric.accelerator", "cpu", "--fabric.devices", str(2 // nodes),
+                              "--fabric.num_nodes", str(nodes), "--fabric.process_group_timeout_s", "60",
+                              *held_run_arguments(), *extra)
         with open(logs / f"rank{rank}.out", "w") as stdout, open(logs / f"rank{rank}.err", "w") as stderr:
             ranks.append(processes.Popen(command, env=environment, stdout=stdout, stderr=stderr))
     return ranks
@@ -269,6 +272,61 @@ def test_stop_under_slurm_checkpoints_requeues_and_resumes(signum, signalled_ran
     assert [row["round"] for row in rows] == list(range(1, HELD_RUN_ROUNDS + 1))
     assert rows[:stop_round] == rows_before[:stop_round]
     assert_same_model(final_model(out_dir), final_model(two_rank_reference))
+
+
+RANK_LOST = 75
+
+
+def start_held_ranks(out_dir: Path, logs: Path, launch: str) -> list[processes.Popen]:
+    """Two ranks held after HELD_ROUND (their folder has a file `hold`) with a checkpoint every round:
+    on one node, started as Fabric's launcher starts them, or on two simulated Slurm nodes."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "hold").touch()
+    if launch == "two Slurm nodes":
+        bin_dir = logs.parent / "bin"
+        stand_in_scontrol(bin_dir, logs.parent / "scontrol_calls.txt", "RUNNING")
+        return launch_ranks_as_srun(out_dir, bin_dir, logs, 2, "--checkpoint.every", "1")
+    logs.mkdir(parents=True)
+    command = fit_command(out_dir, "--fabric.accelerator", "cpu", "--fabric.devices", "2",
+                          "--fabric.process_group_timeout_s", "60", *held_run_arguments(), "--checkpoint.every", "1")
+    ranks = []
+    for rank, environment in enumerate(processes.rank_environments(
+            process_environment(PYTHONPATH=holds.pythonpath()), 2)):
+        with open(logs / f"rank{rank}.out", "w") as stdout, open(logs / f"rank{rank}.err", "w") as stderr:
+            ranks.append(processes.Popen(command, env=environment, stdout=stdout, stderr=stderr))
+    return ranks
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("launch, killed", [("one node", 1), ("two Slurm nodes", 0)])
+def test_a_killed_rank_is_one_line_on_the_rank_left_and_the_same_command_resumes(launch, killed, two_rank_reference,
+                                                                                 tmp_path):
+    out_dir, logs = tmp_path / "run", tmp_path / "logs-killed"
+    ranks = start_held_ranks(out_dir, logs, launch)
+    processes.wait_until(lambda: all((out_dir / f"held_rank{rank}").exists() for rank in range(2)), ranks,
+                         f"both ranks held after round {HELD_ROUND}", RUN_TIMEOUT_S)
+    ranks[killed].send_signal(signal.SIGKILL)
+    assert ranks[killed].wait(RUN_TIMEOUT_S) == -signal.SIGKILL
+    (out_dir / "hold").unlink()
+    left = 1 - killed
+    assert wait_all(ranks)[left] == RANK_LOST, rank_logs(logs)
+    stderr = (logs / f"rank{left}.err").read_text()
+    gone = f"error: round {HELD_ROUND + 1}: rank {killed} (pid {ranks[killed].pid} on {socket.gethostname()}) is gone"
+    resume = f"the last good checkpoint is {checkpoint_dir(out_dir) / f'round_{HELD_ROUND:06d}.ckpt'}: run the same " \
+             f"command again to resume from round {HELD_ROUND}"
+    peer = r"\(gloo: Connection closed by peer \[[^\]]+\]:\d+\)"
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and re.fullmatch(rf"{re.escape(gone)} {peer}; {re.escape(resume)}", errors[0]), stderr
+    assert "Traceback" not in stderr and "RuntimeError" not in stderr, stderr
+    saved = [checkpoint_round(path) for path in numbered_checkpoints(checkpoint_dir(out_dir))]
+    assert saved == list(range(1, HELD_ROUND + 1))
+
+    rerun = start_held_ranks(out_dir, tmp_path / "logs-rerun", launch)
+    (out_dir / "hold").unlink()  # not held this time
+    assert wait_all(rerun) == [0, 0], rank_logs(tmp_path / "logs-rerun")
+    assert [row["round"] for row in completed_rows(out_dir)] == list(range(1, HELD_RUN_ROUNDS + 1))
+    final, expected = final_model(out_dir), final_model(two_rank_reference)
+    assert all(torch.equal(final[name], expected[name]) for name in expected)
 
 
 SIMULATED_SLURM_TWO_TASKS = {"SLURM_JOB_ID": SLURM_JOB_ID, "SLURM_JOB_NAME": "fault-test", "SLURM_NTASKS": "2",

@@ -35,7 +35,7 @@ LAYERS = [
     ("settings", ["fl_lightning.config"]),
     ("run folder, logging and cluster",
      ["fl_lightning.run_dir", "fl_lightning.checkpoint", "fl_lightning.wandb_file", "fl_lightning.run_logging",
-      "fl_lightning.cluster"]),
+      "fl_lightning.cluster", "fl_lightning.lost_ranks"]),
     ("training pieces",
      ["fl_lightning.module", "fl_lightning.clients", "fl_lightning.server_optimizers", "fl_lightning.constraints"]),
     ("algorithms", ["fl_lightning.algorithms", "fl_lightning.clients.paths", "fl_lightning.clients.groups"]),

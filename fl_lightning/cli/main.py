@@ -5,7 +5,7 @@ Every bad input ends in one line on stderr, `error: <field>: expected ..., got .
 status 2, before any data is loaded or training starts (see `fl_lightning.cli.messages`). A run
 that cannot go on for a cause outside its settings ends in one `error:` line too, naming the cause
 and the checkpoint the same command resumes from: exit status 74 for a file it cannot write (a full
-disk, a read-only folder; `fl_lightning.errors.RunInterrupted`).
+disk, a read-only folder), 75 for another rank that is gone (`fl_lightning.errors.RunInterrupted`).
 """
 
 from __future__ import annotations

@@ -1,0 +1,94 @@
+"""A rank that is gone, named by the ranks left.
+
+When a rank's process dies (killed, out of memory, its node down), gloo raises a RuntimeError on
+the ranks left at their next collective, `Connection closed by peer [10.0.0.2]:41232`: it names the
+peer's address, not its rank, and on one node every rank has the same address. So every rank tells
+the others its host and pid when the run starts (`RankProcesses.gather`), and a rank left looks
+among them for the one that is gone (`RankProcesses.lost`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from fl_lightning.errors import RankLost
+
+# What gloo says on the ranks left when a peer's connection ends (pair.cc: a closed connection, or a
+# read or write error on it), and the peer's address it names.
+PEER_GONE = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe")
+PEER_ADDRESS = re.compile(r"\[[^\]]*\]:\d+")
+
+
+@dataclass(frozen=True)
+class RankProcess:
+    rank: int
+    host: str
+    pid: int
+
+    def __str__(self) -> str:
+        return f"rank {self.rank} (pid {self.pid} on {self.host})"
+
+
+@dataclass(frozen=True)
+class RankProcesses:
+    """Every rank's process, and which of them this one is."""
+
+    processes: list[RankProcess]
+    own_rank: int
+
+    @classmethod
+    def gather(cls, fabric) -> "RankProcesses":
+        """Collective: each rank's host and pid, told to every rank (nothing to tell on one rank)."""
+        own = RankProcess(fabric.global_rank, socket.gethostname(), os.getpid())
+        processes = [own]
+        if fabric.world_size > 1:
+            processes = [None] * fabric.world_size
+            torch.distributed.all_gather_object(processes, own)
+        return cls(processes, fabric.global_rank)
+
+    def lost(self, err: BaseException, round_number: int) -> Optional[RankLost]:
+        """RankLost naming the rank that is gone, when `err` is a collective's failure for a peer gone
+        during round `round_number`; None for any other error."""
+        found = PEER_GONE.search(str(err)) if isinstance(err, RuntimeError) else None
+        if found is None or len(self.processes) == 1:
+            return None
+        address = PEER_ADDRESS.search(str(err))
+        return RankLost(f"round {round_number}: {self._gone()} (gloo: {found.group(0)}"
+                        f"{'' if address is None else ' ' + address.group(0)})")
+
+    def _gone(self) -> str:
+        """The rank that is gone: the only other one, or those of this host whose process has ended;
+        a rank of another host cannot be looked for (the gloo message gives its address)."""
+        own = self.processes[self.own_rank]
+        others = [process for process in self.processes if process.rank != own.rank]
+        ended = [process for process in others if process.host == own.host and not _is_running(process.pid)]
+        if len(others) == 1 or len(ended) == 1:
+            return f"{(ended or others)[0]} is gone"
+        if ended:
+            return f"{', '.join(map(str, ended))} are gone"
+        return "a rank of another host is gone"
+
+
+def _is_running(pid: int) -> bool:
+    """Whether process `pid` of this host runs: it exists and is no zombie (a killed process its
+    parent has not yet waited for)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: it exists
+        return True
+    if not Path("/proc").is_dir():
+        return True  # no /proc to tell a zombie by (macOS)
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False  # it ended just now
+    return state not in ("Z", "X")
