@@ -219,8 +219,7 @@ class LogToWandb(Callback):
 
     def on_fit_end(self, fabric, loop) -> None:
         if fabric.global_rank == 0:
-            # W&B's service cannot write the run's file into a folder the run could not write to.
-            self.run.finish(loop.history, wait_for_file=not isinstance(loop.failure, WriteFailed))
+            self.run.finish(loop.history, folder_writable=not isinstance(loop.failure, WriteFailed))
 
 
 class ShowProgress(Callback):

@@ -11,7 +11,9 @@ failure but the run folder's, and ends the run as a checkpoint that cannot be wr
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
 import os
 import sys
@@ -163,18 +165,21 @@ class WandbRun:
         if self._run is not None and self._call("log", lambda: self._run.log(metrics, step=metrics["round"])):
             self._logged_rounds.append(metrics["round"])
 
-    def finish(self, history: list[dict], wait_for_file: bool = True) -> None:
+    def finish(self, history: list[dict], folder_writable: bool = True) -> None:
         """Record the final and best test accuracy in the run's summary (what a dashboard's table
         compares), then close the run, and wait until W&B's service has written every round this
         process logged into the run's file (`run.finish` returns before it has), or warn naming
         what the file lacks: a requeue or exit right after would otherwise lose the last rounds.
-        `wait_for_file` false (the run's folder cannot be written) closes the run without waiting.
+        In a run folder that cannot be written (`folder_writable` false: the run ends on it) the run
+        is only closed (`_close_unwritable`).
 
         Under SLURM, W&B's service is then shut down (`wandb.teardown`), not left to W&B's exit
         hook: Slurm sends SIGTERM to every process of the job step, the service included, on
         scancel, preemption and the run's own requeue, and the hook would print a traceback on
         finding the service gone. Elsewhere the service may be the caller's too (`fit` called from
         Python), so it is left running."""
+        if not folder_writable:
+            self._close_unwritable()
         accuracies = [row["test_accuracy"] for row in history if row.get("test_accuracy") is not None]
         if self._run is not None and accuracies:
             summary = {"final_test_accuracy": accuracies[-1], "best_test_accuracy": max(accuracies),
@@ -184,10 +189,25 @@ class WandbRun:
             run_file = Path(self._run.settings.sync_file)
             finished = self._call("finish", self._run.finish)
             self._run = None
-            if finished and wait_for_file:
+            if finished:
                 self._wait_for_run_file(run_file)
         if slurm_job_id() is not None:
             _shut_down_wandb_service()
+
+    def _close_unwritable(self) -> None:
+        """Close the run whose folder cannot be written, saying nothing of what fails: W&B can save
+        neither its summary nor its file there, and its own log, in that folder too, would print a
+        `--- Logging error ---` traceback for each line. The same command, once the folder can be
+        written, replays the rounds the W&B run lacks."""
+        if self._run is None:
+            return
+        raise_exceptions, logging.raiseExceptions = logging.raiseExceptions, False
+        try:
+            with contextlib.suppress(Exception):
+                self._run.finish()
+        finally:
+            logging.raiseExceptions = raise_exceptions
+            self._run = None
 
     def _wait_for_run_file(self, run_file: Path) -> None:
         # W&B has no call that waits for its service to write a finished run short of shutting the

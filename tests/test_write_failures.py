@@ -109,19 +109,22 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "--lazy", str(disk)], check=True)
 
 
+# With W&B, whose service cannot write the run's file either: the run does not wait for it (or warn).
+@pytest.mark.parametrize("wandb_mode", ["disabled", "offline"])
 def test_a_disk_full_at_round_6_is_one_line_and_the_same_command_resumes_once_space_is_freed(
-        small_disk, reference, capsys):
+        wandb_mode, small_disk, reference, capsys):
     out_dir = small_disk / "run"
     (small_disk / "fill").touch()
     folder = checkpoint_dir(out_dir)
-    assert failed_run(capsys, run_command(out_dir)) == [
+    command = run_command(out_dir, "--logger.wandb_mode", wandb_mode)
+    assert failed_run(capsys, command) == [
         f"error: cannot write {folder / 'round_000006.ckpt'} (No space left on device); the last good checkpoint is "
         f"{folder / 'round_000005.ckpt'}: free space on its file system, then run the same command again to resume "
         "from round 5"]
     # Still full: the rerun cannot write the first file it writes.
-    assert failed_run(capsys, run_command(out_dir))[-1].startswith(f"error: cannot write {out_dir / 'config.yaml'} (")
+    assert failed_run(capsys, command)[-1].startswith(f"error: cannot write {out_dir / 'config.yaml'} (")
     (small_disk / "filler").unlink()
-    assert_resumes_to_the_reference(run_command(out_dir), out_dir, reference)
+    assert_resumes_to_the_reference(command, out_dir, reference)
 
 
 class ReadOnly:
