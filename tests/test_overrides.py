@@ -12,6 +12,7 @@ from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.dashboard import dashboard
 from fl_lightning.experiments.overrides import parse_overrides, variant_name
 from fl_lightning.experiments.plan import load_plan
+from fl_lightning.experiments.resolve import check_overrides, resolve_grid
 from fl_lightning.experiments.table import table
 from fl_lightning.run_logging import read_metrics
 
@@ -119,3 +120,92 @@ def test_the_dashboard_of_a_variant_shows_the_variants_runs(tmp_path, capsys):
     assert spec["plan"] == variant and spec["sections"][0]["filters"]["tags"] == [f"plan={variant}"]
     assert (tmp_path / "runs" / variant / "dashboard.json").is_file()
     assert "--override=federation.rounds=1" in capsys.readouterr().out
+
+
+CTPFL = str(REPOSITORY / "configs" / "algorithms" / "ctpfl.yaml")
+
+
+def write_grid_plan(path: Path, methods: dict, alpha: dict) -> Path:
+    plan = {"name": "grid", "configs": [QUICKSTART, TINY], "methods": methods, "settings": {"alpha": alpha},
+            "seeds": [0, 1]}
+    path.write_text(yaml.safe_dump(plan, sort_keys=False))
+    return path
+
+
+def refusals(capsys, tmp_path: Path, plan: Path, override: str) -> list[str]:
+    """What sweep, table and dashboard print to stderr for the plan with `override`: each must exit 2."""
+    runs = str(tmp_path / "runs")
+    printed = []
+    for command in (["sweep", str(plan), "--list"], ["table", str(plan)], ["dashboard", str(plan), "--offline"]):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_info:
+            fl_lightning_main([*command, "--runs_root", runs, "--override", override])
+        assert exit_info.value.code == 2, command
+        printed.append(capsys.readouterr().err)
+    return printed
+
+
+def test_an_override_of_what_an_axis_or_a_method_sets_is_refused_alike_by_sweep_table_and_dashboard(tmp_path,
+                                                                                                     capsys):
+    # Both columns would train alpha 0.3 (one seed each, the same runs) under the labels 0.5 and 0.1; both
+    # CTP-FL rows span 0.3.
+    plan = write_grid_plan(tmp_path / "plan.yaml",
+                           {"CTP-FL": [CTPFL], "CTP-FL h=0": [CTPFL, {"algorithm.init_args.span": 0.0}]},
+                           {"0.5": [{"data.alpha": 0.5}], "0.1": [{"data.alpha": 0.1}]})
+    expected = ("error: override: expected settings that no setting axis or method of the plan sets ({}: each column "
+                "or row would train the override's value under its own label; change the plan, or a copy of it, "
+                "instead), got '{}'\n")
+    for override, reason in [("data.alpha=0.3", "data.alpha is set by settings.alpha"),
+                             ("algorithm.init_args.span=0.3", "algorithm.init_args.span is set by method CTP-FL h=0"),
+                             ("algorithm.span=0.3", "algorithm.span is set by method CTP-FL h=0"),
+                             ("data={alpha: 0.3}", "data is set by settings.alpha")]:
+        assert refusals(capsys, tmp_path, plan, override) == [expected.format(reason, override)] * 3
+    # A setting of the plan's configs alone is every point's to override.
+    fl_lightning_main(["sweep", str(plan), "--runs_root", str(tmp_path / "runs"), "--list",
+                       "--override", "federation.rounds=1"])
+    assert capsys.readouterr().out.splitlines()[-1] == "8 runs: 0 finished, 0 partial, 8 without a checkpoint"
+
+
+def test_what_config_fragments_of_an_axis_or_a_method_set_is_found_in_the_points_settings(tmp_path):
+    fragments = {"alpha05.yaml": "data: {alpha: 0.5}\n", "alpha01.yaml": "data: {alpha: 0.1}\n",
+                 "h0.yaml": "algorithm: {init_args: {span: 0.0}}\n"}
+    for name, text in fragments.items():
+        (tmp_path / name).write_text(text)
+    plan_file = write_grid_plan(tmp_path / "plan.yaml", {"FedAvg": [{"algorithm": "fedavg"}], "CTP-FL": [CTPFL],
+                                                         "CTP-FL h=0": [CTPFL, str(tmp_path / "h0.yaml")]},
+                                {"0.5": [str(tmp_path / "alpha05.yaml")], "0.1": [str(tmp_path / "alpha01.yaml")]})
+
+    def refused(override: str) -> str:
+        plan = load_plan(plan_file, overrides=[override])
+        with pytest.raises(ConfigError) as refusal:
+            check_overrides(plan, resolve_grid(plan.grid()))
+        assert refusal.value.field_name == "override"
+        return str(refusal.value)
+
+    assert "(data.alpha is set by settings.alpha: " in refused("data.alpha=0.3")
+    # The methods whose settings hold a span: FedAvg has none.
+    assert "(algorithm.init_args.span is set by methods CTP-FL, CTP-FL h=0: " in refused("algorithm.init_args.span=1")
+    plan = load_plan(plan_file, overrides=["model.options.hidden=8"])
+    check_overrides(plan, resolve_grid(plan.grid()))  # the plan's configs set it, for every point alike
+    # An axis of one value: its column would be labelled alpha 0.5 over runs of alpha 0.1.
+    single = load_plan(write_plan(tmp_path / "single.yaml"), overrides=["data.alpha=0.1"])
+    with pytest.raises(ConfigError, match=r"\(data.alpha is set by settings.alpha: "):
+        check_overrides(single, resolve_grid(single.grid()))
+
+
+def test_an_override_fit_refuses_is_refused_by_table_as_by_sweep_and_dashboard(tmp_path, capsys):
+    # FedProx's points are refused by fit without any override: while they have no runs, a table leaves
+    # them out; only the points the override breaks are named.
+    plan = write_grid_plan(tmp_path / "plan.yaml", {"FedAvg": [{"algorithm": "fedavg"}],
+                                                    "FedProx": [{"algorithm": "fedprox"},
+                                                                {"algorithm.init_args.mu": "much"}]},
+                           {"0.5": [{"data.alpha": 0.5}]})
+    unknown = ("federation.roundz: expected a known setting (did you mean federation.rounds or "
+               "federation.clients_per_round?), got the unknown key '--federation.roundz'")
+    table_error, *others = refusals(capsys, tmp_path, plan, "federation.roundz=2")
+    assert table_error.splitlines() == [
+        "error: override: expected settings that fit accepts at every grid point (2 of 4 points are refused with "
+        f"the overrides and accepted without them), got {plan}, where",
+        f"  [0] FedAvg | alpha-0.5 | seed 0: {unknown}", f"  [1] FedAvg | alpha-0.5 | seed 1: {unknown}"]
+    assert others == [table_error] * 2
+    table(plan=str(plan), runs_root=tmp_path / "runs", override=["federation.rounds=1"])  # accepted

@@ -133,7 +133,9 @@ def test_a_config_setting_another_precision_than_the_resources_is_refused(tmp_pa
         "error: plan.resources.precision: expected the precision of every grid point (bf16-mixed; a config that "
         f"sets fabric.precision disagrees with it), got {plan}, where",
         "  [1] FedAvg fp32 | alpha-0.5 | seed 0: fabric.precision 32-true"]
-    # An override of the precision is every point's, the resources' included.
+    # An override of the precision is every point's, the resources' included (where no method sets it:
+    # FedAvg fp32 would then be FedAvg, and the override is refused; see test_overrides.py).
+    plan = write_plan(tmp_path / "plan.yaml", {"precision": "bf16-mixed"})
     status, out, err = run_sweep(capsys, str(plan), "--runs_root", str(tmp_path / "runs"), "--dry_run",
                                  "--override", "fabric.precision=32-true")
     assert status == 0, err

@@ -47,8 +47,8 @@ from typing import Literal, Optional
 
 from fl_lightning.atomic_files import write_text_atomically
 from fl_lightning.errors import ConfigError
-from fl_lightning.experiments.plan import GridPoint, Plan, load_plan
-from fl_lightning.experiments.resolve import check_grid, resolve_grid
+from fl_lightning.experiments.plan import Plan, load_plan
+from fl_lightning.experiments.resolve import check_grid, check_overrides, resolve_grid
 from fl_lightning.experiments.table_sources import setting_label
 
 SPEC_FILE = "dashboard.json"
@@ -113,8 +113,7 @@ def dashboard(
             tagged plan=<variant>).
     """
     loaded = load_plan(Path(plan), runs_root=Path(runs_root), overrides=override)
-    points = loaded.grid()
-    runs = _runs_settings(points, Path(plan))
+    runs = _runs_settings(loaded)
     if project is None:
         if len(runs.projects) > 1:
             raise ConfigError("project", "one W&B project for the report (the plan's runs log to several: "
@@ -226,12 +225,13 @@ class _RunsSettings:
     """Class paths of the callbacks they turn on, each once."""
 
 
-def _runs_settings(points: list[GridPoint], plan_path: Path) -> _RunsSettings:
-    """The W&B projects and modes of the points' runs and the callbacks they turn on, from each point's
+def _runs_settings(plan: Plan) -> _RunsSettings:
+    """The W&B projects and modes of the plan's runs and the callbacks they turn on, from each point's
     settings resolved as `fit` resolves them (nothing is trained); a plan with a point `fit` would
-    refuse is refused."""
-    resolved = resolve_grid(points)
-    check_grid(plan_path, resolved)
+    refuse, or with overrides that `check_overrides` refuses, is refused."""
+    resolved = resolve_grid(plan.grid())
+    check_overrides(plan, resolved)
+    check_grid(plan.path, resolved)
     callbacks: list[str] = []
     for entry in resolved:
         callbacks += [callback["class_path"] for callback in entry.config["callbacks"]

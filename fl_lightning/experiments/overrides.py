@@ -19,6 +19,10 @@ that `fit` lets change on resume (fl_lightning.run_dir.SAFE_TO_CHANGE: data.root
 checkpoints, compute, ...) keep the plan's name and folders, except `federation.rounds`: more rounds
 continue a run, but a table reports the accuracy at the plan's rounds, so other rounds are another
 table.
+
+An override of a setting that a setting axis or a method sets (every column or row would train its
+value under its own label), or one that `fit` refuses at a point, is refused by sweep, table and
+dashboard alike: `fl_lightning.experiments.resolve.check_overrides`.
 """
 
 from __future__ import annotations

@@ -12,7 +12,9 @@ not checked here: a sweep gives each run its own, and an array task gets its all
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
@@ -21,11 +23,13 @@ import yaml
 
 from fl_lightning.cli.parser import CommandParser, GridPointParser, build_parser
 from fl_lightning.errors import ConfigError
+from fl_lightning.experiments.overrides import describe_overrides
 from fl_lightning.fit import fit_config
+from fl_lightning.run_dir import flatten
 from fl_lightning.yaml_text import load_yaml
 
 if TYPE_CHECKING:
-    from fl_lightning.experiments.plan import GridPoint
+    from fl_lightning.experiments.plan import GridPoint, Part, Plan
 
 
 @dataclass
@@ -101,6 +105,90 @@ def check_grid(plan: Path, resolved: list[ResolvedPoint]) -> None:
         raise PlanRefused("plan", f"grid points whose settings fit accepts (every point is checked before any "
                           f"run starts; {len(broken)} of {len(resolved)} are refused)", plan,
                           [refusal(entry) for entry in broken])
+
+
+def check_overrides(plan: Plan, resolved: list[ResolvedPoint]) -> None:
+    """Refuse the plan's overrides (`--override`, applied last to every point) where a table, a
+    dashboard or the runs of the variant would belong to no experiment of the plan; `resolved` holds
+    every point, resolved with them. Refused, in `sweep`, `table` and `dashboard` alike:
+
+    - an override of a setting that a setting axis or a method sets: every column (or row) would
+      train the override's value under the label of its own. An axis or a method sets it when its
+      mappings name it, or when the points' own settings (every config fragment resolved) differ in
+      it between the axis's values or between the methods;
+    - an override that `fit` refuses (an unknown key, a bad value) at a point whose own settings it
+      accepts: the variant's runs could never be trained, and a table of them would show none."""
+    if not plan.overrides:
+        return
+    own = GridResolver()
+
+    def without_overrides(point: GridPoint) -> ResolvedPoint:
+        return own.resolve(dataclasses.replace(point, overrides={}))
+
+    first_seed = [without_overrides(entry.point) for entry in resolved if entry.point.seed == plan.seeds[0]]
+    collisions = {key: setters for key in plan.overrides if (setters := _set_by(plan, key, first_seed))}
+    if collisions:
+        reasons = "; ".join(f"{key} is set by {' and by '.join(setters)}" for key, setters in collisions.items())
+        raise ConfigError("override", f"settings that no setting axis or method of the plan sets ({reasons}: each "
+                          "column or row would train the override's value under its own label; change the plan, "
+                          "or a copy of it, instead)",
+                          describe_overrides({key: plan.overrides[key] for key in collisions}))
+    refused = [entry for entry in resolved if entry.error is not None and without_overrides(entry.point).error is None]
+    if refused:
+        raise PlanRefused("override", f"settings that fit accepts at every grid point ({len(refused)} of "
+                          f"{len(resolved)} points are refused with the overrides and accepted without them)",
+                          plan.path, [refusal(entry) for entry in refused])
+
+
+def _set_by(plan: Plan, key: str, points: list[ResolvedPoint]) -> list[str]:
+    """What in the plan sets `key`: `settings.<axis>`, or `methods <names>`; `points` hold one seed
+    of every setting and method, resolved without the overrides."""
+    setters = []
+    for axis, choices in plan.settings.items():
+        def rest_of_point(point: GridPoint, axis=axis) -> Hashable:
+            return point.method, tuple((other, value) for other, value in point.setting.items() if other != axis)
+
+        if any(_names(parts, key) for parts in choices.values()) or _differing_group(points, key, rest_of_point):
+            setters.append(f"settings.{axis}")
+    methods = [method for method, parts in plan.methods.items() if _names(parts, key)] or [
+        entry.point.method for entry in _differing_group(points, key, lambda point: point.setting_name)
+        if _value(entry.config, key)]
+    if methods:
+        setters.append(f"method{'s' if len(methods) > 1 else ''} {', '.join(methods)}")
+    return setters
+
+
+def _spellings(key: str) -> set[str]:
+    """A dotted setting as the command line takes it: `algorithm.span` is `algorithm.init_args.span`."""
+    group, _, rest = key.partition(".")
+    return {key, f"{group}.init_args.{rest}"} if rest else {key}
+
+
+def _under(name: str, key: str) -> bool:
+    """`name` is the setting `key` or one of its parts (`federation.rounds` is under `federation`)."""
+    return any(a == b or a.startswith(f"{b}.") for a in _spellings(name) for b in _spellings(key))
+
+
+def _names(parts: list[Part], key: str) -> bool:
+    """Whether a mapping among `parts` sets `key` or a part of it (one that chooses the algorithm, or
+    gives a group as a file, shows in the points' settings instead)."""
+    return any(_under(name, key) for part in parts if isinstance(part, dict) for name in flatten(part))
+
+
+def _value(config: dict, key: str) -> tuple:
+    """What `config` holds of `key`: its value, or those of the settings under it; () when it has none."""
+    return tuple(sorted((name, repr(value)) for name, value in flatten(config).items() if _under(name, key)))
+
+
+def _differing_group(points: list[ResolvedPoint], key: str, group_of: Callable[[GridPoint], Hashable]
+                     ) -> list[ResolvedPoint]:
+    """The points of the first group (by `group_of`) whose settings differ in `key`; [] when every
+    group's agree. Points that `fit` refuses are left out."""
+    groups: dict[Hashable, list[ResolvedPoint]] = {}
+    for entry in points:
+        if entry.config is not None:
+            groups.setdefault(group_of(entry.point), []).append(entry)
+    return next((group for group in groups.values() if len({_value(entry.config, key) for entry in group}) > 1), [])
 
 
 def accepted_config(plan: Path, resolved: ResolvedPoint) -> dict:

@@ -33,7 +33,14 @@ from fl_lightning.experiments.estimate import estimate_plan
 from fl_lightning.experiments.local import run_locally
 from fl_lightning.experiments.overrides import describe_overrides
 from fl_lightning.experiments.plan import Plan, load_plan
-from fl_lightning.experiments.resolve import PlanRefused, ResolvedPoint, check_grid, describe_point, resolve_grid
+from fl_lightning.experiments.resolve import (
+    PlanRefused,
+    ResolvedPoint,
+    check_grid,
+    check_overrides,
+    describe_point,
+    resolve_grid,
+)
 from fl_lightning.experiments.runs import RunState, other_experiment, run_state
 from fl_lightning.experiments.slurm import submit, write_fit_config
 
@@ -104,6 +111,7 @@ def sweep(
     if not fit_config:  # its output is the config's path alone, read by slurm/sweep.sbatch
         describe_variant(loaded, options.runs_root)
     resolved = resolve_grid(points)
+    check_overrides(loaded, resolved)
     if list:
         list_points(resolved)
         return

@@ -17,7 +17,7 @@ from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.overrides import value_text
 from fl_lightning.experiments.plan import GridPoint, load_plan
 from fl_lightning.experiments.reference import paper_numbers
-from fl_lightning.experiments.resolve import GridResolver, accepted_config
+from fl_lightning.experiments.resolve import GridResolver, accepted_config, check_overrides
 from fl_lightning.experiments.runs import find_runs, read_run
 from fl_lightning.run_dir import defining_settings
 from fl_lightning.run_logging import METRICS_FILE
@@ -87,6 +87,8 @@ def _from_plan(path: Path, runs_root: Path, overrides: Optional[list[str]] = Non
     plan = load_plan(path, runs_root=runs_root, overrides=overrides)
     grid = plan.grid()
     resolver = GridResolver()
+    if plan.overrides:  # checked at every point, those without runs too, as a sweep of them checks them
+        check_overrides(plan, [resolver.resolve(point) for point in grid])
     settings = list(dict.fromkeys(point.setting_name for point in grid))
     axis_values = {axis: list(choices) for axis, choices in plan.settings.items()}
     labels = {point.setting_name: setting_label(point.setting, axis_values) for point in grid}
