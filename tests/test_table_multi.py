@@ -108,3 +108,17 @@ def test_plans_of_different_metrics_are_refused(four_plans, tmp_path):
     other = write_plan(tmp_path, 16, "cross-silo", metric="test_loss")
     with pytest.raises(ConfigError, match="plans that report one metric"):
         table(plan=[str(plans[0]), str(other)], runs_root=runs)
+
+
+@pytest.mark.parametrize("seeds", [[1], [0, 1]])
+def test_plans_that_differ_only_in_their_name_and_seeds_fill_the_same_cells_and_are_refused(four_plans, tmp_path,
+                                                                                               seeds):
+    # Once laid out with rows `seed=0: FedAvg` and `seed=1: FedAvg` (or `?: FedAvg`): the seed told them apart.
+    plans, runs = four_plans
+    copy = yaml.safe_load(plans[0].read_text())
+    copy.update(name="table1_copy", seeds=seeds)
+    other = tmp_path / "copy.yaml"
+    other.write_text(yaml.safe_dump(copy, sort_keys=False))
+    with pytest.raises(ConfigError, match="plans that fill each cell of the table once") as refused:
+        table(plan=[str(plans[0]), str(other)], runs_root=runs)
+    assert str(refused.value).endswith(f"got 'FedAvg | federation-cross-device in {plans[0]} and {other}'")

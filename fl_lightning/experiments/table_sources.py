@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 from fl_lightning.errors import ConfigError
-from fl_lightning.experiments.overrides import value_text
+from fl_lightning.experiments.overrides import SET_BY_THE_PLAN, value_text
 from fl_lightning.experiments.plan import GridPoint, load_plan
 from fl_lightning.experiments.reference import paper_numbers
 from fl_lightning.experiments.resolve import GridResolver, accepted_config, check_overrides
@@ -146,10 +146,12 @@ def _from_plans(paths: list[Path], runs_root: Path, overrides: Optional[list[str
 
 def _row_blocks(parts: list[Loaded]) -> list[str]:
     """Per plan, what tells its rows apart from those of the plans that share a column with it: the
-    values of the settings that differ between such plans (every run of a plan sharing them), or ""."""
+    values of the settings that differ between such plans (every run of a plan sharing them), or "".
+    A point's seed is never one: plans that differ in their seeds alone fill the same cells."""
     shared_by_all = []
     for part in parts:
-        flat = [defining_settings(entry.config) for entry in part.entries]
+        flat = [{name: value for name, value in defining_settings(entry.config).items() if name not in SET_BY_THE_PLAN}
+                for entry in part.entries]
         shared_by_all.append({name: value for name, value in flat[0].items()
                               if all(name in other and other[name] == value for other in flat[1:])})
     telling = set()
