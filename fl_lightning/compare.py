@@ -5,8 +5,9 @@ Runs are read, and their final and best values taken, by the same code as `fl-li
 contains "loss"; a torn last line of metrics.jsonl (a killed run, until it resumes) is left out and
 reported. With `plan`, a run folder that is one of the plan's grid points is compared with the
 point's settings, as `fl-lightning table` compares them, and left out and listed when it was made
-with other settings. As in a table, only the points of the runs compared are resolved, and one whose
-settings `fit` refuses refuses the plan.
+with other settings; when none of the runs compared is a grid point under `runs_root` (a wrong or
+forgotten --runs_root), nothing could be checked, and the comparison is refused. As in a table, only
+the points of the runs compared are resolved, and one whose settings `fit` refuses refuses the plan.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 from fl_lightning.errors import ConfigError
-from fl_lightning.experiments.plan import load_plan
+from fl_lightning.experiments.plan import GridPoint, load_plan
 from fl_lightning.experiments.plot import save_laid_out
 from fl_lightning.experiments.resolve import GridResolver, accepted_config
 from fl_lightning.experiments.runs import find_runs, other_experiment, read_run, run_labels, value_at
@@ -78,9 +79,23 @@ def _grid_settings(plan: Path, runs_root: Path, runs: list[Path]) -> dict[Path, 
     """Run folder (resolved) -> the settings `fit` builds for its grid point, for the folders of `runs`
     that are grid points of the plan."""
     compared = {path.resolve() for path in runs}
-    grid, resolver = load_plan(plan, runs_root=runs_root).grid(), GridResolver()
-    return {out_dir: accepted_config(plan, resolver.resolve(point))
-            for point in grid if (out_dir := point.out_dir.resolve()) in compared}
+    loaded = load_plan(plan, runs_root=runs_root)
+    grid, resolver = loaded.grid(), GridResolver()
+    points = [point for point in grid if point.out_dir.resolve() in compared]
+    if not points:
+        raise ConfigError("runs_root", f"the folder holding the run folders of plan {loaded.name} "
+                          f"({runs_root}/{loaded.name}/<setting>/<method>/seed<k>): --plan checks the runs compared "
+                          f"that are its grid points, and none of the {len(runs)} is one under it"
+                          + _root_of_grid_runs(runs, grid, runs_root), str(runs_root))
+    return {point.out_dir.resolve(): accepted_config(plan, resolver.resolve(point)) for point in points}
+
+
+def _root_of_grid_runs(runs: list[Path], grid: list[GridPoint], runs_root: Path) -> str:
+    """Where the runs compared that are laid out as grid points of the plan lie, as advice; "" when none is."""
+    layouts = {point.out_dir.relative_to(runs_root).parts for point in grid}  # <plan>/<setting>/<method>/seed<k>
+    depth = len(next(iter(layouts)))
+    roots = sorted({str(path.parents[depth - 1]) for path in map(Path.resolve, runs) if path.parts[-depth:] in layouts})
+    return f" (its grid points' folders are under {', '.join(roots)}: give that as --runs_root)" if roots else ""
 
 
 def _print_table(rows: list[dict]) -> None:

@@ -449,3 +449,21 @@ def test_compare_with_a_plan_resolves_the_points_of_the_runs_compared_and_a_refu
     error = capsys.readouterr().err
     assert error.startswith("error: plan: expected grid points whose settings fit accepts")
     assert error.endswith("] FedProx | alpha-0.1 | seed 1: algorithm.mu: expected a finite number, got 'much'\n")
+
+
+def test_compare_with_a_plan_none_of_whose_grid_points_is_among_the_runs_is_refused(sweep, capsys, monkeypatch):
+    # Run from another folder without --runs_root: runs/ there holds no run of the plan, so nothing would be checked.
+    elsewhere = sweep.parent / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    runs_root = sweep.parent / "runs"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["compare", "--runs", str(runs_root / "demo" / "alpha-0.5" / "scaffold" / "seed*"), "--plan", str(sweep)])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (
+        "error: runs_root: expected the folder holding the run folders of plan demo (runs/demo/<setting>/<method>/"
+        "seed<k>): --plan checks the runs compared that are its grid points, and none of the 3 is one under it (its "
+        f"grid points' folders are under {runs_root.resolve()}: give that as --runs_root), got 'runs'\n")
+    main(["compare", "--runs", str(runs_root / "demo" / "alpha-0.5" / "scaffold" / "seed*"), "--plan", str(sweep),
+          "--runs_root", str(runs_root)])
+    assert len(capsys.readouterr().out.splitlines()) == 1 + 3
