@@ -3,6 +3,7 @@
 import csv
 import io
 import json
+import shutil
 import statistics
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from fl_lightning.experiments.runs import value_at
 from fl_lightning.experiments.table import table
 from fl_lightning.experiments.table_cells import order_methods
 from fl_lightning.experiments.table_sources import setting_label
-from fl_lightning.run_logging import MetricsLog
+from fl_lightning.run_logging import MetricsLog, read_metrics
 
 pytestmark = pytest.mark.slow  # end to end: the tests train runs in-process or in subprocesses
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -467,3 +468,24 @@ def test_compare_with_a_plan_none_of_whose_grid_points_is_among_the_runs_is_refu
     main(["compare", "--runs", str(runs_root / "demo" / "alpha-0.5" / "scaffold" / "seed*"), "--plan", str(sweep),
           "--runs_root", str(runs_root)])
     assert len(capsys.readouterr().out.splitlines()) == 1 + 3
+
+
+def test_a_run_whose_metrics_rows_are_lost_is_named_with_its_checkpoint_and_the_command_that_rewrites_them(
+        sweep, capsys):
+    point = next(p for p in load_plan(sweep, runs_root=sweep.parent / "runs").grid()
+                 if (p.setting_name, p.method, p.seed) == ("alpha-0.5", "FedAvg", 0))
+    shutil.rmtree(point.out_dir)
+    main(point.fit_arguments())  # trained for real: its checkpoints hold every round's row
+    rows_logged = read_metrics(point.out_dir)
+    (point.out_dir / "metrics.jsonl").write_text("")  # what a kill between a checkpoint and the log leaves
+    markdown, rows, _ = run_table(sweep)
+    assert rows_by_method(rows)["FedAvg"]["alpha-0.5:n"] == "2"
+    config = point.out_dir / "config.yaml"
+    assert (f"- alpha-0.5/FedAvg/seed0: no metrics rows (checkpoint at round {ROUNDS}): resume it to rewrite them "
+            f"(fl-lightning fit --config {config})") in markdown.splitlines()
+    assert "not started: alpha-0.1/FedAvg/seed2" in markdown and "alpha-0.5/FedAvg/seed0," not in markdown
+    main(["fit", "--config", str(config)])  # the command given: a finished run, its rows rewritten
+    assert read_metrics(point.out_dir) == rows_logged
+    markdown, rows, _ = run_table(sweep)
+    assert rows_by_method(rows)["FedAvg"]["alpha-0.5:n"] == "3" and "no metrics rows" not in markdown
+

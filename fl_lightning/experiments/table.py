@@ -32,7 +32,9 @@ Table (`table.md`, printed, and `table.csv`):
   runs are resolved (a grid's points without a run are not started, whatever their settings), and
   one whose settings `fit` refuses refuses the plan.
 - a torn last line of metrics.jsonl (a killed run, until it resumes) is left out, and the notes say
-  so. A metric that no run logged is an error that lists the metrics the runs did log.
+  so. A run without metrics rows but with a checkpoint (a kill between the checkpoint and the log)
+  is not "not started": the notes name its checkpoint's round and the command that rewrites the
+  rows from it. A metric that no run logged is an error that lists the metrics the runs did log.
 - the best cell of each column (highest mean, lowest for losses, compared as displayed; ties all
   marked) is bold in Markdown and has `<setting>:best` = 1 in the CSV.
 - accuracy-like metrics (a name containing "accuracy") are shown in percent (`--percent`), with 2
@@ -56,15 +58,25 @@ single column; every run found is expected, so nothing is reported as not starte
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional, Union
 
 from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.plot import plot_curves
 from fl_lightning.experiments.reference import paper_numbers
-from fl_lightning.experiments.runs import Run, best_value, other_experiment, parse_at, read_run, run_state, value_at
+from fl_lightning.experiments.runs import (
+    Run,
+    best_value,
+    other_experiment,
+    parse_at,
+    read_run,
+    run_state,
+    value_at,
+)
 from fl_lightning.experiments.table_cells import Cell, Table, mark_best, order_methods
 from fl_lightning.experiments.table_sources import Entry, load_entries
+from fl_lightning.run_dir import CONFIG_FILE
 
 
 def table(plan: Union[str, list[str]], metric: Optional[str] = None, at: str = "final",
@@ -117,42 +129,41 @@ def table(plan: Union[str, list[str]], metric: Optional[str] = None, at: str = "
     cells = {(m, s): Cell() for m in methods for s in loaded.settings}
     curves: dict[tuple[str, str], list] = {key: [] for key in cells}
     selection = validation_metric(metric) if at == "best" else None
-    chosen_on_validation, chosen_on_test = [], []
-    missing, partial, excluded, empty, early, torn, other = [], [], [], [], [], [], []
-    logged: set[str] = set()
+    outcomes, logged = Outcomes(), set()
     for entry in loaded.entries:
         run = read_run(entry.path)
         if run.torn_line:
-            torn.append(entry)
+            outcomes.torn.append(entry)
         if not run.history:
-            missing.append(entry)
+            outcomes.add_without_rows(entry)
             continue
         logged |= run.metrics_logged()
         different = None if entry.config is None else other_experiment(entry.path, entry.config)
         if different is None and entry.rounds is not None and run.rounds_done > entry.rounds:
             different = f"federation.rounds: it logged round {run.rounds_done}, past the {entry.rounds} of the plan"
         if different is not None:
-            other.append(f"{_where(entry)} ({different})")
+            outcomes.other.append(f"{_where(entry)} ({different})")
             continue
         rounds = entry.rounds or run.rounds_planned
-        if rounds is None or run.rounds_done < rounds:
-            # An early stop is final only by its checkpoint's word: a row count cannot tell it from a kill.
-            if rounds is not None and run_state(entry.path, rounds).finished:
-                early.append((entry, run))
-            else:
-                (partial if include_partial else excluded).append((entry, run))
-                if not include_partial:
-                    continue
+        under_way = rounds is None or run.rounds_done < rounds
+        # An early stop is final only by its checkpoint's word: a row count cannot tell it from a kill.
+        if under_way and rounds is not None and run_state(entry.path, rounds).finished:
+            outcomes.early.append((entry, run))
+            under_way = False
+        elif under_way:
+            (outcomes.partial if include_partial else outcomes.excluded).append((entry, run))
+            if not include_partial:
+                continue
         points = run.points(metric)
         if selection is not None and run.points(selection):
             value = value_at_best_round(run, metric, selection)
-            chosen_on_validation.append(entry)
+            outcomes.chosen_on_validation.append(entry)
         else:
             value = value_at([v for _, v in points], metric, at)
             if selection is not None:
-                chosen_on_test.append(entry)
+                outcomes.chosen_on_test.append(entry)
         if value is None:
-            empty.append(entry)
+            outcomes.empty.append(entry)
             continue
         cells[entry.method, entry.setting].values.append(value * scale)
         curves[entry.method, entry.setting].append([(r, v * scale) for r, v in points])
@@ -171,34 +182,7 @@ def table(plan: Union[str, list[str]], metric: Optional[str] = None, at: str = "
             cells[key].paper = None if paper is None else paper * unit
     for setting in loaded.settings:
         mark_best([cells[m, setting] for m in methods], metric, decimals)
-
-    notes = []
-    if excluded:
-        notes.append("not counted, unfinished (--include_partial true counts them): "
-                     + _listing([_progress(e, r) for e, r in excluded]))
-    if partial:
-        notes.append("counted although unfinished: " + _listing([_progress(e, r) for e, r in partial]))
-    if early:
-        notes.append("finished early (a final stop in its checkpoint), counted at its last round: "
-                     + _listing([_progress(e, r) for e, r in early]))
-    if other:
-        notes.append("not counted, made with other settings than the plan's (rerun them in folders of their own): "
-                     + _listing(other))
-    if torn:
-        notes.append("a torn last line of metrics.jsonl left out (a killed run; resuming it rewrites the line): "
-                     + _listing([_where(e) for e in torn]))
-    if chosen_on_validation:
-        notes.append(f"best: each run's {metric} at the evaluation of its best {selection} (model selection on "
-                     f"the validation split, data.validation; the test set chooses nothing): "
-                     f"{len(chosen_on_validation)} run(s)")
-    if chosen_on_test:
-        notes.append(f"best: selected on the test set itself, the best {metric} over the evaluations (no "
-                     f"{selection} logged: no validation split, data.validation), an optimistic number: "
-                     + _listing([_where(e) for e in chosen_on_test]))
-    if missing:
-        notes.append("not started: " + _listing([_where(e) for e in missing]))
-    if empty:
-        notes.append(f"no {metric} logged: " + _listing([_where(e) for e in empty]))
+    notes = outcomes.notes(metric, selection)
 
     result = Table(metric=metric, at=at, methods=methods, settings=loaded.settings, labels=loaded.labels,
                    cells=cells, curves=curves, percent=percent, decimals=decimals, reference=has_reference,
@@ -212,6 +196,64 @@ def table(plan: Union[str, list[str]], metric: Optional[str] = None, at: str = "
     print(markdown, end="")
     print(f"\nwritten: {out / 'table.md'}, {out / 'table.csv'}, {out / 'plot.png'}")
     return result
+
+
+@dataclass
+class Outcomes:
+    """What became of the runs a table expects, besides the values counted: the notes under it."""
+
+    not_started: list[Entry] = field(default_factory=list)
+    without_rows: list[tuple[Entry, int]] = field(default_factory=list)
+    """No metrics rows, and a checkpoint of that round (rows lost to a kill between checkpoint and log)."""
+    excluded: list[tuple[Entry, Run]] = field(default_factory=list)
+    """Unfinished, left out (no --include_partial)."""
+    partial: list[tuple[Entry, Run]] = field(default_factory=list)
+    early: list[tuple[Entry, Run]] = field(default_factory=list)
+    other: list[str] = field(default_factory=list)
+    """Runs made with other settings than their point's, each with the fields that differ."""
+    torn: list[Entry] = field(default_factory=list)
+    chosen_on_validation: list[Entry] = field(default_factory=list)
+    chosen_on_test: list[Entry] = field(default_factory=list)
+    empty: list[Entry] = field(default_factory=list)
+
+    def add_without_rows(self, entry: Entry) -> None:
+        checkpoint = run_state(entry.path, None).round
+        if checkpoint is None:
+            self.not_started.append(entry)
+        else:
+            self.without_rows.append((entry, checkpoint))
+
+    def notes(self, metric: str, selection: Optional[str]) -> list[str]:
+        notes = []
+        if self.excluded:
+            notes.append("not counted, unfinished (--include_partial true counts them): "
+                         + _listing([_progress(e, r) for e, r in self.excluded]))
+        if self.partial:
+            notes.append("counted although unfinished: " + _listing([_progress(e, r) for e, r in self.partial]))
+        if self.early:
+            notes.append("finished early (a final stop in its checkpoint), counted at its last round: "
+                         + _listing([_progress(e, r) for e, r in self.early]))
+        if self.other:
+            notes.append("not counted, made with other settings than the plan's (rerun them in folders of their "
+                         "own): " + _listing(self.other))
+        if self.torn:
+            notes.append("a torn last line of metrics.jsonl left out (a killed run; resuming it rewrites the line): "
+                         + _listing([_where(e) for e in self.torn]))
+        if self.chosen_on_validation:
+            notes.append(f"best: each run's {metric} at the evaluation of its best {selection} (model selection "
+                         f"on the validation split, data.validation; the test set chooses nothing): "
+                         f"{len(self.chosen_on_validation)} run(s)")
+        if self.chosen_on_test:
+            notes.append(f"best: selected on the test set itself, the best {metric} over the evaluations (no "
+                         f"{selection} logged: no validation split, data.validation), an optimistic number: "
+                         + _listing([_where(e) for e in self.chosen_on_test]))
+        if self.not_started:
+            notes.append("not started: " + _listing([_where(e) for e in self.not_started]))
+        notes += [f"{_where(entry)}: no metrics rows (checkpoint at round {checkpoint}): resume it to rewrite them "
+                  f"(fl-lightning fit --config {entry.path / CONFIG_FILE})" for entry, checkpoint in self.without_rows]
+        if self.empty:
+            notes.append(f"no {metric} logged: " + _listing([_where(e) for e in self.empty]))
+        return notes
 
 
 def validation_metric(metric: str) -> Optional[str]:
