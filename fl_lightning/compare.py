@@ -20,7 +20,7 @@ from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.plan import GridPoint, load_plan
 from fl_lightning.experiments.plot import save_laid_out
 from fl_lightning.experiments.resolve import GridResolver, accepted_config
-from fl_lightning.experiments.runs import find_runs, other_experiment, read_run, run_labels, value_at
+from fl_lightning.experiments.runs import check_metric, find_runs, other_experiment, read_run, run_labels, value_at
 
 
 def compare(runs: Union[list[Path], str], metric: str = "test_accuracy", plot: Optional[Path] = None,
@@ -43,15 +43,15 @@ def compare(runs: Union[list[Path], str], metric: str = "test_accuracy", plot: O
     if not paths:
         raise ConfigError("runs", "folders written by `fl-lightning fit` (with metrics.jsonl)", str(runs))
     expected = _grid_settings(Path(plan), Path(runs_root), paths) if plan is not None else {}
-    rows, curves, logged, left_out = [], {}, set(), []
+    rows, curves, read, left_out = [], {}, [], []
     for path, label in zip(paths, run_labels(paths)):
         run = read_run(path)
+        read.append(run)
         if run.torn_line:
             print(f"note: {path}: a torn last line of metrics.jsonl left out (a killed run; resuming it rewrites "
                   "the line)", file=sys.stderr)
         if not run.history:
             raise ConfigError("runs", "folders written by `fl-lightning fit` (with metrics.jsonl)", str(path))
-        logged |= run.metrics_logged()
         config = expected.get(path.resolve())
         different = None if config is None else other_experiment(path, config)
         if different is not None:
@@ -63,8 +63,7 @@ def compare(runs: Union[list[Path], str], metric: str = "test_accuracy", plot: O
                      f"final_{metric}": value_at(values, metric, "final"),
                      f"best_{metric}": value_at(values, metric, "best")})
         curves[label] = points
-    if metric not in logged:
-        raise ConfigError("metric", f"a metric the runs logged: {', '.join(sorted(logged))}", metric)
+    check_metric(metric, read)
     if left_out:
         print("left out, made with other settings than their grid point's: " + ", ".join(left_out), file=sys.stderr)
     if not rows:

@@ -16,7 +16,7 @@ from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.plan import load_plan
 from fl_lightning.experiments.plot import mean_curve
 from fl_lightning.experiments.resolve import resolve_grid
-from fl_lightning.experiments.runs import value_at
+from fl_lightning.experiments.runs import read_run, value_at
 from fl_lightning.experiments.table import table
 from fl_lightning.experiments.table_cells import order_methods
 from fl_lightning.experiments.table_sources import setting_label
@@ -328,8 +328,10 @@ def test_a_metric_no_run_logged_is_an_error_listing_those_logged(sweep, capsys):
     with pytest.raises(SystemExit) as exit_info:
         run_table(sweep, "--metric", "test_acc")
     assert exit_info.value.code == 2
-    assert capsys.readouterr().err == ("error: metric: expected a metric the runs logged: round_seconds, "
-                                       "test_accuracy, test_loss, train_loss, got 'test_acc'\n")
+    # alpha-0.1/FedAvg + CONST/seed1 is unfinished: what its evaluations to come log is listed too.
+    assert capsys.readouterr().err == ("error: metric: expected a metric the runs logged or will log at their "
+                                       "evaluations to come: eval_seconds, round_seconds, test_accuracy, test_loss, "
+                                       "train_loss, got 'test_acc'\n")
 
 
 def test_an_early_stopped_run_counts_as_finished_at_its_last_round(sweep):
@@ -489,3 +491,45 @@ def test_a_run_whose_metrics_rows_are_lost_is_named_with_its_checkpoint_and_the_
     markdown, rows, _ = run_table(sweep)
     assert rows_by_method(rows)["FedAvg"]["alpha-0.5:n"] == "3" and "no metrics rows" not in markdown
 
+
+def test_before_the_first_evaluation_the_plans_metric_is_pending_not_unknown(tmp_path, monkeypatch, capsys,
+                                                                               point_configs):
+    # A sweep under way: each run has logged round 1 of 4, none has reached its evaluation (at round 4);
+    # SCAFFOLD at alpha 0.1 has not started.
+    monkeypatch.chdir(tmp_path)
+    plan_file = write_demo_plan(tmp_path)
+    (tmp_path / "paper.csv").write_text("method,alpha-0.5,alpha-0.1\nFedAvg,71.50,\n")
+    for point in load_plan(plan_file, runs_root=tmp_path / "runs").grid():
+        if point.seed == 0 and (point.setting_name, point.method) != ("alpha-0.1", "SCAFFOLD"):
+            write_run(point.out_dir, [], config={**point_configs[point.setting_name, point.method, point.seed],
+                                                 "out_dir": str(point.out_dir)})
+            MetricsLog(point.out_dir, history=[{"round": 1, "train_loss": 2.0, "round_seconds": 0.1}])
+    for options in ([], ["--include_partial", "true"]):
+        markdown, rows, _ = run_table(plan_file, *options)
+        lines = markdown.splitlines()
+        assert lines[2] == "| FedAvg | pending | 71.50 | – | pending | – | – |"
+        assert lines[4] == "| SCAFFOLD | pending | – | – | – | – | – |"
+        assert all(row[f"{setting}:n"] == "0" for row in rows for setting in ("alpha-0.5", "alpha-0.1"))
+    assert ("pending, no test_accuracy logged yet (its evaluations are to come): alpha-0.5/FedAvg/seed0, "
+            "alpha-0.5/SCAFFOLD/seed0") in markdown
+    run_table(plan_file, "--metric", "test_loss")  # another metric an evaluation logs
+    with pytest.raises(SystemExit) as exit_info:  # a metric no evaluation logs is still refused
+        run_table(plan_file, "--metric", "test_acc")
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.endswith("error: metric: expected a metric the runs logged or will log at their "
+                                            "evaluations to come: eval_seconds, round_seconds, test_accuracy, "
+                                            "test_loss, train_loss, got 'test_acc'\n")
+    main(["compare", "--runs", str(tmp_path / "runs" / "demo" / "alpha-0.5" / "*" / "seed0")])
+    assert capsys.readouterr().out.splitlines()[1].split()[1:] == ["FedAvg", "1", "None", "None"]
+
+
+def test_the_metrics_to_come_are_what_an_evaluation_logs(tmp_path):
+    out = tmp_path / "run"
+    main(["fit", "--config", str(REPOSITORY / "configs" / "quickstart.yaml"), "--model.options", "{hidden: 16}",
+          "--federation.rounds", "1", "--federation.local_steps", "1", "--data.validation", "0.2",
+          "--data.per_client_eval", "true", "--out_dir", str(out)])
+    (row,) = read_metrics(out)
+    before_it = read_run(out)
+    before_it.history = []
+    assert set(row) - {"round", "train_loss", "round_seconds"} == before_it.metrics_to_come()
+    assert read_run(out).metrics_to_come() == set()  # finished: nothing is to come

@@ -60,6 +60,35 @@ class Run:
     def metrics_logged(self) -> set[str]:
         return {key for row in self.history for key, value in row.items() if value is not None} - {"round"}
 
+    def metrics_to_come(self) -> set[str]:
+        """What its config has it log at the evaluations it has not reached yet (every run evaluates
+        after its last round): none once it has logged its last round, or without a config."""
+        if self.rounds_planned is None or self.rounds_done >= self.rounds_planned:
+            return set()
+        data = self.config.get("data") or {}
+        validation = VALIDATION_METRICS + (PER_CLIENT_METRICS if data.get("per_client_eval") else ())
+        return {*EVALUATION_METRICS, *(validation if data.get("validation") else ())}
+
+
+EVALUATION_METRICS = ("test_accuracy", "test_loss", "eval_seconds")
+"""What every evaluation logs (fl_lightning.callbacks.Evaluate: each eval_every rounds, and after the last)."""
+VALIDATION_METRICS = ("val_accuracy", "val_loss")
+"""What it adds with a validation split (data.validation)."""
+PER_CLIENT_METRICS = ("client_val_accuracy_mean", "client_val_accuracy_std", "client_val_accuracy_min",
+                      "client_val_accuracy_p10")
+"""What it adds with data.per_client_eval."""
+
+
+def check_metric(metric: str, runs: list[Run]) -> None:
+    """Refuse a metric that none of `runs` logged, nor will log at an evaluation to come (while a sweep
+    runs, before the first evaluation, the metrics to come are all there is); nothing is refused
+    while no run has logged a round."""
+    logged = set().union(*(run.metrics_logged() for run in runs))
+    to_come = set().union(*(run.metrics_to_come() for run in runs)) - logged
+    if logged and metric not in logged | to_come:
+        runs_log = "the runs logged" + (" or will log at their evaluations to come" if to_come else "")
+        raise ConfigError("metric", f"a metric {runs_log}: {', '.join(sorted(logged | to_come))}", metric)
+
 
 def read_run(path: Path) -> Run:
     """The run in `path`: config.yaml (empty if absent) and the rows of metrics.jsonl."""

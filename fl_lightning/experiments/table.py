@@ -12,7 +12,7 @@ Table (`table.md`, printed, and `table.csv`):
   whole plan is left out of the labels).
 - each cell is `mean ± std (n)` over seeds, n being the number of seeds counted; the std is the
   sample standard deviation (ddof = 1, as papers report it), left out when n = 1; a cell without
-  runs is "–".
+  runs is "–", and one whose runs are still training, none counted yet, "pending".
 - the value of one run is taken (`--at`) at the final round (`final`, the default: the last value
   logged), at its best evaluation (`best`: the maximum, or the minimum for a metric whose name
   contains "loss"), or as the mean of its last k evaluations (`last:k`). The same rule serves
@@ -34,7 +34,9 @@ Table (`table.md`, printed, and `table.csv`):
 - a torn last line of metrics.jsonl (a killed run, until it resumes) is left out, and the notes say
   so. A run without metrics rows but with a checkpoint (a kill between the checkpoint and the log)
   is not "not started": the notes name its checkpoint's round and the command that rewrites the
-  rows from it. A metric that no run logged is an error that lists the metrics the runs did log.
+  rows from it. A metric that no run logged, nor will log at an evaluation to come (a run's config
+  schedules them: test_*, val_* with a validation split, ...; while a sweep runs, before the first
+  evaluation, these are all the runs will have logged), is an error that lists those metrics.
 - the best cell of each column (highest mean, lowest for losses, compared as displayed; ties all
   marked) is bold in Markdown and has `<setting>:best` = 1 in the CSV.
 - accuracy-like metrics (a name containing "accuracy") are shown in percent (`--percent`), with 2
@@ -68,6 +70,7 @@ from fl_lightning.experiments.reference import paper_numbers
 from fl_lightning.experiments.runs import (
     Run,
     best_value,
+    check_metric,
     other_experiment,
     parse_at,
     read_run,
@@ -129,15 +132,15 @@ def table(plan: Union[str, list[str]], metric: Optional[str] = None, at: str = "
     cells = {(m, s): Cell() for m in methods for s in loaded.settings}
     curves: dict[tuple[str, str], list] = {key: [] for key in cells}
     selection = validation_metric(metric) if at == "best" else None
-    outcomes, logged = Outcomes(), set()
+    outcomes, read = Outcomes(), []
     for entry in loaded.entries:
         run = read_run(entry.path)
+        read.append(run)
         if run.torn_line:
             outcomes.torn.append(entry)
         if not run.history:
             outcomes.add_without_rows(entry)
             continue
-        logged |= run.metrics_logged()
         different = None if entry.config is None else other_experiment(entry.path, entry.config)
         if different is None and entry.rounds is not None and run.rounds_done > entry.rounds:
             different = f"federation.rounds: it logged round {run.rounds_done}, past the {entry.rounds} of the plan"
@@ -163,13 +166,12 @@ def table(plan: Union[str, list[str]], metric: Optional[str] = None, at: str = "
             if selection is not None:
                 outcomes.chosen_on_test.append(entry)
         if value is None:
-            outcomes.empty.append(entry)
+            (outcomes.pending if under_way else outcomes.empty).append(entry)
             continue
         cells[entry.method, entry.setting].values.append(value * scale)
         curves[entry.method, entry.setting].append([(r, v * scale) for r, v in points])
 
-    if logged and metric not in logged:
-        raise ConfigError("metric", f"a metric the runs logged: {', '.join(sorted(logged))}", metric)
+    check_metric(metric, read)
     numbers = None
     if reference is not None:
         numbers = paper_numbers(Path(reference), methods, loaded.settings, loaded.labels)
@@ -182,6 +184,8 @@ def table(plan: Union[str, list[str]], metric: Optional[str] = None, at: str = "
             cells[key].paper = None if paper is None else paper * unit
     for setting in loaded.settings:
         mark_best([cells[m, setting] for m in methods], metric, decimals)
+    for key in outcomes.cells_under_way():
+        cells[key].pending = True
     notes = outcomes.notes(metric, selection)
 
     result = Table(metric=metric, at=at, methods=methods, settings=loaded.settings, labels=loaded.labels,
@@ -214,6 +218,8 @@ class Outcomes:
     torn: list[Entry] = field(default_factory=list)
     chosen_on_validation: list[Entry] = field(default_factory=list)
     chosen_on_test: list[Entry] = field(default_factory=list)
+    pending: list[Entry] = field(default_factory=list)
+    """Counted although unfinished, but with no value of the metric yet: its evaluations are to come."""
     empty: list[Entry] = field(default_factory=list)
 
     def add_without_rows(self, entry: Entry) -> None:
@@ -222,6 +228,10 @@ class Outcomes:
             self.not_started.append(entry)
         else:
             self.without_rows.append((entry, checkpoint))
+
+    def cells_under_way(self) -> set[tuple[str, str]]:
+        """The cells with runs still training that a value of theirs may yet fill."""
+        return {(entry.method, entry.setting) for entry in [*self.pending, *(e for e, _ in self.excluded)]}
 
     def notes(self, metric: str, selection: Optional[str]) -> list[str]:
         notes = []
@@ -251,6 +261,9 @@ class Outcomes:
             notes.append("not started: " + _listing([_where(e) for e in self.not_started]))
         notes += [f"{_where(entry)}: no metrics rows (checkpoint at round {checkpoint}): resume it to rewrite them "
                   f"(fl-lightning fit --config {entry.path / CONFIG_FILE})" for entry, checkpoint in self.without_rows]
+        if self.pending:
+            notes.append(f"pending, no {metric} logged yet (its evaluations are to come): "
+                         + _listing([_where(e) for e in self.pending]))
         if self.empty:
             notes.append(f"no {metric} logged: " + _listing([_where(e) for e in self.empty]))
         return notes

@@ -19,6 +19,8 @@ class Cell:
     """One value per seed counted, in the table's units."""
     paper: Optional[float] = None
     best: bool = False
+    pending: bool = False
+    """Runs of the cell are still training: a cell without a value yet shows "pending", not "–"."""
 
     @property
     def n(self) -> int:
@@ -63,7 +65,7 @@ class Table:
 
     def cell_text(self, cell: Cell) -> str:
         if cell.n == 0:
-            return "–"
+            return "pending" if cell.pending else "–"
         text = self._number(cell.mean) + ("" if cell.std is None else f" ± {self._number(cell.std)}")
         return (f"**{text}**" if cell.best else text) + f" ({cell.n})"
 
