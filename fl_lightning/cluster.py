@@ -11,7 +11,10 @@ and come back"; SIGTERM is sent by `scancel` (stop for good), by a preemption's 
 Slurm's own requeue. Whatever the signal, the job is requeued only while Slurm still reports it
 RUNNING: `scancel`, the time limit and Slurm's own requeue move it out of RUNNING (CANCELLED,
 COMPLETING, TIMEOUT, PENDING, ...) before they signal its steps, while a preemption's grace time
-leaves it RUNNING.
+leaves it RUNNING. Slurm 22.05 reports a cancelled job and one it has requeued itself (a preemption
+without grace time, a hand `scontrol requeue`) alike, COMPLETING while the steps are killed; the
+requeue alone counts in the job's `Restarts`, which then exceeds the SLURM_RESTART_COUNT this
+attempt started with.
 """
 
 from __future__ import annotations
@@ -114,6 +117,22 @@ QUEUED_STATES = ("PENDING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD")
 ALREADY_QUEUED_ERROR = "pending execution"
 
 
+@dataclass(frozen=True)
+class SlurmJob:
+    """What `scontrol show job` says of a job."""
+
+    state: Optional[str]
+    """JobState (RUNNING, COMPLETING, ...); None where it could not be read (`unread` says why)."""
+    restarts: Optional[int]
+    """Restarts: how often the job has been requeued; None where scontrol gives none."""
+    unread: str = ""
+
+    def requeued_since(self, attempt_restarts: int) -> bool:
+        """Whether Slurm has requeued the job since the attempt that started as restart
+        `attempt_restarts` (SLURM_RESTART_COUNT): it is back in the queue, whatever its state says."""
+        return self.state in QUEUED_STATES or (self.restarts is not None and self.restarts > attempt_restarts)
+
+
 def requeue_after_stop(signal_name: Optional[str], received: set[signal.Signals]) -> None:
     """Put this SLURM job back in the queue after a stop (rank 0 calls it once the checkpoint and
     the logs are closed: `scontrol requeue` makes Slurm kill the job's steps at once), if it is
@@ -122,22 +141,27 @@ def requeue_after_stop(signal_name: Optional[str], received: set[signal.Signals]
 
     A cancelled or ending job stays as it is; a preempted job that exited 0 in its grace time
     without a requeue would be recorded COMPLETED mid-run and never resumed; a job Slurm has
-    requeued itself is already where the requeue would put it.
+    requeued itself is already where the requeue would put it, and advice to submit it again would
+    start a second job racing it for the run.
     """
     job_id = slurm_job_id()
     if job_id is None:
         return
     requeue_signal = signal.Signals[signal_name] if signal_name else None
-    state, unread = slurm_job_state(job_id)
-    if state is None and requeue_signal not in received:
-        raise RequeueFailed(f"checkpoint saved, but the state of SLURM job {job_id} could not be read ({unread}), "
+    job = slurm_job(job_id)
+    if job.state is None and requeue_signal not in received:
+        raise RequeueFailed(f"checkpoint saved, but the state of SLURM job {job_id} could not be read ({job.unread}), "
                             "and SIGTERM alone cannot tell a cancellation from a preemption: not requeued; "
                             "resubmit the job to resume unless it was cancelled")
-    if state in QUEUED_STATES:
-        print(f"SLURM job {job_id} is already back in the queue ({state}): checkpoint saved", flush=True)
+    attempt_restarts = slurm_restart_count()
+    if job.requeued_since(attempt_restarts):
+        restarts = "" if job.restarts is None else f", Restarts={job.restarts} where this attempt started at " \
+                                                   f"{attempt_restarts}"
+        print(f"SLURM job {job_id} is already back in the queue ({job.state}{restarts}): checkpoint saved, "
+              "the requeued job resumes from it", flush=True)
         return
-    if state is not None and state != "RUNNING":
-        print(f"SLURM job {job_id} is {state} (cancelled or ending): checkpoint saved, not requeueing; the same "
+    if job.state is not None and job.state != "RUNNING":
+        print(f"SLURM job {job_id} is {job.state} (cancelled or ending): checkpoint saved, not requeueing; the same "
               "command submitted again resumes the run", flush=True)
         return
     command = ["scontrol", "requeue", job_id]
@@ -157,18 +181,24 @@ def requeue_after_stop(signal_name: Optional[str], received: set[signal.Signals]
     print(f"requeued SLURM job {job_id}: {' '.join(command)}", flush=True)
 
 
-def slurm_job_state(job_id: str) -> tuple[Optional[str], str]:
-    """JobState of `job_id` as `scontrol show job` reports it (e.g. RUNNING, COMPLETING), and why
-    it could not be read where the state is None."""
+def slurm_job(job_id: str) -> SlurmJob:
+    """`job_id` as `scontrol show job` reports it."""
     command = ["scontrol", "show", "job", "--oneliner", job_id]
     try:
         completed = subprocess.run(command, capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as err:
-        return None, f"{' '.join(command)} failed: {err}"
-    match = re.search(r"\bJobState=(\S+)", completed.stdout)
-    if match is None:
-        return None, f"{' '.join(command)} exited {completed.returncode}: {completed.stderr.strip() or 'no JobState'}"
-    return match.group(1), ""
+        return SlurmJob(None, None, f"{' '.join(command)} failed: {err}")
+    state, restarts = re.search(r"\bJobState=(\S+)", completed.stdout), re.search(r"\bRestarts=(\d+)", completed.stdout)
+    if state is None:
+        return SlurmJob(None, None, f"{' '.join(command)} exited {completed.returncode}: "
+                                    f"{completed.stderr.strip() or 'no JobState'}")
+    return SlurmJob(state.group(1), int(restarts.group(1)) if restarts else None)
+
+
+def slurm_restart_count() -> int:
+    """How often the job had been requeued when this attempt started (Slurm leaves the variable unset
+    on the first)."""
+    return int(os.environ.get("SLURM_RESTART_COUNT") or 0)
 
 
 def slurm_job_id() -> Optional[str]:

@@ -25,23 +25,26 @@ def outside_slurm(monkeypatch):
 
 @pytest.fixture
 def scontrol(tmp_path, monkeypatch):
-    """A stand-in `scontrol` first on PATH: `show job` reports the state in the file `job_state`
-    (RUNNING unless a test writes another); `requeue` appends its arguments to `calls`, and fails
-    with the message in the file `requeue_error` if a test writes one."""
+    """A stand-in `scontrol` first on PATH: `show job` reports, as Slurm 22.05 does, the state in the
+    file `job_state` (RUNNING unless a test writes another) and the restarts in `restarts` (0 unless
+    a test writes another); `requeue` appends its arguments to `calls`, and fails with the message in
+    the file `requeue_error` if a test writes one."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    calls, job_state = tmp_path / "scontrol_calls.txt", tmp_path / "job_state"
+    calls, job_state, restarts = tmp_path / "scontrol_calls.txt", tmp_path / "job_state", tmp_path / "restarts"
     requeue_error = tmp_path / "requeue_error"
     job_state.write_text("RUNNING")
+    restarts.write_text("0")
     (bin_dir / "scontrol").write_text(
         '#!/bin/bash\n'
-        f'if [[ "$1" == show ]]; then echo "JobId=$4 JobName=fl JobState=$(cat {job_state}) Reason=None"; exit 0; fi\n'
+        f'if [[ "$1" == show ]]; then echo "JobId=$4 JobName=fl JobState=$(cat {job_state}) Reason=None '
+        f'Requeue=1 Restarts=$(cat {restarts}) BatchFlag=1"; exit 0; fi\n'
         f'echo "$@" >> {calls}\n'
         f'if [[ -f {requeue_error} ]]; then cat {requeue_error} >&2; exit 1; fi\n'
     )
     (bin_dir / "scontrol").chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    return {"calls": calls, "job_state": job_state, "requeue_error": requeue_error}
+    return {"calls": calls, "job_state": job_state, "restarts": restarts, "requeue_error": requeue_error}
 
 
 @pytest.fixture
@@ -173,14 +176,36 @@ def test_sigterm_of_a_job_still_running_requeues(scontrol, monkeypatch):
     assert scontrol["calls"].read_text().splitlines() == ["requeue 4242"]
 
 
-@pytest.mark.parametrize("state", ["PENDING", "REQUEUED"])
-def test_a_job_slurm_has_requeued_itself_is_left_in_the_queue(state, scontrol, monkeypatch, capsys):
-    """Preemption with GraceTime=0: Slurm requeues the job itself."""
+@pytest.mark.parametrize("state", ["COMPLETING", "PENDING", "REQUEUED"])
+@pytest.mark.parametrize("attempt_restarts", [None, "2"], ids=["first attempt", "third attempt"])
+def test_a_job_slurm_has_requeued_itself_is_left_in_the_queue(state, attempt_restarts, scontrol, monkeypatch, capsys):
+    """Preemption with GraceTime=0, or a hand `scontrol requeue`: Slurm requeues the job itself, counts
+    it in Restarts and, in 22.05, reports it COMPLETING while it kills the steps, as it reports a
+    cancelled job. Advice to submit the job again would start a second job racing this one."""
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    if attempt_restarts is not None:
+        monkeypatch.setenv("SLURM_RESTART_COUNT", attempt_restarts)
+    restarts = int(attempt_restarts or 0) + 1
     scontrol["job_state"].write_text(state)
+    scontrol["restarts"].write_text(str(restarts))
     requeue_after_stop("SIGUSR1", {signal.SIGTERM})
     assert not scontrol["calls"].exists()
-    assert f"SLURM job 4242 is already back in the queue ({state}): checkpoint saved" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert f"SLURM job 4242 is already back in the queue ({state}, Restarts={restarts} where this attempt started " \
+           f"at {restarts - 1}): checkpoint saved, the requeued job resumes from it" in printed
+    assert "not requeueing" not in printed and "submitted again" not in printed
+
+
+def test_a_requeued_job_cancelled_later_is_not_requeued(scontrol, monkeypatch, capsys):
+    """`scancel` of an attempt that a requeue started: its Restarts are the attempt's own."""
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    scontrol["job_state"].write_text("COMPLETING")
+    scontrol["restarts"].write_text("1")
+    requeue_after_stop("SIGUSR1", {signal.SIGTERM})
+    assert not scontrol["calls"].exists()
+    assert "SLURM job 4242 is COMPLETING (cancelled or ending): checkpoint saved, not requeueing; the same command " \
+           "submitted again resumes the run" in capsys.readouterr().out
 
 
 def test_a_requeue_refused_as_pending_execution_is_a_success(scontrol, monkeypatch, capsys):

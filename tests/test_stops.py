@@ -29,14 +29,16 @@ from test_faults import (
     process_environment,
 )
 
-# `show job` reports the state in $STAND_IN_DIR/job_state; `requeue` is recorded, then either fails
-# with the message in $STAND_IN_DIR/requeue_error or does what Slurm does on a requeue: SIGTERM to
+# `show job` reports, as Slurm 22.05 does, the state in $STAND_IN_DIR/job_state and the restarts in
+# $STAND_IN_DIR/restarts; `requeue` is recorded, then does what Slurm does on a requeue: SIGTERM to
 # every process of the job step (the fit process and its children) before it returns.
 pytestmark = pytest.mark.slow  # end to end: the tests train runs in-process or in subprocesses
 STAND_IN_SCONTROL = """#!/bin/bash
-if [[ $1 == show ]]; then echo "JobId=$4 JobName=fl JobState=$(cat "$STAND_IN_DIR/job_state")"; exit 0; fi
+if [[ $1 == show ]]; then
+    echo "JobId=$4 JobName=fl JobState=$(cat "$STAND_IN_DIR/job_state") Reason=None Requeue=1 \\
+Restarts=$(cat "$STAND_IN_DIR/restarts") BatchFlag=1"; exit 0
+fi
 echo "$@" >> "$STAND_IN_DIR/calls.txt"
-if [[ -f $STAND_IN_DIR/requeue_error ]]; then cat "$STAND_IN_DIR/requeue_error" >&2; exit 1; fi
 for pid in $PPID $(ps -o pid= --ppid $PPID); do [[ $pid == $$ ]] || kill -TERM "$pid"; done
 """
 # The stop signals the tests keep sending until the process has exited.
@@ -102,31 +104,33 @@ def slurm_job(tmp_path):
             "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
 
 
-# The last field: whether the stop runs in a fresh interpreter, signalled through its own shutdown,
-# W&B's service and the requeue's SIGTERM included; the other two are forked.
+# The job's state and Restarts as `scontrol show job` reports them after the signal (the attempt
+# started as restart 0), the signal, the requeue calls expected, what the run says, and whether the
+# stop runs in a fresh interpreter, signalled through its own shutdown, W&B's service and the
+# requeue's SIGTERM included; the other two are forked.
 STOPS = {
     # sbatch --signal=USR1@T (or scancel -s USR1): checkpoint, requeue, whose SIGTERM reaches every
     # process of the step, then signals until exit (a second time-limit signal, a second TERM).
-    "requeue signal": ("RUNNING", None, signal.SIGUSR1,
+    "requeue signal": ("RUNNING", 0, signal.SIGUSR1,
                        ["requeue 4242"], f"requeued SLURM job {SLURM_JOB_ID}: scontrol requeue {SLURM_JOB_ID}", True),
     # scancel: SIGTERM to every process of the step while Slurm reports the job COMPLETING.
-    "scancel": ("COMPLETING", None, signal.SIGTERM,
+    "scancel": ("COMPLETING", 0, signal.SIGTERM,
                 [], f"SLURM job {SLURM_JOB_ID} is COMPLETING (cancelled or ending): checkpoint saved, not requeueing",
                 False),
-    # Preemption with GraceTime=0: Slurm requeues the job itself; the run's own requeue is refused.
-    "preemption requeued by Slurm": ("RUNNING", "Requeue of JobId=4242 failed: Job is pending execution",
-                                     signal.SIGTERM, ["requeue 4242"],
-                                     f"SLURM job {SLURM_JOB_ID} is already back in the queue", False),
+    # Preemption with GraceTime=0, or a hand `scontrol requeue`: Slurm requeues the job itself and
+    # signals the step; it reports the job COMPLETING, as after scancel, but with one more restart.
+    "requeued by Slurm": ("COMPLETING", 1, signal.SIGTERM, [],
+                          f"SLURM job {SLURM_JOB_ID} is already back in the queue (COMPLETING, Restarts=1 where this "
+                          "attempt started at 0): checkpoint saved, the requeued job resumes from it", False),
 }
 
 
-@pytest.mark.parametrize("state, requeue_error, signum, requeue_calls, said, fresh_interpreter", STOPS.values(),
+@pytest.mark.parametrize("state, restarts, signum, requeue_calls, said, fresh_interpreter", STOPS.values(),
                          ids=STOPS.keys())
-def test_a_stop_under_slurm_exits_0_without_a_traceback(state, requeue_error, signum, requeue_calls, said,
-                                                       fresh_interpreter, slurm_job, tmp_path):
+def test_a_stop_under_slurm_exits_0_without_a_traceback(state, restarts, signum, requeue_calls, said, fresh_interpreter,
+                                                       slurm_job, tmp_path):
     (tmp_path / "job_state").write_text(state)
-    if requeue_error:
-        (tmp_path / "requeue_error").write_text(requeue_error)
+    (tmp_path / "restarts").write_text(str(restarts))
     # Held after round HELD_ROUND until signalled (tests/holds.py): the stop comes at the end of the next.
     out_dir = tmp_path / "run"
     out_dir.mkdir()
