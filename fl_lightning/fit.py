@@ -75,7 +75,14 @@ from fl_lightning.run_dir import (
     remove_results,
     report_safe_changes,
 )
-from fl_lightning.run_logging import MetricsLog, WandbIdentity, new_run_id, new_wandb_run, run_tags
+from fl_lightning.run_logging import (
+    MetricsLog,
+    WandbIdentity,
+    check_wandb_environment,
+    new_run_id,
+    new_wandb_run,
+    run_tags,
+)
 from fl_lightning.run_setup import RunSettings, as_lists, build_run
 from fl_lightning.server_optimizers import ServerOptimizer, ServerSGD
 
@@ -137,6 +144,8 @@ def fit(
     )
     fabric.validate()
     check_slurm_allocation(fabric)
+    if logger.wandb_mode != "disabled":
+        check_wandb_environment()
     settings = RunSettings(
         algorithm=algorithm, model=model, data=data, federation=federation, client_optimizer=client_optimizer,
         server_optimizer=checked.server_optimizer, constraint=constraint, fabric=fabric, compute=compute,

@@ -27,7 +27,7 @@ from typing import Optional
 from fl_lightning.atomic_files import failures_reported_as_writes_of, write_text_atomically
 from fl_lightning.cluster import slurm_job_id
 from fl_lightning.config import LoggerArgs
-from fl_lightning.errors import UNWRITABLE_ERRNOS, WriteFailed
+from fl_lightning.errors import UNWRITABLE_ERRNOS, ConfigError, WriteFailed
 from fl_lightning.wandb_file import history_steps, is_finished, read_records
 
 METRICS_FILE = "metrics.jsonl"
@@ -36,6 +36,8 @@ DEFAULT_INIT_TIMEOUT_S = 30.0
 # How long a finished W&B run waits for W&B's service to write the run's file, and how often it looks.
 RUN_FILE_WAIT_S = 30.0
 RUN_FILE_POLL_S = 0.02
+WANDB_MODES = ("online", "offline", "disabled", "dryrun", "shared", "run")
+"""The values W&B takes for WANDB_MODE."""
 
 
 def _json_row(metrics: dict) -> str:
@@ -91,6 +93,18 @@ def run_tags(own: dict[str, str], extra: list[str]) -> list[str]:
     `method=` tag), plus the other tags of `extra`; sorted."""
     replaced = {tag.split("=", 1)[0] for tag in extra if "=" in tag}
     return sorted({*(f"{key}={value}" for key, value in own.items() if key not in replaced), *extra})
+
+
+def check_wandb_environment() -> None:
+    """Make the WANDB_* variables fit for W&B before it starts. W&B reads its settings from them and
+    dies with a pydantic ValidationError on one that is set but empty (`WANDB_MODE= fl-lightning
+    ...`) or on a mode it does not know: an empty one is taken as unset, as the batch scripts'
+    `${WANDB_MODE:-online}` reads it, and an unknown mode is refused (ConfigError)."""
+    for name in [name for name, value in os.environ.items() if name.startswith("WANDB_") and not value]:
+        del os.environ[name]
+    mode = os.environ.get("WANDB_MODE")
+    if mode is not None and mode not in WANDB_MODES:
+        raise ConfigError("WANDB_MODE", f"one of {', '.join(WANDB_MODES)}, or unset", mode)
 
 
 def _init_timeout_s() -> float:

@@ -108,3 +108,15 @@ def reductions(monkeypatch) -> list[int]:
 
     monkeypatch.setattr(Diagnostic, "sum_over_ranks", staticmethod(counted))
     return sizes
+
+
+@pytest.fixture
+def wandb_reads_the_environment_afresh():
+    """W&B reads the WANDB_* variables once per process, into settings it keeps until its teardown:
+    they are dropped before and after the test, so that W&B reads the variables the test sets (and
+    a later test not)."""
+    import wandb
+
+    wandb.teardown()
+    yield
+    wandb.teardown()

@@ -196,6 +196,26 @@ def test_wandb_mode_offline_writes_the_spec_only(tmp_path, capsys, monkeypatch, 
     assert "not created in W&B (WANDB_MODE=offline)" in capsys.readouterr().out
 
 
+def test_an_empty_wandb_mode_is_taken_as_unset(tmp_path, capsys, no_api_key, monkeypatch, saved_reports,
+                                               wandb_reads_the_environment_afresh):
+    """`WANDB_MODE= fl-lightning dashboard PLAN`: W&B itself dies on the empty value (a pydantic
+    ValidationError) after the spec is written."""
+    monkeypatch.setenv("WANDB_MODE", "")
+    dashboard(Path(SMOKE), out=tmp_path / "spec.json")
+    assert saved_reports == []
+    assert "not created in W&B (no W&B API key" in capsys.readouterr().out
+
+
+def test_an_unknown_wandb_mode_is_refused_before_the_spec_is_written(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "ofline")
+    with pytest.raises(SystemExit) as exited:
+        main(["dashboard", SMOKE, "--out", str(tmp_path / "spec.json")])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: WANDB_MODE: expected one of online, offline, disabled, dryrun, shared, run, or unset, got 'ofline'"]
+    assert not (tmp_path / "spec.json").exists()
+
+
 def test_with_an_api_key_the_report_is_saved_and_its_address_printed(tmp_path, capsys, no_api_key, monkeypatch,
                                                                        saved_reports):
     monkeypatch.setenv("WANDB_API_KEY", "a" * 40)

@@ -103,6 +103,29 @@ def test_a_wandb_init_timeout_that_is_no_number_is_named(tmp_path, monkeypatch):
         run._init("online", {})
 
 
+@pytest.mark.slow
+def test_an_empty_wandb_variable_is_taken_as_unset(tmp_path, monkeypatch, capsys, wandb_reads_the_environment_afresh):
+    """`WANDB_MODE= fl-lightning fit ...`: W&B refuses a variable set but empty (a pydantic
+    ValidationError), which would leave the run without W&B."""
+    monkeypatch.setenv("WANDB_MODE", "")
+    monkeypatch.setenv("WANDB_SILENT", "")
+    main(["fit", "--config", QUICKSTART, "--federation.rounds", "1", "--logger.wandb_mode", "offline",
+          "--logger.progress_bar", "false", "--out_dir", str(tmp_path)])
+    (run_file,) = offline_run_files(tmp_path)
+    assert [row["_step"] for row in history_rows(run_file)] == [1]
+    assert "W&B" not in capsys.readouterr().err
+
+
+def test_an_unknown_wandb_mode_is_refused_before_anything_is_trained(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("WANDB_MODE", "ofline")
+    with pytest.raises(SystemExit) as exited:
+        main(["fit", "--config", QUICKSTART, "--logger.wandb_mode", "offline", "--out_dir", str(tmp_path / "run")])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: WANDB_MODE: expected one of online, offline, disabled, dryrun, shared, run, or unset, got 'ofline'"]
+    assert not (tmp_path / "run").exists()
+
+
 class BrokenWandbRun:
     """A W&B run whose service died (as when Slurm kills it with the ranks)."""
 

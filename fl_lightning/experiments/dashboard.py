@@ -26,11 +26,12 @@ wandb-workspaces library) holds:
   (`drift_diversity`).
 
 Its spec (JSON: title, entity, project and, per section, its filters, grouping, runs table
-columns and panels) is written first, to `out`, in every case; the report is then built from it.
-Without W&B (`--offline`, `WANDB_MODE` offline or disabled, or no W&B API key) that is all, and
-the command that creates the report later is printed: the same command, where W&B can be
-reached. A report that W&B refuses, or cannot be reached for, leaves the spec and that command too,
-and the command exits 1.
+columns and panels) is written first, to `out`, once the inputs are accepted (a `WANDB_MODE` that
+W&B does not know is refused; an empty one is unset); the report is then built from it. Without
+W&B (`--offline`, `WANDB_MODE` offline or disabled, or no W&B API key) that is all, and the
+command that creates the report later is printed: the same command, where W&B can be reached. A
+report that W&B refuses, or cannot be reached for, leaves the spec and that command too, and the
+command exits 1.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.plan import Plan, load_plan
 from fl_lightning.experiments.resolve import check_grid, check_overrides, resolve_grid
 from fl_lightning.experiments.table_sources import setting_label
+from fl_lightning.run_logging import check_wandb_environment
 
 SPEC_FILE = "dashboard.json"
 """The spec's file in runs/<plan>/ unless `out` names another."""
@@ -112,6 +114,8 @@ def dashboard(
             (repeat --override for several): the report of that variant of the plan (its runs are
             tagged plan=<variant>).
     """
+    if not offline:
+        check_wandb_environment()
     loaded = load_plan(Path(plan), runs_root=Path(runs_root), overrides=override)
     runs = _runs_settings(loaded)
     if project is None:
