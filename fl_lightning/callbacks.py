@@ -27,8 +27,12 @@ A callback that keeps state across rounds returns it from `state_dict()` and tak
 `load_state_dict()`: it is saved with every checkpoint (rank 0's) and restored on resume before
 `on_fit_start`, so an interrupted run behaves as an uninterrupted one. The state holds only what
 the run built; the callback's arguments are its configuration, given again by the resumed run's
-config. A callback's state is matched to it by its position and class name among the run's
-callbacks (`callback_key`), so a resumed run keeps its callbacks in their order (new ones after them).
+config, and the same as the run's: a resume that gives a callback the run had another value for
+an argument is refused as another experiment would be (EarlyStopping's patience changes what the
+run computes), but for the arguments its class lists in `safe_to_change` (those that only change
+how the run is carried out: TimeBudget's `max_seconds`, a diagnostic's `every`). A callback's
+state is matched to it by its position and class name among the run's callbacks (`callback_key`),
+so a resumed run keeps its callbacks in their order (new ones after them).
 
 A user adds callbacks in the config: `callbacks: [{class_path: my_module.MyCallback, init_args: {...}}]`.
 """
@@ -47,6 +51,10 @@ from fl_lightning.run_logging import MetricsLog, WandbRun, round_line, summary_l
 class Callback(Configurable):
     """Base class: override the hooks you need (each does nothing by default), and `state_dict` /
     `load_state_dict` when the callback keeps state across rounds."""
+
+    safe_to_change: tuple[str, ...] = ()
+    """The arguments a resumed run may give other values: those that change neither the model nor
+    what the rows of the run record (a subclass lists its own; every other argument must stay)."""
 
     def state_dict(self) -> dict:
         """What this callback built during the run and needs after a resume (not its arguments),
@@ -134,7 +142,10 @@ class EarlyStopping(Callback):
 class TimeBudget(Callback):
     """Interrupts the run (with a checkpoint; the same command resumes it) before a round that would
     end past `max_seconds` of this process's training time, judged by the longest round of the run so
-    far: its state, so that a resumed process judges its first round by it too."""
+    far: its state, so that a resumed process judges its first round by it too. The budget may
+    change on resume: it only chooses where the run is interrupted."""
+
+    safe_to_change = ("max_seconds",)
 
     def __init__(self, max_seconds: float):
         self.max_seconds = max_seconds

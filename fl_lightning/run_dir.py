@@ -5,7 +5,10 @@ define the experiment (algorithm and its arguments, model, data and split, feder
 constraint, seed, precision) with those the folder's checkpoint (or config.yaml) recorded, before
 anything is written, and refuses any change: a run that silently continued under other settings
 would report numbers that belong to no experiment. Settings that only change how the run is
-carried out (more rounds, evaluation and checkpoint cadence, logging, devices) may change.
+carried out (more rounds, evaluation and checkpoint cadence, logging, devices) may change, and so
+may the callbacks but for the arguments of those the run had: each callback class names those of
+its arguments a resume may change (`Callback.safe_to_change`: a time budget, a diagnostic's
+cadence), any other (EarlyStopping's patience) is refused as the settings are.
 """
 
 from __future__ import annotations
@@ -15,11 +18,13 @@ import json
 import os
 import shutil
 import sys
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Optional
 
 import yaml
 
+from fl_lightning.configurable import resolve_dotted_path
 from fl_lightning.errors import ConfigError
 from fl_lightning.file_lock import FileLock, LockHeld
 from fl_lightning.yaml_text import load_yaml
@@ -86,9 +91,39 @@ def changed_settings(recorded: dict, requested: dict) -> dict[str, tuple[object,
     recorded does not, nor an added setting that was not recorded, at its value then)."""
     new = flatten(requested)
     old = {**{name: value for name, value in ADDED_SETTINGS.items() if name in new}, **flatten(recorded)}
+    return {name: change for name, change in differences(old, new).items() if name not in RETIRED_SETTINGS}
+
+
+def differences(old: dict[str, object], new: dict[str, object]) -> dict[str, tuple[object, object]]:
+    """name -> (old, new) for every name whose value differs, or that only one of the two has; sorted."""
     missing = object()
     return {name: (old.get(name), new.get(name)) for name in sorted(old.keys() | new.keys())
-            if old.get(name, missing) != new.get(name, missing) and name not in RETIRED_SETTINGS}
+            if old.get(name, missing) != new.get(name, missing)}
+
+
+def refused_callback_changes(recorded: list[dict], requested: list[dict]) -> dict[str, tuple[object, object]]:
+    """`callbacks.<Class>.<argument>` -> (recorded, requested) for each argument given another value to
+    a callback the run had (matched by class, in their order: the second EarlyStopping is
+    `callbacks.EarlyStopping#2`), but for those its class declares safe to change
+    (`Callback.safe_to_change`). Callbacks added or removed are not compared here: the checkpoint's
+    callback states refuse a removed one that kept state."""
+    requested_by_class = defaultdict(list)
+    for callback in requested:
+        requested_by_class[callback["class_path"]].append(callback)
+    seen: Counter = Counter()
+    refused = {}
+    for callback in recorded:
+        class_path, occurrence = callback["class_path"], seen[callback["class_path"]]
+        seen[class_path] += 1
+        if occurrence >= len(requested_by_class[class_path]):
+            continue
+        safe = resolve_dotted_path(class_path).safe_to_change
+        label = class_path.rsplit(".", 1)[-1] + (f"#{occurrence + 1}" if occurrence else "")
+        changes = differences(flatten(callback.get("init_args") or {}),
+                              flatten(requested_by_class[class_path][occurrence].get("init_args") or {}))
+        refused.update({f"callbacks.{label}.{name}": change for name, change in changes.items()
+                        if name.split(".")[0] not in safe})
+    return refused
 
 
 class DifferentExperiment(ConfigError):
@@ -96,11 +131,14 @@ class DifferentExperiment(ConfigError):
 
     def __init__(self, refused: dict[str, tuple[object, object]], source: str, out_dir: Path):
         lines = "\n".join(f"  {name}: {old!r} -> {new!r}" for name, (old, new) in refused.items())
+        named_by_them = any(not name.startswith("callbacks.") for name in refused)
+        default = "leave out_dir unset for one named after its settings" if named_by_them else \
+            "a callback's arguments are not part of the name of the default one"
         super().__init__(
             "out_dir",
             f"a folder of its own for a different experiment: the run in it ({source}) was made with other "
             f"settings, which a resume cannot change:\n{lines}\nKeep those settings to continue that run, or give "
-            "this experiment another out_dir (leave out_dir unset for one named after its settings)",
+            f"this experiment another out_dir ({default})",
             str(out_dir),
         )
         self.refused = refused
@@ -117,6 +155,7 @@ def check_same_experiment(recorded: dict, requested: dict, source: str, out_dir:
     the safe changes."""
     changes = changed_settings(recorded, requested)
     refused = {name: change for name, change in changes.items() if not is_safe_to_change(name)}
+    refused.update(refused_callback_changes(recorded.get("callbacks") or [], requested.get("callbacks") or []))
     if refused:
         raise DifferentExperiment(refused, source, out_dir)
     return {name: change for name, change in changes.items() if name not in ("resume", "out_dir")}

@@ -24,6 +24,7 @@ from fl_lightning.checkpoint import (
 )
 from fl_lightning.cli.main import main
 from fl_lightning.federation import is_final_vote, stop_vote
+from fl_lightning.run_dir import DifferentExperiment, check_same_experiment
 from fl_lightning.run_logging import read_metrics
 
 # End to end: the tests train runs in-process.
@@ -184,6 +185,59 @@ def test_a_checkpoint_whose_callback_states_do_not_fit_the_callbacks_is_refused(
                             "state the checkpoint of round 2 holds (a resumed run keeps its callbacks in their order; "
                             f"add new ones after them), got '{got}, ")
     assert len(read_metrics(out_dir)) == 2
+
+
+def test_a_resume_that_changes_a_callbacks_arguments_is_refused_naming_each(tmp_path, capsys):
+    """EarlyStopping's patience and min_delta change when the run stops: the resumed run would match no
+    uninterrupted one."""
+    out_dir = interrupted_early_stopping_run(tmp_path)
+    capsys.readouterr()
+    changed = {**EARLY_STOPPING, "init_args": {"patience": 50, "min_delta": 0.0}}
+    with pytest.raises(SystemExit) as exited:
+        fit(with_callbacks(tmp_path, EARLY_STOPPED, [changed], "resumed"), out_dir)
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-4:] == [
+        "error: out_dir: expected a folder of its own for a different experiment: the run in it (the checkpoint of "
+        "round 2) was made with other settings, which a resume cannot change:",
+        "  callbacks.EarlyStopping.min_delta: 0.003 -> 0.0",
+        "  callbacks.EarlyStopping.patience: 2 -> 50",
+        "Keep those settings to continue that run, or give this experiment another out_dir (a callback's arguments "
+        f"are not part of the name of the default one), got '{out_dir}'",
+    ]
+    assert len(read_metrics(out_dir)) == 2
+
+
+def test_a_time_budget_and_a_diagnostics_cadence_may_change_on_resume(tmp_path, capsys):
+    out_dir = tmp_path / "run"
+    stop = {"class_path": "recording_callbacks.StopAfterRound", "init_args": {"round": 1, "final": False}}
+
+    def carried_out_with(seconds: float, every: int) -> list[dict]:
+        return [{"class_path": "fl_lightning.callbacks.TimeBudget", "init_args": {"max_seconds": seconds}},
+                {"class_path": "fl_lightning.diagnostics.gsnr.WeightNorms", "init_args": {"every": every}}]
+
+    arguments = [*TINY, "--federation.rounds", "4"]
+    fit(with_callbacks(tmp_path, arguments, [*carried_out_with(1.0e6, 1), stop], "first"), out_dir)
+    assert len(read_metrics(out_dir)) == 2
+    fit(with_callbacks(tmp_path, arguments, carried_out_with(2.0e6, 2), "resumed"), out_dir)
+    rows = read_metrics(out_dir)
+    assert [row["round"] for row in rows] == [1, 2, 3, 4]
+    measured = [any(name.startswith("weight_norm/") for name in row) for row in rows]
+    assert measured == [True, True, False, True]  # every round, then every second one
+    assert "resuming with changed settings: callbacks" in capsys.readouterr().err
+
+
+def test_callbacks_are_compared_by_class_in_their_order_and_added_ones_are_not():
+    def early_stopping(patience: int) -> dict:
+        return {"class_path": "fl_lightning.callbacks.EarlyStopping", "init_args": {"patience": patience}}
+
+    weight_norms = {"class_path": "fl_lightning.diagnostics.gsnr.WeightNorms", "init_args": {"every": 1}}
+    recorded = {"seed": 0, "callbacks": [early_stopping(5), early_stopping(9)]}
+    requested = {"seed": 0, "callbacks": [weight_norms, early_stopping(5), early_stopping(3), weight_norms]}
+    with pytest.raises(DifferentExperiment) as refused:
+        check_same_experiment(recorded, requested, "config.yaml", Path("runs/x"))
+    assert refused.value.refused == {"callbacks.EarlyStopping#2.patience": (9, 3)}
+    requested["callbacks"][2] = early_stopping(9)
+    assert set(check_same_experiment(recorded, requested, "config.yaml", Path("runs/x"))) == {"callbacks"}
 
 
 def test_a_checkpoint_without_callback_state_still_resumes(tmp_path):

@@ -12,7 +12,10 @@ class Diagnostic(Callback):
 
     The diagnostics here keep what they sum only within a round, and checkpoints fall between
     rounds, so none has state to save (an empty `state_dict`); one that kept something across
-    rounds would save it as any callback does (see fl_lightning.callbacks)."""
+    rounds would save it as any callback does (see fl_lightning.callbacks). A resumed run may
+    measure at another cadence; the other arguments choose what is measured, and stay."""
+
+    safe_to_change = ("every",)
 
     def __init__(self, every: int = 1):
         if every < 1:

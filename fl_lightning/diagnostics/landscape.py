@@ -140,6 +140,8 @@ class Landscape(Diagnostic):
     `hessian/seconds` (the time it took). Measured after the round's server step, on rank 0; one
     sum over ranks gives every rank the values."""
 
+    safe_to_change = (*Diagnostic.safe_to_change, "batch_size")  # memory only, not the values
+
     def __init__(self, every: int = 10, split: Literal["train", "test"] = "train", subset_size: int = 1000,
                  batch_size: int = 1000, method: Literal["lanczos", "power"] = "lanczos", iterations: int = 20,
                  probes: int = 10, hvp: Literal["jvp", "double_backward"] = "jvp", seed: int = 0):
