@@ -61,6 +61,7 @@ from fl_lightning.cpu import ThreadChoice, choose_threads, cpu_rank
 from fl_lightning.data import class_histogram, plot_partition
 from fl_lightning.errors import ConfigError, RunInterrupted
 from fl_lightning.flat import FlatLayout
+from fl_lightning.lost_ranks import watch_started_ranks
 from fl_lightning.run_dir import (
     CONFIG_FILE,
     PARTITION_PLOT,
@@ -392,6 +393,7 @@ def _build_fabric(args: FabricArgs, callbacks: list[Callback]):
             start_method="spawn" if args.strategy == "ddp_spawn" else "popen",
             timeout=timedelta(seconds=args.process_group_timeout_s),
         )
+        watch_started_ranks(args.process_group_timeout_s)
     # Lightning hints at srun whenever an srun binary exists, also on a login node where the run is
     # meant to be local; under SLURM the allocation check has already matched the ranks to srun's.
     warnings.filterwarnings("ignore", message="The `srun` command is available on your system but is not used")

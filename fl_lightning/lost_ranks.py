@@ -5,6 +5,13 @@ the ranks left at their next collective, `Connection closed by peer [10.0.0.2]:4
 peer's address, not its rank, and on one node every rank has the same address. So every rank tells
 the others its host and pid when the run starts (`RankProcesses.gather`), and a rank left looks
 among them for the one that is gone (`RankProcesses.lost`).
+
+Ranks that Fabric's launcher starts (`fabric.devices` > 1 on one node, outside Slurm and torchrun)
+are children of rank 0, which Lightning watches: the moment one ends, it kills every rank, rank 0
+included, so that rank 0 said nothing but Lightning's `Child process ... terminated` and died of
+SIGKILL. `watch_started_ranks` has it wait instead, up to the process group's timeout (what a
+collective with a dead peer would wait anyway), for rank 0 to end by itself, as its next collective
+fails and it names the rank that is gone; only a rank 0 still running then is killed, as before.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -92,3 +100,29 @@ def _is_running(pid: int) -> bool:
     except OSError:
         return False  # it ended just now
     return state not in ("Z", "X")
+
+
+def watch_started_ranks(grace_seconds: float) -> None:
+    """Give rank 0 `grace_seconds` to end by itself once a rank Fabric's launcher started has ended
+    (see the module's docstring). Lightning builds its watcher from the module attribute replaced here."""
+    from lightning.fabric.strategies.launchers import subprocess_script
+
+    class PatientObserver(subprocess_script._ChildProcessObserver):
+        """Lightning's check of the children, run every few seconds, kills every rank only
+        `grace_seconds` after a child ended with an error."""
+
+        ended_at: Optional[float] = None
+
+        def _run(self) -> bool:
+            codes = [process.poll() for process in self._child_processes]
+            if all(code == 0 for code in codes):
+                return True
+            if not any(codes):  # running, or ended well
+                return False
+            self.ended_at = self.ended_at or time.monotonic()
+            if time.monotonic() - self.ended_at < grace_seconds:
+                return False
+            self._terminate_all()
+            return True
+
+    subprocess_script._ChildProcessObserver = PatientObserver

@@ -329,6 +329,42 @@ def test_a_killed_rank_is_one_line_on_the_rank_left_and_the_same_command_resumes
     assert all(torch.equal(final[name], expected[name]) for name in expected)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds rank 1 among rank 0's children in /proc")
+def test_a_killed_rank_that_fabrics_launcher_started_is_one_line_on_rank_0(tmp_path):
+    """`--fabric.devices 2` on one node: rank 0 starts rank 1 itself, and Lightning, which watches
+    it, killed rank 0 as soon as it saw rank 1 gone. Rank 0 is held until that watch has seen it
+    (it reaps the killed process), then goes on to the round's aggregation and names the rank."""
+    out_dir, logs = tmp_path / "run", tmp_path / "logs"
+    out_dir.mkdir()
+    logs.mkdir()
+    (out_dir / "hold").touch()
+    command = fit_command(out_dir, "--fabric.accelerator", "cpu", "--fabric.devices", "2",
+                          "--fabric.process_group_timeout_s", "60", *held_run_arguments(), "--checkpoint.every", "1")
+    with open(logs / "rank0.out", "w") as stdout, open(logs / "rank0.err", "w") as stderr:
+        rank0 = subprocess.Popen(command, env=process_environment(PYTHONPATH=holds.pythonpath()), stdout=stdout,
+                                 stderr=stderr)
+    try:
+        processes.wait_until(lambda: all((out_dir / f"held_rank{rank}").exists() for rank in range(2)), [rank0],
+                             f"both ranks held after round {HELD_ROUND}", RUN_TIMEOUT_S)
+        children = Path(f"/proc/{rank0.pid}/task/{rank0.pid}/children").read_text().split()
+        (rank1,) = [int(pid) for pid in children
+                    if "fl_lightning" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")]
+        os.kill(rank1, signal.SIGKILL)
+        processes.wait_until(lambda: not Path(f"/proc/{rank1}").exists(), [rank0],
+                             "rank 0's launcher reaped rank 1", RUN_TIMEOUT_S)
+        (out_dir / "hold").unlink()
+        assert rank0.wait(RUN_TIMEOUT_S) == RANK_LOST, (logs / "rank0.err").read_text()
+    finally:
+        if rank0.poll() is None:
+            rank0.kill()
+    errors = [line for line in (logs / "rank0.err").read_text().splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, errors
+    assert errors[0].startswith(f"error: round {HELD_ROUND + 1}: rank 1 (pid {rank1} on {socket.gethostname()}) "
+                                "is gone (gloo: ")
+    assert errors[0].endswith(f"run the same command again to resume from round {HELD_ROUND}")
+
+
 SIMULATED_SLURM_TWO_TASKS = {"SLURM_JOB_ID": SLURM_JOB_ID, "SLURM_JOB_NAME": "fault-test", "SLURM_NTASKS": "2",
                              "SLURM_NTASKS_PER_NODE": "2", "SLURM_NNODES": "1"}
 
