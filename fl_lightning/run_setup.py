@@ -114,13 +114,7 @@ def load_run_data(settings: RunSettings, resume_state: Optional[dict], out_dir: 
     data.validation), checked against the federation and the checkpoint."""
     data, federation, seed = settings.data, settings.federation, settings.seed
     train_set, test_set = load_dataset(data.name, data.root, data.download)
-    partition = partition_indices(
-        train_set.labels.numpy(), federation.num_clients, data.partition, alpha=data.alpha,
-        min_samples=data.min_samples, shards_per_client=data.shards_per_client, seed=seed,
-    )
-    validation = None
-    if data.validation is not None:
-        partition, validation = hold_out_validation(partition, data.validation, seed)
+    partition, validation = split_over_clients(train_set.labels.numpy(), data, federation.num_clients, seed)
     settings.algorithm.check_federation(federation, [len(p) for p in partition])
     largest_client = max(len(p) for p in partition)
     # Under local_epochs a batch larger than a client is its whole data (full-batch steps); under
@@ -134,6 +128,16 @@ def load_run_data(settings: RunSettings, resume_state: Optional[dict], out_dir: 
         raise ConfigError("resume", "a checkpoint made with the same validation samples (data, partition, seed and "
                           "data.validation)", str(out_dir))
     return RunData(train_set, test_set, partition, validation)
+
+
+def split_over_clients(labels: np.ndarray, data: DataArgs, num_clients: int, seed: int
+                       ) -> tuple[list[np.ndarray], Optional[list[np.ndarray]]]:
+    """Each client's training-set indices and, with data.validation, its held-out ones (else None)."""
+    partition = partition_indices(labels, num_clients, data.partition, alpha=data.alpha, min_samples=data.min_samples,
+                                  shards_per_client=data.shards_per_client, seed=seed)
+    if data.validation is None:
+        return partition, None
+    return hold_out_validation(partition, data.validation, seed)
 
 
 def as_lists(parts: Optional[list]) -> Optional[list[list[int]]]:

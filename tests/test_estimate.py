@@ -1,27 +1,44 @@
-"""`fl-lightning sweep PLAN --estimate`: one point timed per distinct (model, data, federation) of the
-smoke plan's grid, and, on a plan of two methods of one such shape, the estimate's figures against a
-real run of its point (seconds per round, the checkpoints a run keeps and their size), nothing left
-in the runs folder."""
+"""`fl-lightning sweep PLAN --estimate`: the kinds of local step a grid is timed at (the smoke plan's
+two, a method's hyper-parameter values no kind of their own), a method that computes more per step
+priced above FedAvg (by the CPU time of its steps, measured in one process), a point's work per round
+and its checkpoints against a real run of it, the client state of a stateful method at the plan's
+clients, GPU-hours, the note on a busy machine, and Ctrl-C."""
 
+import json
+import os
 import re
+import signal
 from pathlib import Path
 
 import pytest
 import yaml
+from commands import run_sweep
 
 from fl_lightning.checkpoint import checkpoint_dir, numbered_checkpoints
-from fl_lightning.cli.main import main as fl_lightning_main
-from fl_lightning.experiments.estimate import group_by_shape
+from fl_lightning.clients.run import CLIENT_STREAM, batch_positions, seeded_generator
+from fl_lightning.experiments import estimate as estimate_module
+from fl_lightning.experiments import step_costs
+from fl_lightning.experiments.estimate import PricedPoint, group_by_kind, machine_note
+from fl_lightning.experiments.local import Resources
 from fl_lightning.experiments.plan import load_plan
 from fl_lightning.experiments.resolve import resolve_grid
-from fl_lightning.run_logging import read_metrics
+from fl_lightning.experiments.step_costs import StepCost, Stretch
+from fl_lightning.federation import sample_clients
+from fl_lightning.models import create_model
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 SMOKE = REPOSITORY / "configs" / "plans" / "smoke.yaml"
-# Rounds of some tenths of a second, long enough to time on a machine that other work shares.
-LONGER_ROUNDS = ["--override", "federation.local_steps=40"]
 UNITS = {"B": 1, "KiB": 1024, "MiB": 1024 ** 2, "GiB": 1024 ** 3}
+ONE_THREAD = ["--threads_per_run", "1"]
 pytestmark = pytest.mark.usefixtures("in_repository_root")
+
+
+@pytest.fixture(autouse=True)
+def short_timing(monkeypatch):
+    """A tenth of the timed seconds of a kind: what the tests compare does not need more, and the
+    CPU (no GPU visible, on any machine)."""
+    monkeypatch.setattr(step_costs, "TIMED_SECONDS", 0.2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
 
 
 def size(text: str) -> float:
@@ -29,66 +46,179 @@ def size(text: str) -> float:
     return float(number) * UNITS[unit]
 
 
-def sweep(capsys, plan: Path, *arguments: str) -> str:
-    capsys.readouterr()
-    fl_lightning_main(["sweep", str(plan), *arguments])
-    return capsys.readouterr().out
+def table(out: str) -> dict[str, dict[str, str]]:
+    """The budget's rows by method: column name -> cell."""
+    lines = out.splitlines()
+    start = next(number for number, line in enumerate(lines) if line.startswith("method "))
+    header = re.split(r"\s{2,}", lines[start])
+    rows = {}
+    for line in lines[start + 1:]:
+        if line.startswith("total: "):
+            break
+        cells = re.split(r"\s{2,}", line)
+        rows[cells[0]] = dict(zip(header, cells))
+    return rows
 
 
-def test_the_smoke_plan_is_timed_at_one_point_per_model_and_split():
-    # FedAvg and FedAvg + CONST train other models (CONST: no biases) on two splits: four points, two
-    # runs (seeds) each.
-    resolved = resolve_grid(load_plan(SMOKE).grid())
-    groups = [[(entry.point.index, entry.point.method, entry.point.setting_name) for entry in group]
-              for group in group_by_shape(resolved).values()]
-    assert groups == [[(index, method, alpha), (index + 1, method, alpha)] for index, method, alpha in [
-        (0, "FedAvg", "alpha-0.5"), (2, "FedAvg + CONST", "alpha-0.5"), (4, "FedAvg", "alpha-0.1"),
-        (6, "FedAvg + CONST", "alpha-0.1")]]
-
-
-def write_one_shape_plan(path: Path) -> Path:
-    """The smoke plan with FedAvg and FedProx (one model) on one split: 4 runs, one point to time."""
+def write_plan(path: Path, methods: dict, model=None, federation=None, seeds=(0, 1)) -> Path:
+    """The smoke plan with other methods, on one split; `model` its model.options, `federation` more
+    federation settings."""
     plan = yaml.safe_load(SMOKE.read_text())
-    plan.update(name="one-shape", methods={"FedAvg": ["configs/algorithms/fedavg.yaml"],
-                                           "FedProx": ["configs/algorithms/fedprox.yaml"]},
-                settings={"alpha": {"0.5": [{"data.alpha": 0.5}]}})
+    plan.update(name="costs", methods=methods, settings={"alpha": {"0.5": [{"data.alpha": 0.5}]}}, seeds=list(seeds))
+    if model is not None:
+        plan["configs"][1] = {"model.options": model}
+    plan["configs"][2].update(federation or {})
     path.write_text(yaml.safe_dump(plan, sort_keys=False))
     return path
 
 
+def test_the_smoke_plan_is_timed_once_per_kind_of_step(tmp_path):
+    # FedAvg + CONST trains another network (no biases) with a projection; the split (alpha) and the
+    # seed change the steps of a round, not what one costs.
+    resolved = resolve_grid(load_plan(SMOKE).grid())
+    kinds = [[entry.point.index for entry in kind] for kind in group_by_kind(resolved).values()]
+    assert kinds == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    # A hyper-parameter's value adds no pass (FedProx's mu); a switch or a width does (MOON's
+    # projection_dim, CONST without its orthogonality).
+    plan = write_plan(tmp_path / "plan.yaml", {
+        "FedProx": ["configs/algorithms/fedprox.yaml"],
+        "FedProx mu=0.5": ["configs/algorithms/fedprox.yaml", {"algorithm.init_args.mu": 0.5}],
+        "MOON": ["configs/algorithms/moon.yaml"],
+        "MOON narrow": ["configs/algorithms/moon.yaml", {"algorithm.init_args.projection_dim": 32}],
+        "CONST": ["configs/algorithms/fedavg.yaml", "configs/const.yaml"],
+        "Center": ["configs/algorithms/fedavg.yaml", "configs/const.yaml", {"constraint.init_args.orthogonal": False}],
+    })
+    kinds = [sorted({entry.point.method for entry in kind})
+             for kind in group_by_kind(resolve_grid(load_plan(plan).grid())).values()]
+    assert kinds == [["FedProx", "FedProx mu=0.5"], ["MOON"], ["MOON narrow"], ["CONST"], ["Center"]]
+
+
 @pytest.mark.slow
-def test_the_estimate_of_a_point_matches_a_real_run_of_it(tmp_path, capsys, monkeypatch, forked_runs):
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    plan = write_one_shape_plan(tmp_path / "plan.yaml")
+def test_fedsam_and_moon_are_priced_above_fedavg(tmp_path, capsys):
+    # FedSAM takes two forward and backward passes a step, MOON three forward passes; a wider network
+    # than the smoke plan's, for its passes to cost more than the steps' bookkeeping.
+    plan = write_plan(tmp_path / "plan.yaml", {"FedAvg": ["configs/algorithms/fedavg.yaml"],
+                                               "FedSAM": ["configs/algorithms/fedsam.yaml"],
+                                               "MOON": ["configs/algorithms/moon.yaml"]},
+                      model={"hidden": 256, "depth": 2})
+    status, out, err = run_sweep(capsys, str(plan), "--estimate", "--runs_root", str(tmp_path / "runs"), *ONE_THREAD)
+    assert status == 0, err
+    assert "3 kind(s) of local step to time here on the CPU, 1 thread(s) each" in out
+    rows = table(out)
+    assert list(rows) == ["FedAvg", "FedSAM", "MOON"]  # one line per method
+    # The CPU seconds of their steps, on one thread in one process: the work, whatever the load.
+    fedavg = float(rows["FedAvg"]["CPU s/round"])
+    assert float(rows["FedSAM"]["CPU s/round"]) > 1.3 * fedavg
+    assert float(rows["MOON"]["CPU s/round"]) > 1.3 * fedavg
+    for row in rows.values():  # two seeds of 3 rounds each
+        assert float(row["CPU core-h"]) == pytest.approx(2 * 3 * float(row["CPU s/round"]) / 3600, rel=0.02)
+    total = next(line for line in out.splitlines() if line.startswith("total: "))
+    core_hours = sum(float(row["CPU core-h"]) for row in rows.values())
+    assert total.startswith("total: 6 runs, ") and re.search(r", ([\d.e+-]+) CPU core-hours, ", total)
+    assert float(re.search(r", ([\d.e+-]+) CPU core-hours, ", total).group(1)) == pytest.approx(core_hours, rel=0.02)
+    assert re.search(r"^timed in \d+ s; the timed steps waited for a CPU \d+% .*: (busy|not busy)", out, re.M)
+
+
+@pytest.mark.slow
+def test_a_points_work_and_checkpoints_are_those_of_a_real_run_of_it(tmp_path, capsys, monkeypatch, forked_runs):
+    plan = write_plan(tmp_path / "plan.yaml", {"FedAvg": ["configs/algorithms/fedavg.yaml"]},
+                      federation={"federation.local_steps": None, "federation.local_epochs": 2}, seeds=[0])
     runs = tmp_path / "runs"
-    # One thread a run: timings that other work on the machine disturbs least (no threads waiting on
-    # each other for a core).
-    options = ["--runs_root", str(runs), "--threads_per_run", "1", *LONGER_ROUNDS]
-    # The first point for real, as the sweep runs it (forked here), then at once the estimate, which
-    # times it in a fresh interpreter of its own (its peak memory is that process's).
-    sweep(capsys, plan, "--index", "0", *options)
-    point = load_plan(plan, runs_root=runs, overrides=LONGER_ROUNDS[1:]).grid()[0]
-    measured = [row["round_seconds"] for row in read_metrics(point.out_dir)][1:]
-    kept_by_the_run = numbered_checkpoints(checkpoint_dir(point.out_dir))
-    files_of_the_runs = sorted(runs.rglob("*"))
+    status, _, err = run_sweep(capsys, str(plan), "--index", "0", "--runs_root", str(runs), *ONE_THREAD)
+    assert status == 0, err
+    files_of_the_run = sorted(runs.rglob("*"))
+    status, out, err = run_sweep(capsys, str(plan), "--estimate", "--runs_root", str(runs), *ONE_THREAD)
+    assert status == 0, err
+    assert sorted(runs.rglob("*")) == files_of_the_run  # timed in a temporary folder
+    row = table(out)["FedAvg"]
+    # A round's work: the local steps its clients take (2 epochs of their own batches), as the run's
+    # clients draw them, over the plan's 3 rounds.
+    (entry,) = resolve_grid(load_plan(plan, runs_root=runs).grid())
+    point, config = entry.point, entry.config
+    partition = json.loads((point.out_dir / "partition.json").read_text())
+    federation = config["federation"]
+    steps = [len(batch_positions(len(partition[str(client)]), federation["batch_size"], None, 2,
+                                 seeded_generator(0, CLIENT_STREAM, round_index, client)))
+             for round_index in range(3)
+             for client in sample_clients(0, round_index, federation["num_clients"], federation["clients_per_round"])]
+    timed = re.search(r"^timed \[0\] .*: (\d+) client step\(s\) in ([\d.e+-]+) s;", out, re.M)
+    wall_per_step = float(timed.group(2)) / int(timed.group(1))
+    assert float(row["s/round"]) == pytest.approx(wall_per_step * sum(steps) / 3, rel=0.02)
+    # The checkpoints a finished run keeps, and their size.
+    kept = numbered_checkpoints(checkpoint_dir(point.out_dir))
+    assert row["rounds"] == "3" and int(row["kept"]) == len(kept) == 1  # every 3 rounds of 3
+    assert size(row["checkpoint"]) == pytest.approx(kept[0].stat().st_size, rel=0.05)
+    assert size(row["disk per run"]) == pytest.approx(size(row["checkpoint"]), rel=0.01)
+    assert size(row["peak memory"]) > 50 * 2 ** 20  # a process with torch loaded
+    assert row["client state"] == "0 B"
 
-    out = sweep(capsys, plan, "--estimate", *options)
-    lines = out.splitlines()
-    assert lines[1].startswith("estimate of plan one-shape@local_steps40-") and "(4 runs): 1 point(s)" in lines[1]
-    header = lines.index(next(line for line in lines if line.startswith("point ")))
-    (row,) = [re.split(r"\s{2,}", line) for line in lines[header + 1:header + 2]]
-    # FedAvg and FedProx train one model on one split: one point for their four runs.
-    assert row[:2] == ["[0] FedAvg | alpha-0.5 | seed 0", "4"] and row[3] == "3"
-    assert lines[header + 2].startswith("total: 4 runs, ")
-    assert sorted(runs.rglob("*")) == files_of_the_runs  # timed in a temporary folder
 
-    seconds, kept, checkpoint = float(row[2]), int(row[7]), size(row[6])
-    assert size(row[5]) > 50 * 2 ** 20  # a process with torch loaded
-    assert size(row[9]) == pytest.approx(kept * checkpoint, rel=0.01)
-    # CPU-core hours: runs x rounds x seconds x the run's one thread
-    assert float(row[4]) == pytest.approx(4 * 3 * seconds / 3600, rel=0.02)
-    # The real run's rounds after the first's warm-up, timed by the run itself, are within 2x of the
-    # estimate (the run's slowest and fastest, on a machine that other work shares).
-    assert min(measured) / 2 <= seconds <= 2 * max(measured), (seconds, measured)
-    assert len(kept_by_the_run) == kept == 1  # every 3 rounds of 3
-    assert kept_by_the_run[0].stat().st_size == pytest.approx(checkpoint, rel=0.2)
+@pytest.mark.slow
+def test_a_stateful_methods_client_state_is_priced_at_every_client(tmp_path, capsys):
+    plan = write_plan(tmp_path / "plan.yaml", {"SCAFFOLD": ["configs/algorithms/scaffold.yaml"]})
+    status, out, err = run_sweep(capsys, str(plan), "--estimate", "--runs_root", str(tmp_path / "runs"), *ONE_THREAD)
+    assert status == 0, err
+    row = table(out)["SCAFFOLD"]
+    # Its control variate c_i, a float32 vector of the network's size, for each of the 10 clients (5
+    # a round over 3 rounds reach them all), though only the timed clients held one here.
+    network = create_model("mlp", num_classes=10, in_channels=1, image_size=8, norm="bn", bias=True, hidden=16, depth=1)
+    state = 10 * 4 * sum(parameter.numel() for parameter in network.parameters())
+    assert size(row["client state"]) == pytest.approx(state, rel=0.01)
+    assert size(row["checkpoint"]) > state  # the checkpoint's shards hold it too
+    assert size(row["disk per run"]) == pytest.approx(int(row["kept"]) * size(row["checkpoint"]), rel=0.01)
+
+
+def cost(**fields) -> StepCost:
+    timed = Stretch(units=100, cpu_seconds=2.0, wall_seconds=1.0)
+    return StepCost(**{"grouped": True, "stateful": False, "work": timed, "timed": timed, "peak_bytes": 2 ** 30,
+                       "checkpoint_bytes": 2 ** 20, "state_bytes_per_client": 0.0, "shard_bytes_per_client": 0.0,
+                       "train_labels": None, **fields})
+
+
+def test_on_gpus_a_run_is_priced_in_gpu_hours_of_all_its_gpus(capsys):
+    (entry,) = resolve_grid(load_plan(SMOKE).grid())[:1]
+    gpus = Resources(accelerator="gpu", devices=4, threads=2, gpu_slots=[["0", "1", "2", "3"]])
+    # One rank's share of a round: 360 group steps of 0.01 s; 3 rounds on 4 GPUs.
+    point = PricedPoint(entry=entry, cost=cost(), units_per_round=360, ranks=4, holding=0, kept=1)
+    estimate_module._print_budget([point], gpus, jobs=1)
+    out = capsys.readouterr().out
+    row = table(out)["FedAvg"]
+    assert float(row["s/round"]) == pytest.approx(3.6)
+    assert float(row["GPU h"]) == pytest.approx(3.6 * 3 * 4 / 3600, rel=0.01)
+    assert float(row["CPU s/round"]) == pytest.approx(0.02 * 360 * 4)  # the host's work, on every rank
+    assert row["peak GPU memory"] == "1.0 GiB"
+    assert out.splitlines()[-1] == (f"total: 1 runs, {0.02 * 360 * 4 * 3 / 3600:.3g} CPU core-hours, "
+                                    f"{3.6 * 3 * 4 / 3600:.3g} GPU hours, {3.6 * 3 / 3600:.3g} h of wall time (1 at a "
+                                    "time), 1.0 MiB of checkpoints, peak GPU memory 1.0 GiB per run, and up to 0 B of "
+                                    "client state in host memory")
+
+
+@pytest.mark.parametrize("waiting, loads, verdict", [
+    (0.0, (0.3, 1.0), "not busy"),
+    (1.0, (0.3, 1.0), "busy"),  # its threads waited a third of the time for a CPU
+    (0.0, (5.0, 4.0), "busy"),  # more work than cores
+])
+def test_a_busy_machine_is_said_to_be(waiting, loads, verdict):
+    stretches = [Stretch(units=10, cpu_seconds=2.0, wall_seconds=2.0, waiting_seconds=waiting)]
+    note = machine_note(stretches, *loads, cores=2)
+    assert note.endswith(": not busy" if verdict == "not busy" else ": busy: other work inflated the wall seconds (the "
+                         "CPU seconds on one thread far less); time it again on a quiet machine for a round's wall "
+                         "seconds"), note
+
+
+@pytest.mark.slow
+def test_ctrl_c_ends_the_estimate_with_the_points_priced_so_far(capsys, monkeypatch):
+    timed = []
+
+    def interrupted_at_the_second(entry, machine, out_dir):
+        timed.append(entry.point.index)
+        if len(timed) == 2:
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, as the second kind starts
+        return time_kind(entry, machine, out_dir)
+
+    time_kind = step_costs.time_kind
+    monkeypatch.setattr(estimate_module, "time_kind", interrupted_at_the_second)
+    status, out, err = run_sweep(capsys, str(SMOKE), "--estimate", *ONE_THREAD)
+    assert status == 130 and timed == [0, 2]
+    assert err.splitlines() == ["interrupted: 1 of 2 kind(s) timed; not priced: FedAvg + CONST"]
+    assert list(table(out)) == ["FedAvg"] and "total: 4 runs, " in out

@@ -46,7 +46,7 @@ LAYERS = [
     ("command line rewriting", ["fl_lightning.cli.arguments"]),
     ("parser", ["fl_lightning.cli.parser"]),
     ("experiments", ["fl_lightning.experiments", "fl_lightning.compare"]),
-    ("commands", ["fl_lightning.cli.main", "fl_lightning.cli.peak_memory", "fl_lightning.__main__"]),
+    ("commands", ["fl_lightning.cli.main", "fl_lightning.__main__"]),
 ]
 
 

@@ -1,134 +1,200 @@
 """`fl-lightning sweep PLAN --estimate`: a plan's budget on this machine, before it is run or submitted.
 
-For each distinct (model, data, federation) of the grid (their settings that define the experiment;
-the methods, seeds and rounds aside), one point, its first, is trained for real for 2 rounds (1 if
-the plan has 1): `fl-lightning fit` with the point's settings, in a temporary folder, with the
-devices and threads its sweep run would get (--gpus_per_run, --threads_per_run, --jobs), a
-checkpoint after every round, W&B off. Printed per point, and in total over the grid:
+Every kind of local step of the grid (step_costs.py: the model, data, batch size, method and precision
+a step's cost depends on) is timed once, here, in this process, with the device and threads a sweep
+run would get (--gpus_per_run, --threads_per_run, --jobs): a warm-up round, then about
+step_costs.TIMED_SECONDS of local steps. Every grid point is then priced from its kind's cost per
+step and its own rounds' work: the local steps of the clients it samples (its split, federation and
+local budget), averaged over its first SAMPLED_ROUNDS rounds, for one rank of the run (a run of G
+GPUs deals its clients to G ranks). Printed, one line per method of the plan and in total:
 
-- seconds per round: the `round_seconds` the run logs for its last round (its training, without
-  evaluation and checkpoints; after the first round's warm-up when it trains two);
-- rounds: the point's `federation.rounds`, and device-hours: seconds per round x rounds x devices
-  (GPUs, or the run's CPU threads as core-hours), summed over the runs each point stands for;
-- peak memory of a run: torch.cuda.max_memory_allocated of its first rank's GPU, on the CPU the
-  largest resident set (resource.getrusage's maxrss) of its process and the ranks it started;
-- disk for checkpoints: a checkpoint's size x the checkpoints a finished run keeps (the newest
-  `checkpoint.keep` of those written every `checkpoint.every` rounds and after the last; last.ckpt
-  is a link to the newest), plus its client-state shards, scaled from the clients that hold state after
-  the timed rounds to all the clients that will (`num_clients`, or `clients_per_round` x rounds).
+- seconds per round, wall and CPU (the CPU time of the timed steps: the work, which a busy
+  machine inflates far less than the wall time; a line says how busy the machine was while timing);
+- rounds, CPU core-hours (CPU seconds x rounds, over the runs) and, on GPUs, GPU-hours (wall
+  seconds x rounds x GPUs);
+- peak memory of a run while it trains (the GPU's, or the process's resident set on the CPU) and the
+  memory of the client state of a stateful method (SCAFFOLD, FedDyn, MOON) once every client that will
+  hold state does (`num_clients`, or `clients_per_round` x rounds), on the CPU of its owner ranks;
+- disk for checkpoints: a checkpoint's size with the client-state shards of those clients x the
+  checkpoints a finished run keeps (the newest `checkpoint.keep` of those written every
+  `checkpoint.every` rounds and after the last; last.ckpt is a link to the newest).
 
-The large plans' points take as long to time as two of their rounds; `--override` scales a plan
-down (`--override federation.rounds=20`; the figures per round are the same).
+The figures are a round's training alone, as a run's `round_seconds` (without evaluation and
+checkpoints). The estimate says how long it will take before it starts (about KIND_OVERHEAD_SECONDS +
+TIMED_SECONDS a kind); Ctrl-C stops it and prints the points priced so far.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import subprocess
+import os
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fl_lightning.checkpoint import checkpoint_dir, load_checkpoint, numbered_checkpoints
+from fl_lightning.config import DataArgs, FederationArgs
+from fl_lightning.cpu import available_cores
 from fl_lightning.errors import ConfigError
-from fl_lightning.experiments.local import Resources, _log_tail, fit_command, plan_resources, run_environment
+from fl_lightning.experiments import step_costs
+from fl_lightning.experiments.local import Resources, note_unused_gpus, plan_resources
 from fl_lightning.experiments.resolve import ResolvedPoint, describe_point
-from fl_lightning.experiments.runs import read_metric_rows
-from fl_lightning.run_dir import flatten, is_safe_to_change
+from fl_lightning.experiments.step_costs import StepCost, Stretch, client_steps, kind_of, time_kind
 
 if TYPE_CHECKING:
     from fl_lightning.experiments.plan import Plan
     from fl_lightning.experiments.sweep import SweepOptions
 
-TIMED_ROUNDS = 2
-SHAPE_GROUPS = ("model", "data", "federation")
-LOG_FILE = "estimate.log"
-REPORT_FILE = "peak_memory.json"
+SAMPLED_ROUNDS = 100
+"""Rounds whose clients are drawn to count a point's local steps per round."""
+KIND_OVERHEAD_SECONDS = 1.5
+"""What a kind costs besides its timed steps (its data, model, warm-up round, checkpoint), roughly."""
+BUSY_WAITING = 0.1
+"""The machine was busy when the timed steps, ready to run, waited this share of the time for a CPU."""
 
 
 @dataclass
-class Estimate:
-    """One timed point and the grid points it stands for."""
+class PricedPoint:
+    """A grid point priced from its kind's timing."""
 
-    point: ResolvedPoint
-    runs: list[ResolvedPoint]
-    seconds_per_round: float
-    device_hours: float
-    """Over all its runs, each at its own rounds."""
-    peak_bytes: int
-    checkpoint_bytes: int
+    entry: ResolvedPoint
+    cost: StepCost
+    units_per_round: float
+    """One rank's work in a round, in the kind's units (client steps, or group steps)."""
+    ranks: int
+    holding: int
+    """The clients that will hold state (of a stateful method): num_clients, or clients_per_round x rounds."""
     kept: int
-    client_state_bytes: int
-    """Of one checkpoint, with every client that will hold state."""
+
+    @property
+    def rounds(self) -> int:
+        return self.entry.rounds
+
+    @property
+    def cpu_per_round(self) -> float:
+        return self.cost.cpu_per_unit * self.units_per_round * self.ranks
+
+    @property
+    def wall_per_round(self) -> float:
+        return self.cost.wall_per_unit * self.units_per_round
+
+    @property
+    def client_state_bytes(self) -> int:
+        """In memory, once every client that will hold state does."""
+        return round(self.cost.state_bytes_per_client * self.holding)
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        """One checkpoint, with the shards of every client that will hold state."""
+        return round(self.cost.checkpoint_bytes + self.cost.shard_bytes_per_client * self.holding)
 
     @property
     def disk_bytes(self) -> int:
-        """Checkpoints of one run."""
-        return (self.checkpoint_bytes + self.client_state_bytes) * self.kept
+        return self.checkpoint_bytes * self.kept
 
 
-def estimate_plan(plan: Plan, resolved: list[ResolvedPoint], options: SweepOptions) -> list[Estimate]:
-    """Time one point per distinct (model, data, federation) here and print the plan's budget."""
+def estimate_plan(plan: Plan, resolved: list[ResolvedPoint], options: SweepOptions) -> list[PricedPoint]:
+    """Time every kind of local step of the grid here and print the plan's budget (Ctrl-C: what is priced)."""
     jobs = options.jobs or 1
     machine = plan_resources(jobs, options.gpus_per_run, options.threads_per_run)
-    devices, unit = ((machine.devices, "GPU") if machine.gpu_slots is not None else (machine.threads, "CPU-core"))
-    groups = group_by_shape(resolved)
-    print(f"estimate of plan {plan.name} ({len(resolved)} runs): {len(groups)} point(s), one per distinct model, "
-          f"data and federation, each trained {TIMED_ROUNDS} round(s) here {machine.describe()}", flush=True)
-    estimates = []
-    with tempfile.TemporaryDirectory(prefix="fl-lightning-estimate-") as folder:
-        for number, entries in enumerate(groups.values()):
-            print(f"timing [{entries[0].point.index}] {describe_point(entries[0].point)} ...", flush=True)
-            estimates.append(_time_point(entries, machine, devices, Path(folder) / f"point{number}"))
-    _print_budget(estimates, unit, machine, jobs)
-    return estimates
+    kinds = group_by_kind(resolved)
+    if machine.gpu_slots is None:
+        note_unused_gpus()
+    _announce(plan, resolved, len(kinds), machine)
+    load, started = os.getloadavg()[0], time.perf_counter()
+    costs: dict[str, StepCost] = {}
+    try:
+        with tempfile.TemporaryDirectory(prefix="fl-lightning-estimate-") as folder:
+            for number, (kind, entries) in enumerate(kinds.items()):
+                costs[kind] = _time(entries[0], machine, Path(folder) / f"kind{number}")
+    except KeyboardInterrupt:
+        untimed = sorted({e.point.method for k, entries in kinds.items() if k not in costs for e in entries})
+        print(f"interrupted: {len(costs)} of {len(kinds)} kind(s) timed; not priced: {', '.join(untimed)}",
+              file=sys.stderr, flush=True)
+        _report(resolved, costs, machine, jobs, load, started)
+        raise SystemExit(130) from None
+    return _report(resolved, costs, machine, jobs, load, started)
 
 
-def group_by_shape(resolved: list[ResolvedPoint]) -> dict[str, list[ResolvedPoint]]:
-    """The grid points by what the cost of their rounds depends on, in grid order: each group is timed
-    once, at its first point."""
-    groups: dict[str, list[ResolvedPoint]] = {}
+def _announce(plan: Plan, resolved: list[ResolvedPoint], kinds: int, machine: Resources) -> None:
+    """What will be timed, and about how long it will take."""
+    stretches = 2 if machine.gpu_slots is None and machine.threads > 1 else 1
+    seconds = kinds * (KIND_OVERHEAD_SECONDS + stretches * step_costs.TIMED_SECONDS)
+    also = ", then as long on one thread" if stretches == 2 else ""
+    print(f"estimate of plan {plan.name} ({len(resolved)} runs, {len({e.point.method for e in resolved})} "
+          f"method(s)): {kinds} kind(s) of local step to time here {machine.describe()}, about {seconds:.0f} s "
+          f"(each: a warm-up round of one step per client, then about {step_costs.TIMED_SECONDS:g} s of steps{also})",
+          flush=True)
+
+
+def group_by_kind(resolved: list[ResolvedPoint]) -> dict[str, list[ResolvedPoint]]:
+    """The grid points by what a local step of theirs costs, in grid order: each kind is timed once,
+    at its first point."""
+    kinds: dict[str, list[ResolvedPoint]] = {}
     for entry in resolved:
-        groups.setdefault(_shape(entry.config), []).append(entry)
-    return groups
+        kinds.setdefault(kind_of(entry.config), []).append(entry)
+    return kinds
 
 
-def _shape(config: dict) -> str:
-    """What the cost of a round depends on: the model, data and federation settings of the experiment."""
-    defining = {name: value for name, value in flatten({group: config[group] for group in SHAPE_GROUPS}).items()
-                if not is_safe_to_change(name)}
-    return json.dumps(defining, sort_keys=True, default=str)
+def _time(entry: ResolvedPoint, machine: Resources, out_dir: Path) -> StepCost:
+    point = entry.point
+    try:
+        cost = time_kind(entry, machine, out_dir)
+    except ConfigError as err:
+        raise ConfigError("estimate", "a point that trains", f"[{point.index}] {describe_point(point)}: {err}") from err
+    unit = "group" if cost.grouped else "client"
+    print(f"timed [{point.index}] {describe_point(point)}: {cost.timed.units} {unit} step(s) in "
+          f"{cost.timed.wall_seconds:.3g} s; on one thread {cost.work.units} in {cost.work.cpu_seconds:.3g} CPU s",
+          flush=True)
+    return cost
 
 
-def _time_point(entries: list[ResolvedPoint], machine: Resources, devices: int, out_dir: Path) -> Estimate:
-    entry = entries[0]
-    rounds = min(TIMED_ROUNDS, entry.rounds)
-    out_dir.mkdir(parents=True)
-    report = out_dir / REPORT_FILE
-    # The point's own `fit` process (fit_command: python -m fl_lightning fit ...), run under the
-    # command that records the process's peak memory after fit returns.
-    fit = fit_command(dataclasses.replace(entry.point, out_dir=out_dir), machine)[3:]
-    command = [sys.executable, "-m", "fl_lightning.cli.peak_memory", str(report), *fit,
-               "--federation.rounds", str(rounds), "--checkpoint.every", "1", "--logger.wandb_mode", "disabled",
-               "--resume", "null"]
-    log = out_dir.parent / f"{out_dir.name}.{LOG_FILE}"
-    with open(log, "wb") as handle:
-        status = subprocess.run(command, env=run_environment(machine, 0), stdin=subprocess.DEVNULL, stdout=handle,
-                                stderr=subprocess.STDOUT).returncode
-    rows, _ = read_metric_rows(out_dir)
-    if status != 0 or not rows or not report.is_file():
-        lines = "\n".join(f"    | {line}" for line in _log_tail(log, 0))
-        raise ConfigError("estimate", "a point that trains", f"[{entry.point.index}] {describe_point(entry.point)} "
-                          f"exited with status {status}; the end of its log:\n{lines}")
-    seconds = float(rows[-1]["round_seconds"])
-    checkpoint, client_state = _checkpoint_sizes(out_dir, entry.config["federation"])
-    return Estimate(point=entry, runs=entries, seconds_per_round=seconds,
-                    device_hours=sum(seconds * run.rounds * devices for run in entries) / 3600,
-                    peak_bytes=json.loads(report.read_text())["peak_bytes"], checkpoint_bytes=checkpoint,
-                    kept=_checkpoints_kept(entry.config["checkpoint"], entry.rounds), client_state_bytes=client_state)
+def _report(resolved: list[ResolvedPoint], costs: dict[str, StepCost], machine: Resources, jobs: int,
+            load: float, started: float) -> list[PricedPoint]:
+    priced = _price(resolved, costs, machine)
+    if priced:
+        _print_budget(priced, machine, jobs)
+    _print_machine(costs, load, time.perf_counter() - started)
+    return priced
+
+
+def _price(resolved: list[ResolvedPoint], costs: dict[str, StepCost], machine: Resources) -> list[PricedPoint]:
+    units: dict[str, float] = {}
+    priced = []
+    for entry in resolved:
+        cost = costs.get(kind_of(entry.config))
+        if cost is None:
+            continue
+        config = entry.config
+        federation = FederationArgs(**config["federation"])
+        key = json.dumps([config["data"], config["federation"], config["seed"], cost.grouped, cost.stateful],
+                         sort_keys=True, default=str)
+        if key not in units:
+            units[key] = units_per_round(cost, DataArgs(**config["data"]), federation, config["seed"], machine.devices)
+        holding = min(federation.num_clients, federation.clients_per_round * federation.rounds)
+        priced.append(PricedPoint(entry=entry, cost=cost, units_per_round=units[key], ranks=machine.devices,
+                                  holding=holding, kept=_checkpoints_kept(config["checkpoint"], entry.rounds)))
+    return priced
+
+
+def units_per_round(cost: StepCost, data: DataArgs, federation: FederationArgs, seed: int, ranks: int) -> float:
+    """One rank's work in a round of a point, in its kind's units, over the point's first rounds: the
+    local steps of the rank's clients on the loop path, its longest client's on the grouped path
+    (where a group steps as long as its longest client)."""
+    from fl_lightning.federation import clients_of_rank, sample_clients
+    from fl_lightning.run_setup import split_over_clients
+
+    partition, _ = split_over_clients(cost.train_labels, data, federation.num_clients, seed)
+    steps = [client_steps(federation, len(part)) for part in partition]
+    rounds = range(min(federation.rounds, SAMPLED_ROUNDS))
+    work = 0
+    for round_index in rounds:
+        clients = sample_clients(seed, round_index, federation.num_clients, federation.clients_per_round)
+        taken = [steps[client] for client in clients_of_rank(clients, 0, ranks, cost.stateful)]
+        work += max(taken, default=0) if cost.grouped else sum(taken)
+    return work / len(rounds)
 
 
 def _checkpoints_kept(checkpoint: dict, rounds: int) -> int:
@@ -138,39 +204,75 @@ def _checkpoints_kept(checkpoint: dict, rounds: int) -> int:
     return min(checkpoint["keep"], len(written))
 
 
-def _checkpoint_sizes(out_dir: Path, federation: dict) -> tuple[int, int]:
-    """Bytes of the newest checkpoint's main file, and of its client-state shards once every client
-    that will hold state does."""
-    newest = numbered_checkpoints(checkpoint_dir(out_dir))[-1]
-    shards = sorted(newest.parent.glob(newest.name.removesuffix(".ckpt") + ".clients_rank*.pt"))
-    if not shards:
-        return newest.stat().st_size, 0
-    holding = len(load_checkpoint(newest)["client_states"])
-    eventually = min(federation["num_clients"], federation["clients_per_round"] * federation["rounds"])
-    shard_bytes = sum(shard.stat().st_size for shard in shards)
-    return newest.stat().st_size, round(shard_bytes / max(holding, 1) * max(eventually, holding))
-
-
-def _print_budget(estimates: list[Estimate], unit: str, machine: Resources, jobs: int) -> None:
-    memory = "GPU memory" if machine.gpu_slots is not None else "memory (maxrss)"
-    header = ("point", "runs", "s/round", "rounds", f"{unit} h", f"peak {memory}", "checkpoint", "kept",
-              "client state", "disk per run")
-    rows = []
-    for estimate in estimates:
-        rounds = sorted({run.rounds for run in estimate.runs})
-        rows.append((f"[{estimate.point.point.index}] {describe_point(estimate.point.point)}", str(len(estimate.runs)),
-                     f"{estimate.seconds_per_round:.3g}", "/".join(map(str, rounds)), f"{estimate.device_hours:.3g}",
-                     _size(estimate.peak_bytes), _size(estimate.checkpoint_bytes), str(estimate.kept),
-                     _size(estimate.client_state_bytes), _size(estimate.disk_bytes)))
+def _print_budget(priced: list[PricedPoint], machine: Resources, jobs: int) -> None:
+    on_gpus = machine.gpu_slots is not None
+    memory = "GPU memory" if on_gpus else "memory"
+    header = ("method", "runs", "s/round", "CPU s/round", "rounds", "CPU core-h", *(("GPU h",) if on_gpus else ()),
+              f"peak {memory}", "client state", "checkpoint", "kept", "disk per run")
+    by_method: dict[str, list[PricedPoint]] = {}
+    for point in priced:
+        by_method.setdefault(point.entry.point.method, []).append(point)
+    rows = [_method_row(method, points, on_gpus) for method, points in by_method.items()]
     widths = [max(len(row[column]) for row in [header, *rows]) for column in range(len(header))]
     for row in [header, *rows]:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
-    runs = sum(len(estimate.runs) for estimate in estimates)
-    hours = sum(estimate.device_hours for estimate in estimates)
-    disk = sum(estimate.disk_bytes * len(estimate.runs) for estimate in estimates)
-    peak = max(estimate.peak_bytes for estimate in estimates)
-    print(f"total: {runs} runs, {hours:.3g} {unit} hours, {_size(disk)} of checkpoints, peak {memory} "
-          f"{_size(peak)} per run ({jobs} at a time)", flush=True)
+    _print_total(priced, machine, jobs)
+
+
+def _print_total(priced: list[PricedPoint], machine: Resources, jobs: int) -> None:
+    cpu_hours = sum(_hours(point, point.cpu_per_round) for point in priced)
+    wall_hours = sum(_hours(point, point.wall_per_round) for point in priced)
+    disk = sum(point.disk_bytes for point in priced)
+    if machine.gpu_slots is not None:  # the client state is kept in the host's memory
+        devices = f", {wall_hours * machine.devices:.3g} GPU hours"
+        memory = (f"peak GPU memory {_size(max(point.cost.peak_bytes for point in priced))} per run, and up to "
+                  f"{_size(max(point.client_state_bytes for point in priced))} of client state in host memory")
+    else:
+        devices = ""
+        memory = (f"peak memory {_size(max(p.cost.peak_bytes + p.client_state_bytes for p in priced))} per run "
+                  "with its client state")
+    print(f"total: {len(priced)} runs, {cpu_hours:.3g} CPU core-hours{devices}, {wall_hours / jobs:.3g} h of wall "
+          f"time ({jobs} at a time), {_size(disk)} of checkpoints, {memory}", flush=True)
+
+
+def _method_row(method: str, points: list[PricedPoint], on_gpus: bool) -> tuple[str, ...]:
+    gpu_hours = sum(_hours(point, point.wall_per_round * point.ranks) for point in points)
+    return (method, str(len(points)), _spread([p.wall_per_round for p in points]),
+            _spread([p.cpu_per_round for p in points]), "/".join(map(str, sorted({p.rounds for p in points}))),
+            f"{sum(_hours(point, point.cpu_per_round) for point in points):.3g}",
+            *((f"{gpu_hours:.3g}",) if on_gpus else ()),
+            _size(max(p.cost.peak_bytes for p in points)), _size(max(p.client_state_bytes for p in points)),
+            _size(max(p.checkpoint_bytes for p in points)), "/".join(map(str, sorted({p.kept for p in points}))),
+            _size(max(p.disk_bytes for p in points)))
+
+
+def _hours(point: PricedPoint, seconds_per_round: float) -> float:
+    return seconds_per_round * point.rounds / 3600
+
+
+def _spread(values: list[float]) -> str:
+    """`3.58`, or `3.58-7.21` for the range of a method's settings."""
+    low, high = f"{min(values):.3g}", f"{max(values):.3g}"
+    return low if low == high else f"{low}-{high}"
+
+
+def _print_machine(costs: dict[str, StepCost], load_before: float, seconds: float) -> None:
+    stretches = [stretch for cost in costs.values() for stretch in {id(s): s for s in (cost.work, cost.timed)}.values()]
+    note = machine_note(stretches, load_before, os.getloadavg()[0], available_cores())
+    print(f"timed in {seconds:.0f} s; {note}", flush=True)
+
+
+def machine_note(stretches: list[Stretch], load_before: float, load_after: float, cores: int) -> str:
+    """How busy the machine was while timing: how long the timed steps waited for a CPU that other
+    work held, and the load average against the cores."""
+    waiting = sum(stretch.waiting_seconds for stretch in stretches)
+    running = sum(stretch.cpu_seconds for stretch in stretches)
+    waited = waiting / (waiting + running) if waiting + running > 0 else 0.0
+    busy = waited > BUSY_WAITING or max(load_before, load_after) > cores + 0.5
+    verdict = ("busy: other work inflated the wall seconds (the CPU seconds on one thread far less); time it again "
+               "on a quiet machine for a round's wall seconds") if busy else "not busy"
+    return (f"the timed steps waited for a CPU {waited:.0%} of the time they were ready to run; load average "
+            f"{load_before:.1f} before, {load_after:.1f} after, on {cores} core(s): {verdict}")
 
 
 def _size(count: float) -> str:

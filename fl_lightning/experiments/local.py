@@ -179,7 +179,7 @@ def run_locally(resolved: list[ResolvedPoint], states: dict[int, RunState], opti
     print(f"{len(points)} runs: {len(skipped)} finished already, {len(to_run)} to run, up to {jobs} at a time "
           f"{resources.describe()}", flush=True)
     if resources.gpu_slots is None and options.gpus_per_run == 0 and to_run:
-        _note_unused_gpus()
+        note_unused_gpus()
     if options.dry_run:
         for slot, point in enumerate(to_run):
             environment = run_environment(resources, slot % jobs)
@@ -195,7 +195,7 @@ def _finished(state: RunState) -> str:
     return f"finished (round {state.round}" + (", stopped early)" if state.stopped_early else ")")
 
 
-def _note_unused_gpus() -> None:
+def note_unused_gpus() -> None:
     import torch
 
     if torch.cuda.is_available():

@@ -88,26 +88,18 @@ def sweep(
         override: KEY=VALUE settings applied last to every grid point (repeat --override for several),
             e.g. federation.rounds=20 or data.root=/scratch/data. One that changes the experiment makes a
             variant of the plan, <plan>@<hint>-<digest>, with run folders of its own (printed).
-        estimate: time a round or two of one point per distinct (model, data, federation) here, in a
-            temporary folder, and print per point and in total the seconds per round, device-hours, peak
-            memory and checkpoint disk (see fl_lightning/experiments/estimate.py); trains nothing of the grid.
+        estimate: time every kind of local step of the grid here (model, data, method), in this process
+            and a temporary folder, and print per method and in total the wall and CPU seconds per round,
+            CPU core-hours (and GPU-hours), peak memory, client state and checkpoint disk (see
+            fl_lightning/experiments/estimate.py); trains nothing of the grid.
     """
     options = SweepOptions(jobs=jobs, gpus_per_run=gpus_per_run, threads_per_run=threads_per_run, index=index,
                            sbatch_options=sbatch_options or [], runs_root=Path(runs_root), dry_run=dry_run)
     loaded = load_plan(Path(plan), runs_root=options.runs_root, overrides=override)
     options.overrides = [*(override or [])]  # `list` is the option here
     points = loaded.grid()
-    if index is not None and index >= len(points):
-        raise ConfigError("index", f"a grid point of {plan}: 0-{len(points) - 1}", index)
-    if fit_config and index is None:
-        raise ConfigError("fit_config", "true only with --index (the grid point whose settings to write)", fit_config)
-    if slurm and (index is not None or fit_config):
-        raise ConfigError("slurm", "false with --index or --fit_config (an array job runs every grid point; "
-                          "`sbatch --array=I slurm/sweep.sbatch PLAN` reruns task I)", slurm)
-    if estimate and (list or slurm or index is not None or fit_config):
-        raise ConfigError("estimate", "true without --list, --slurm, --index or --fit_config (it times one point "
-                          "per distinct model, data and federation here: run it on a machine like the cluster's)",
-                          estimate)
+    check_options(Path(plan), len(points), list=list, index=index, slurm=slurm, fit_config=fit_config,
+                  estimate=estimate)
     if not fit_config:  # its output is the config's path alone, read by slurm/sweep.sbatch
         describe_variant(loaded, options.runs_root)
     resolved = resolve_grid(points)
@@ -149,6 +141,21 @@ class SweepOptions:
     dry_run: bool = False
     overrides: list[str] = field(default_factory=list)
     """The command line's --override, as given (passed on to each SLURM array task)."""
+
+
+def check_options(plan: Path, size: int, *, list: bool, index: Optional[int], slurm: bool, fit_config: bool,
+                  estimate: bool) -> None:
+    """Refuse options that do not go together, or an index outside the grid of `size` points."""
+    if index is not None and index >= size:
+        raise ConfigError("index", f"a grid point of {plan}: 0-{size - 1}", index)
+    if fit_config and index is None:
+        raise ConfigError("fit_config", "true only with --index (the grid point whose settings to write)", fit_config)
+    if slurm and (index is not None or fit_config):
+        raise ConfigError("slurm", "false with --index or --fit_config (an array job runs every grid point; "
+                          "`sbatch --array=I slurm/sweep.sbatch PLAN` reruns task I)", slurm)
+    if estimate and (list or slurm or index is not None or fit_config):
+        raise ConfigError("estimate", "true without --list, --slurm, --index or --fit_config (it times the plan's "
+                          "kinds of local step here: run it on a machine like the cluster's)", estimate)
 
 
 def describe_variant(plan: Plan, runs_root: Path) -> None:
