@@ -18,7 +18,10 @@ from fl_lightning.checkpoint import FINAL_STOP, checkpoint_dir, save_checkpoint
 from fl_lightning.cli.arguments import expand_short_names
 from fl_lightning.cli.main import main as fl_lightning_main
 from fl_lightning.cli.parser import build_parser
+from fl_lightning.data import datasets
+from fl_lightning.data.datasets import check_dataset
 from fl_lightning.errors import ConfigError
+from fl_lightning.experiments import data_check
 from fl_lightning.experiments import local as local_module
 from fl_lightning.experiments.local import LOG_FILE, plan_resources, run_environment
 from fl_lightning.experiments.plan import load_plan
@@ -286,6 +289,55 @@ def test_a_plan_with_a_refused_point_is_refused_whole_before_anything_runs(where
         *(f"  [{index}] FedProx | alpha-0.5 | seed {seed}: algorithm.init_args.mu: expected a value >= 0, got -1.0"
           for index, seed in ((2, 0), (3, 1)))]
     assert not record.exists() and not runs.exists()  # nothing submitted, nothing run
+
+
+def dataset_settings(tmp_path: Path) -> dict:
+    """Two datasets, neither there: CIFAR-10 with no folder, CIFAR-100 with its train file only."""
+    (tmp_path / "partial" / "cifar-100-python").mkdir(parents=True)
+    (tmp_path / "partial" / "cifar-100-python" / "train").write_bytes(b"")
+    return {"dataset": {"cifar10": [{"data.name": "cifar10", "data.root": str(tmp_path / "nothing")}],
+                        "cifar100": [{"data.name": "cifar100", "data.root": str(tmp_path / "partial")}]}}
+
+
+@pytest.mark.parametrize("where", [[], ["--slurm"], ["--estimate"]], ids=["locally", "slurm", "estimate"])
+def test_a_missing_or_partial_dataset_is_refused_before_anything_runs_or_is_submitted(where, tmp_path, capsys,
+                                                                                     monkeypatch):
+    record = stand_in_sbatch(tmp_path, monkeypatch)
+    plan = write_plan(tmp_path / "plan.yaml", {"FedAvg": [], "FedProx": [{"algorithm": "fedprox"}]},
+                      settings=dataset_settings(tmp_path))
+    runs = tmp_path / "runs"
+    status, out, err = run_sweep(capsys, "--plan", str(plan), "--runs_root", str(runs), *where)
+    assert status == 2 and "timed" not in out and "array job" not in out
+    assert err.splitlines() == [
+        "error: data.root: expected the dataset of every grid point in its layout under its data.root before anything "
+        "runs or is submitted (put it there, fetch it with fl-lightning data, or set data.download: true where the "
+        f"runs can reach the network), got {plan}, where",
+        "  cifar10 for 4 point(s), first [0] FedAvg | dataset-cifar10 | seed 0: data.root: expected "
+        f"{tmp_path}/nothing/cifar-10-batches-py/ to hold data_batch_1..5 and test_batch (CIFAR-10, python version) "
+        f"(or set data.download: true), got '{tmp_path}/nothing'",
+        f"  cifar100 for 4 point(s), first [4] FedAvg | dataset-cifar100 | seed 0: data.root: expected "
+        f"{tmp_path}/partial/cifar-100-python/ to hold train and test (CIFAR-100, python version), got "
+        f"'{tmp_path}/partial, whose cifar-100-python/ lacks test'"]
+    assert not record.exists() and not runs.exists()  # nothing submitted, nothing run
+
+
+def test_each_dataset_folder_is_checked_once_reading_none_of_it_and_a_download_may_fetch_it(
+        tmp_path, capsys, monkeypatch, cifar_root):
+    record = stand_in_sbatch(tmp_path, monkeypatch)
+    checked = []
+    monkeypatch.setattr(data_check, "check_dataset", lambda name, root, download: checked.append(
+        (name, str(root), download)) or check_dataset(name, root, download))
+    monkeypatch.setattr(datasets, "_read_cifar_batch", None)  # no point's data is read
+    settings = dataset_settings(tmp_path)
+    settings["dataset"]["cifar10"][0]["data.root"] = str(cifar_root)
+    settings["dataset"]["cifar100"][0].update({"data.root": str(tmp_path / "empty"), "data.download": True})
+    plan = write_plan(tmp_path / "plan.yaml", {"FedAvg": [], "FedProx": [{"algorithm": "fedprox"}]},
+                      settings=settings)
+    status, out, err = run_sweep(capsys, "--plan", str(plan), "--runs_root", str(tmp_path / "runs"), "--slurm")
+    assert status == 0, err
+    assert "Submitted batch job 42" in out and record.exists()
+    # Absent, CIFAR-100 is allowed: its runs fetch it.
+    assert checked == [("cifar10", str(cifar_root), False), ("cifar100", str(tmp_path / "empty"), True)]
 
 
 @pytest.mark.slow

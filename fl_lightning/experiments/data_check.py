@@ -13,6 +13,10 @@ meanwhile share one download), decoded into its cache (Tiny-ImageNet), and read,
 line per dataset says what was found: its folder, that its layout is whole, its images and classes,
 and its size on disk. A dataset that is absent without data.download, or only partly there, is
 refused with the line a run refuses it with, before anything is downloaded.
+
+`fl-lightning sweep` checks a plan's datasets so too (`check_datasets`), before anything of it runs,
+is submitted or timed, reading and downloading nothing: a grid whose data is not there would fail
+in every run, after its allocation waited in the queue.
 """
 
 from __future__ import annotations
@@ -31,7 +35,14 @@ from fl_lightning.data.datasets import (
 )
 from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.plan import load_plan
-from fl_lightning.experiments.resolve import check_grid, fit_parser, resolve_grid
+from fl_lightning.experiments.resolve import (
+    PlanRefused,
+    ResolvedPoint,
+    check_grid,
+    describe_point,
+    fit_parser,
+    resolve_grid,
+)
 
 DatasetSettings = tuple[str, Path, bool]
 """data.name, data.root and data.download of a run."""
@@ -95,6 +106,26 @@ def prepare_datasets(wanted: list[DatasetSettings]) -> None:
     for (name, root), download in downloads.items():
         train, test = load_dataset(name, root, download)
         print(describe_dataset(name, root, train, test), flush=True)
+
+
+def check_datasets(plan: Path, resolved: list[ResolvedPoint]) -> None:
+    """Refuse the plan when a dataset of its points is missing from its data.root, or there in part
+    (`check_dataset`: each distinct dataset once, the names of its layout, no file read), one line per
+    dataset with the points that need it; one that a point downloads (data.download) may be absent."""
+    needed: dict[tuple[str, Path], list[ResolvedPoint]] = {}
+    for entry in resolved:
+        needed.setdefault((entry.config["data"]["name"], Path(entry.config["data"]["root"])), []).append(entry)
+    problems = []
+    for (name, root), entries in needed.items():
+        problem = check_dataset(name, root, any(entry.config["data"]["download"] for entry in entries)).problem
+        if problem is not None:
+            first = entries[0].point
+            problems.append(f"{name} for {len(entries)} point(s), first [{first.index}] {describe_point(first)}: "
+                            f"{problem}")
+    if problems:
+        raise PlanRefused("data.root", "the dataset of every grid point in its layout under its data.root before "
+                          "anything runs or is submitted (put it there, fetch it with fl-lightning data, or set "
+                          "data.download: true where the runs can reach the network)", plan, problems)
 
 
 def describe_dataset(name: str, root: Path, train: ImageDataset, test: ImageDataset) -> str:

@@ -1,6 +1,6 @@
 """What each run of a plan needs (the plan's `resources:`), and how `fl-lightning sweep` honours it.
 
-    resources: {gpus_per_run: 4, precision: bf16-mixed, time_per_run: "24:00:00"}
+    resources: {gpus_per_run: 4, precision: bf16-mixed, time_per_run: "24:00:00", cpus_per_run: 16}
 
 - `gpus_per_run` is the sweep's `--gpus_per_run` when the command line does not give it. A plan
   whose runs ask for GPUs (`gpus_per_run` > 0 here, or `fabric.accelerator: gpu` in their settings)
@@ -13,12 +13,21 @@
 - `time_per_run` is each array task's `sbatch --time` with `--slurm` (SLURM's forms: `MM`, `HH:MM:SS`,
   `D-HH:MM:SS`, ...; quoted in YAML, which reads 24:00:00 as a number); a `--time` in
   `--sbatch_options` overrides it, and says so.
+- `cpus_per_run` is each array task's CPUs with `--slurm` (`--cpus-per-task` of its ranks, as
+  `--threads_per_run`, which overrides it); a local run's threads are the machine's cores shared
+  between `--jobs`.
+
+With `--slurm`, a plan whose runs ask for GPUs is refused before sbatch when the partition its tasks
+go to (the `--partition` of `--sbatch_options`, else the cluster's default) has none, as `sinfo`
+reports it (nothing is checked where sinfo does not answer).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
+import subprocess
 import typing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
@@ -29,12 +38,14 @@ from fl_lightning.errors import ConfigError
 if TYPE_CHECKING:
     from fl_lightning.experiments.plan import Plan
     from fl_lightning.experiments.resolve import ResolvedPoint
+    from fl_lightning.experiments.sweep import SweepOptions
 
-KEYS = ("gpus_per_run", "precision", "time_per_run")
+KEYS = ("gpus_per_run", "precision", "time_per_run", "cpus_per_run")
 PRECISIONS = typing.get_args(typing.get_type_hints(FabricArgs)["precision"])
 GPU_ACCELERATORS = ("gpu", "cuda")
 _SLURM_TIME = re.compile(r"\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+|\d+-\d+:\d{1,2}|\d+-\d+:\d{1,2}:\d{1,2}")
 _TIME_OPTION = re.compile(r"(--time(=.*)?|-t.*)")
+SINFO_TIMEOUT_S = 30
 
 
 @dataclass(frozen=True)
@@ -42,6 +53,7 @@ class PlanResources:
     gpus_per_run: int = 0
     precision: Optional[str] = None
     time_per_run: Optional[str] = None
+    cpus_per_run: Optional[int] = None
 
 
 def read_resources(raw) -> PlanResources:
@@ -54,8 +66,11 @@ def read_resources(raw) -> PlanResources:
     if unknown:
         raise ConfigError("plan.resources", f"only the keys {', '.join(KEYS)}", unknown)
     gpus = raw.get("gpus_per_run", 0)
-    if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 0:
+    if not _is_count(gpus, 0):
         raise ConfigError("plan.resources.gpus_per_run", "an integer >= 0 (GPUs, one rank each, of every run)", gpus)
+    cpus = raw.get("cpus_per_run")
+    if cpus is not None and not _is_count(cpus, 1):
+        raise ConfigError("plan.resources.cpus_per_run", "an integer >= 1 (CPUs of every array task)", cpus)
     precision = raw.get("precision")
     if precision is not None and precision not in PRECISIONS:
         raise ConfigError("plan.resources.precision", f"one of {', '.join(PRECISIONS)}", precision)
@@ -63,7 +78,11 @@ def read_resources(raw) -> PlanResources:
     if time is not None and not (isinstance(time, str) and _SLURM_TIME.fullmatch(time)):
         raise ConfigError("plan.resources.time_per_run", 'a SLURM time limit as a quoted string ("24:00:00", '
                           '"1-12:00:00", "90"; unquoted, YAML reads 24:00:00 as a number)', time)
-    return PlanResources(gpus_per_run=gpus, precision=precision, time_per_run=time)
+    return PlanResources(gpus_per_run=gpus, precision=precision, time_per_run=time, cpus_per_run=cpus)
+
+
+def _is_count(value, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
 
 def gpus_per_run(plan: Plan, resolved: list[ResolvedPoint], given: Optional[int], slurm: bool) -> int:
@@ -112,6 +131,83 @@ def check_precision(plan: Plan, resolved: list[ResolvedPoint]) -> None:
                           "that sets fabric.precision disagrees with it)", plan.path,
                           [f"[{e.point.index}] {describe_point(e.point)}: fabric.precision "
                            f"{e.config['fabric']['precision']}" for e in different])
+
+
+def array_job(plan: Plan, options: SweepOptions) -> None:
+    """The plan's resources as the array job's options (its --time, its CPUs), where the command line
+    leaves them; a GPU plan refused where its partition has no GPUs."""
+    options.sbatch_options = [*time_options(plan, options.sbatch_options), *options.sbatch_options]
+    options.threads_per_run = options.threads_per_run or plan.resources.cpus_per_run
+    check_partition_gpus(plan, options.gpus_per_run, options.sbatch_options)
+
+
+def check_partition_gpus(plan: Plan, gpus_per_run: int, sbatch_options: list[str]) -> None:
+    """Refuse GPUs asked of partitions that have none, as sinfo reports the cluster (the partitions of
+    the sbatch options, else the default one); no check where sinfo does not answer, nor of a
+    partition it does not list (sbatch names that one)."""
+    partitions = read_partitions() if gpus_per_run else None
+    if partitions is None:
+        return
+    named = _partitions_asked(sbatch_options)
+    asked = named or [partitions.default]
+    with_gpus = partitions.with_gpus()
+    if not all(name in partitions.gres for name in asked) or set(asked) & set(with_gpus):
+        return
+    where = f"partition {', '.join(asked)}" + ("" if named else " (the default)")
+    choose = "a partition with GPUs in --sbatch_options"
+    if with_gpus:
+        choose = f'--sbatch_options "[--partition={with_gpus[0]}]"' + (
+            f" (partitions with GPUs: {', '.join(with_gpus)})" if len(with_gpus) > 1 else "")
+    raise ConfigError("gpus_per_run", f"a partition with GPUs for plan {plan.name}'s {gpus_per_run} GPU(s) per run: "
+                      f"sinfo reports no GPU (gres) in {where}; give {choose}, or --gpus_per_run 0 to train its "
+                      "runs on the CPU", gpus_per_run)
+
+
+@dataclass
+class Partitions:
+    """The cluster's partitions as sinfo reports them."""
+
+    gres: dict[str, list[str]]
+    """Partition -> the generic resources of its nodes (`gpu:a100:4(S:0-1)`, `(null)`)."""
+    default: Optional[str]
+
+    def with_gpus(self) -> list[str]:
+        return [name for name, resources in self.gres.items() if any("gpu" in r.lower() for r in resources)]
+
+
+def read_partitions() -> Optional[Partitions]:
+    """None where sinfo is not there or does not answer."""
+    if shutil.which("sinfo") is None:
+        return None
+    try:
+        completed = subprocess.run(["sinfo", "--noheader", "--format=%P %G"], capture_output=True, text=True,
+                                   timeout=SINFO_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if completed.returncode != 0:
+        return None
+    partitions = Partitions(gres={}, default=None)
+    for line in completed.stdout.splitlines():
+        name, _, resources = line.strip().partition(" ")
+        if name.endswith("*"):  # sinfo marks the default partition so
+            name = partitions.default = name[:-1]
+        if name:
+            partitions.gres.setdefault(name, []).append(resources.strip())
+    return partitions
+
+
+def _partitions_asked(sbatch_options: list[str]) -> list[str]:
+    """The partitions an sbatch command line names (--partition=a,b, --partition a, -p a, -pa); the last wins."""
+    asked: list[str] = []
+    for position, option in enumerate(sbatch_options):
+        following = sbatch_options[position + 1] if position + 1 < len(sbatch_options) else ""
+        if option.startswith("--partition="):
+            asked = option.split("=", 1)[1].split(",")
+        elif option in ("--partition", "-p"):
+            asked = following.split(",")
+        elif option.startswith("-p") and not option.startswith("--"):
+            asked = option[2:].split(",")
+    return [name for name in asked if name]
 
 
 def time_options(plan: Plan, sbatch_options: list[str]) -> list[str]:

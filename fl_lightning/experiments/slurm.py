@@ -67,4 +67,8 @@ def submit(plan_path: Path, points: list[GridPoint], options: SweepOptions) -> N
     print(completed.stdout, end="", flush=True)  # "Submitted batch job <id>"
     if completed.returncode != 0:
         print(f"error: sbatch exited {completed.returncode}: {completed.stderr.strip()}", file=sys.stderr)
+        if options.gpus_per_run and "gres" in completed.stderr.lower():
+            print(f"the cluster gives no GPUs where the tasks ask for {options.gpus_per_run} each: choose a partition "
+                  'with GPUs (--sbatch_options "[--partition=NAME]"; sinfo -o "%P %G" lists them), or give '
+                  "--gpus_per_run 0 to train the runs on the CPU", file=sys.stderr)
         raise SystemExit(1)

@@ -29,6 +29,7 @@ from jsonargparse.typing import NonNegativeInt, PositiveInt
 
 from fl_lightning.errors import ConfigError
 from fl_lightning.experiments import resources
+from fl_lightning.experiments.data_check import check_datasets
 from fl_lightning.experiments.estimate import estimate_plan
 from fl_lightning.experiments.local import run_locally
 from fl_lightning.experiments.overrides import describe_overrides
@@ -111,6 +112,7 @@ def sweep(
     resources.check_precision(loaded, resolved)
     if not fit_config:
         options.gpus_per_run = resources.gpus_per_run(loaded, resolved, gpus_per_run, slurm)
+        check_datasets(Path(plan), resolved if index is None else [resolved[index]])
     if estimate:
         estimate_plan(loaded, resolved, options)
         return
@@ -122,7 +124,7 @@ def sweep(
     if fit_config:
         print(write_fit_config(resolved[index]))
     elif slurm:
-        options.sbatch_options = [*resources.time_options(loaded, options.sbatch_options), *options.sbatch_options]
+        resources.array_job(loaded, options)
         submit(Path(plan), points, options)
     else:
         status = run_locally(chosen, states, options, on_terminal=index is not None)
