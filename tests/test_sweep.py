@@ -4,6 +4,7 @@ and run folders holding other experiments), and submitted to SLURM as one array 
 sbatch); how runs share the machine."""
 
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -23,12 +24,14 @@ from fl_lightning.data.datasets import check_dataset
 from fl_lightning.errors import ConfigError
 from fl_lightning.experiments import data_check
 from fl_lightning.experiments import local as local_module
+from fl_lightning.experiments import progress as progress_module
 from fl_lightning.experiments.local import LOG_FILE, plan_resources, run_environment
 from fl_lightning.experiments.plan import load_plan
+from fl_lightning.experiments.progress import ProgressLines
 from fl_lightning.experiments.resolve import resolve_grid
 from fl_lightning.experiments.slurm import FIT_CONFIG_FILE, write_fit_config
 from fl_lightning.run_dir import RunDirLock
-from fl_lightning.run_logging import read_metrics
+from fl_lightning.run_logging import MetricsLog, read_metrics
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 QUICKSTART = str(REPOSITORY / "configs" / "quickstart.yaml")
@@ -101,8 +104,9 @@ def test_interrupted_sweep_resumes_without_retraining_finished_runs(tmp_path, ca
     process, output, errors = start_sweep(tmp_path, "sweep", "--plan", str(plan), "--runs_root", str(runs))
     try:
         processes.wait_until(lambda: "[0] finished at round 3" in output.read_text()
-                             and (checkpoint_dir(held.out_dir) / "round_000001.ckpt").exists(), [process],
-                             "FedAvg finished and FedProx checkpointed round 1", TIMEOUT_S)
+                             and (checkpoint_dir(held.out_dir) / "round_000001.ckpt").exists()
+                             and "running [1] round 1/3" in output.read_text(), [process],
+                             "FedAvg finished, FedProx checkpointed round 1 and the sweep said so", TIMEOUT_S)
         process.send_signal(signal.SIGINT)
         process.wait(timeout=TIMEOUT_S)
     finally:
@@ -110,6 +114,8 @@ def test_interrupted_sweep_resumes_without_retraining_finished_runs(tmp_path, ca
             process.kill()
     out, err = output.read_text(), errors.read_text()
     assert process.returncode == 130, err
+    # Its progress, a line when a run logged its first round: FedProx's, held after it.
+    assert "\nprogress: 1/2 runs finished; running [1] round 1/3 (" in out
     assert "SIGINT: asking 1 run(s) to checkpoint and stop at the end of their round" in err
     assert "[1] stopped at round 2" in out
     assert out.splitlines()[-1] == "1 finished, 0 failed, 0 skipped, 1 stopped, 0 not started"
@@ -119,12 +125,12 @@ def test_interrupted_sweep_resumes_without_retraining_finished_runs(tmp_path, ca
     status, out, _ = run_sweep(capsys, "--plan", str(plan), "--runs_root", str(runs), "--list", "true")
     assert status == 0
     rows = out.splitlines()
-    assert rows[0].split() == ["index", "method", "setting", "seed", "state", "run", "folder"]
+    assert rows[0].split() == ["index", "method", "setting", "seed", "state", "run", "folder", "round", "left"]
     for point, row in zip(points, rows[1:3]):
         assert row.split()[:4] == [str(point.index), point.method, "alpha-0.5", str(point.seed)]
-        assert row.endswith(str(point.out_dir))
-    assert rows[1].split()[4] == "finished"
-    assert " partial at round 2/3 " in rows[2]
+        assert f"  {point.out_dir}  " in row
+    assert re.split(r"\s{2,}", rows[1])[4:] == ["finished", str(points[0].out_dir), "3/3", "-"]
+    assert re.split(r"\s{2,}", rows[2])[4:7] == ["partial at round 2/3", str(points[1].out_dir), "2/3"]
     assert rows[3] == "2 runs: 1 finished, 1 partial, 0 without a checkpoint"
     before = files_of(finished.out_dir)
 
@@ -406,6 +412,78 @@ def test_fit_config_resolves_the_point_to_the_same_fit_call(tmp_path, monkeypatc
     launched.pop("config", None)
     assert launched == direct
     assert launched.out_dir == point.out_dir and launched.seed == 4 and launched.algorithm.init_args.mu == 0.3
+
+
+# --- progress ------------------------------------------------------------------------------------
+
+def log_rounds(out_dir: Path, seconds: list[float]) -> None:
+    """metrics.jsonl of a run that trained rounds of these round_seconds, as the run writes it."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    MetricsLog(out_dir, [{"round": number, "train_loss": 1.0, "round_seconds": value}
+                         for number, value in enumerate(seconds, start=1)])
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_local_sweeps_progress_is_a_line_at_a_time_with_the_time_left(tmp_path):
+    plan = write_plan(tmp_path / "plan.yaml", {"FedAvg": [], "FedProx": [{"algorithm": "fedprox"}]}, seeds=[0, 1])
+    points = load_plan(plan, runs_root=tmp_path / "runs").grid()
+    rounds = {point.index: 10 for point in points}
+    clock = Clock()
+    progress = ProgressLines(rounds, {point.index: 0 for point in points}, jobs=2, total=4, clock=clock)
+    running, pending = points[:2], points[2:]
+    assert progress.line(running, pending, finished=0, failed=0) is None  # no round yet
+    # The first round of a run is said at once: its pace (after the first, warm-up, round) gives the
+    # time it has left, and, for runs of its method yet to start, theirs.
+    log_rounds(points[0].out_dir, [9.0, 2.0, 4.0])
+    clock.now += 1
+    assert progress.line(running, pending, 0, 0) == (
+        "progress: 0/4 runs finished; running [0] round 3/10 (21 s left), [1] round 0/10 (- left); the sweep: "
+        # [0] 7 x 3 s and [1] 10 x 3 s (FedAvg's pace); FedProx's runs, at the only pace there is: 20 x 3 s
+        f"{(7 + 10 + 20) * 3 / 2:.0f} s left")
+    # More rounds: a line when PROGRESS_SECONDS have passed, not before (nor without a new round).
+    log_rounds(points[0].out_dir, [9.0, 2.0, 4.0, 3.0])
+    clock.now += 1
+    assert progress.line(running, pending, 0, 0) is None
+    clock.now += progress_module.PROGRESS_SECONDS
+    assert progress.line(running, pending, 0, 0).startswith("progress: 0/4 runs finished; running [0] round 4/10 ")
+    clock.now += progress_module.PROGRESS_SECONDS
+    assert progress.line(running, pending, 0, 0) is None
+    # [0] finished, [1] failed: the sweep's time left is its pending runs'.
+    log_rounds(points[2].out_dir, [5.0, 8.0])
+    clock.now += 1
+    assert progress.line(points[2:3], points[3:], finished=1, failed=1) == (
+        "progress: 1/4 runs finished, 1 failed; running [2] round 2/10 (64 s left); the sweep: "
+        f"{(8 * 8 + 10 * 8) / 2:.0f} s left")
+
+
+def test_list_shows_each_runs_round_and_time_left_from_its_folder(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    plan = write_plan(tmp_path / "plan.yaml", {"FedAvg": [{"algorithm": "fedavg"}]}, seeds=[0, 1, 2])
+    runs = tmp_path / "runs"
+    first, second, third = resolve_grid(load_plan(plan, runs_root=runs).grid())
+    # As SLURM tasks leave them: [0] finished, [1] checkpointed round 1 and logged round 2 since.
+    for entry, checkpointed, seconds in ((first, 3, [1.0, 2.0, 2.0]), (second, 1, [3.0, 4.0])):
+        out_dir = entry.point.out_dir
+        save_checkpoint({"round": checkpointed, "model": {}, "algorithm": {}, "partition": [], "metrics": [],
+                         "hyperparameters": entry.config}, out_dir, keep=1)
+        (out_dir / "config.yaml").write_text(yaml.safe_dump(entry.config))
+        log_rounds(out_dir, seconds)
+    status, out, err = run_sweep(capsys, "--plan", str(plan), "--runs_root", str(runs), "--list")
+    assert status == 0, err
+    rows = [re.split(r"\s{2,}", line)[4:] for line in out.splitlines()]
+    assert rows[1] == ["finished", str(first.point.out_dir), "3/3", "-"]
+    assert rows[2] == ["partial at round 1/3", str(second.point.out_dir), "2/3", "4 s"]  # 1 round left at 4 s
+    assert rows[3] == ["not started", str(third.point.out_dir), "-", "-"]
+    # [1]'s round and [2]'s three at FedAvg's pace (4 s, and 2 s): 1 x 4 + 3 x 3
+    assert out.splitlines()[-1] == ("training left: about 13 s one run at a time, at the pace of the rounds logged "
+                                    "by 2 run(s) (a run not started yet at its method's)")
 
 
 # --- sharing the machine -------------------------------------------------------------------------

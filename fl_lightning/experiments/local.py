@@ -32,6 +32,7 @@ from typing import IO, TYPE_CHECKING, Optional
 from fl_lightning.cpu import available_cores
 from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.plan import GridPoint
+from fl_lightning.experiments.progress import ProgressLines
 from fl_lightning.experiments.resolve import ResolvedPoint, describe_point
 from fl_lightning.experiments.resources import visible_gpus
 from fl_lightning.experiments.runs import RunState, run_state
@@ -188,7 +189,10 @@ def run_locally(resolved: list[ResolvedPoint], states: dict[int, RunState], opti
             print(f"[{point.index}] {' '.join(shown)} {shlex.join(fit_command(point, resources))}")
         return 0
     rounds = {entry.point.index: entry.rounds for entry in resolved}
-    return _Loop(to_run, rounds, len(skipped), resources, jobs, on_terminal).run()
+    # A run in the foreground shows its own rounds.
+    progress = None if on_terminal else ProgressLines(rounds, {i: state.round or 0 for i, state in states.items()},
+                                                      jobs, total=len(points))
+    return _Loop(to_run, rounds, len(skipped), resources, jobs, on_terminal, progress).run()
 
 
 def _finished(state: RunState) -> str:
@@ -205,8 +209,9 @@ def note_unused_gpus() -> None:
 
 class _Loop:
     def __init__(self, points: list[GridPoint], rounds: dict[int, int], skipped: int, resources: Resources,
-                 jobs: int, on_terminal: bool):
+                 jobs: int, on_terminal: bool, progress: Optional[ProgressLines]):
         self.pending = list(points)
+        self.progress = progress
         self.rounds = rounds
         self.skipped = skipped
         self.elsewhere: list[GridPoint] = []
@@ -227,6 +232,7 @@ class _Loop:
                 while self.pending and self.free_slots and not self.stop.signals:
                     self._take(self.pending.pop(0))
                 self._collect()
+                self._show_progress()
                 if self.running:
                     time.sleep(POLL_SECONDS)
             self._act_on_signals()
@@ -270,6 +276,14 @@ class _Loop:
         self.running.append(Running(point, process, slot, time.monotonic(), offset, lock))
         where = "" if self.on_terminal else f" (log {log})"
         print(f"[{point.index}] started: {describe_point(point)} in {point.out_dir}{where}", flush=True)
+
+    def _show_progress(self) -> None:
+        if self.progress is None:
+            return
+        line = self.progress.line([run.point for run in self.running], self.pending,
+                                  len(self.finished) + self.skipped, len(self.failed))
+        if line is not None:
+            print(line, flush=True)
 
     def _act_on_signals(self) -> None:
         if not self.stop.signals:

@@ -121,6 +121,36 @@ def read_metric_rows(out_dir: Path) -> tuple[list[dict], bool]:
 
 
 @dataclass
+class Pace:
+    """How far a run's metrics.jsonl got, and how fast its rounds went."""
+
+    round: int
+    """The last round logged."""
+    seconds_per_round: Optional[float]
+    """The mean of its rounds' round_seconds and eval_seconds (the first round's warm-up left out when
+    there are others); None when no row has them. Checkpoints are not in it."""
+
+    def seconds_left(self, rounds: int) -> Optional[float]:
+        if self.seconds_per_round is None:
+            return None
+        return max(rounds - self.round, 0) * self.seconds_per_round
+
+
+def read_pace(out_dir: Path) -> Optional[Pace]:
+    """The run's pace from its metrics.jsonl; None without a row, or with an unreadable line before the
+    last (which `table` refuses)."""
+    try:
+        rows, _ = read_metric_rows(out_dir)
+    except ConfigError:
+        return None
+    if not rows:
+        return None
+    timed = [row["round_seconds"] + (row.get("eval_seconds") or 0) for row in rows
+             if isinstance(row.get("round_seconds"), (int, float))]
+    return Pace(round=rows[-1]["round"], seconds_per_round=statistics.fmean(timed[1:] or timed) if timed else None)
+
+
+@dataclass
 class RunState:
     """A run folder as `fit --resume auto` would find it."""
 
@@ -135,6 +165,21 @@ class RunState:
     hyperparameters: Optional[dict] = None
     """The settings the newest good checkpoint records."""
     problem: Optional[str] = None
+    pace: Optional[Pace] = None
+    """What metrics.jsonl says of the run's rounds (a running run logs rounds past its checkpoint)."""
+
+    @property
+    def round_logged(self) -> Optional[int]:
+        """The furthest round the run reached: its metrics' or its checkpoint's."""
+        rounds = [r for r in (self.round, None if self.pace is None else self.pace.round) if r is not None]
+        return max(rounds, default=None)
+
+    @property
+    def seconds_left(self) -> Optional[float]:
+        """At the pace of the rounds it logged; None when finished, or without a timed round."""
+        if self.finished or self.rounds is None or self.pace is None:
+            return None
+        return self.pace.seconds_left(self.rounds)
 
     @property
     def stopped_early(self) -> bool:
@@ -156,6 +201,7 @@ def run_state(out_dir: Path, rounds: Optional[int]) -> RunState:
     """Read a run folder's checkpoints (newest first, as `--resume auto` does) and config.yaml; trains nothing."""
     candidates = resume_candidates(out_dir)
     started = (Path(out_dir) / CONFIG_FILE).is_file()
+    pace = read_pace(out_dir) if started else None
     for path in candidates:
         try:
             state = load_checkpoint(path)
@@ -163,9 +209,9 @@ def run_state(out_dir: Path, rounds: Optional[int]) -> RunState:
             continue
         return RunState(round=state["round"], rounds=rounds, started=started,
                         finished=rounds is not None and state["round"] <= rounds and run_is_over(state, rounds),
-                        hyperparameters=state["hyperparameters"])
+                        hyperparameters=state["hyperparameters"], pace=pace)
     problem = "unusable: every checkpoint fails its checks" if candidates else None
-    return RunState(round=None, rounds=rounds, started=started, problem=problem)
+    return RunState(round=None, rounds=rounds, started=started, problem=problem, pace=pace)
 
 
 def other_experiment(out_dir: Path, config: dict, state: Optional[RunState] = None) -> Optional[str]:

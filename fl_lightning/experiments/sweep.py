@@ -33,7 +33,8 @@ from fl_lightning.experiments.data_check import check_datasets
 from fl_lightning.experiments.estimate import estimate_plan
 from fl_lightning.experiments.local import run_locally
 from fl_lightning.experiments.overrides import describe_overrides
-from fl_lightning.experiments.plan import Plan, load_plan
+from fl_lightning.experiments.plan import GridPoint, Plan, load_plan
+from fl_lightning.experiments.progress import RunLeft, duration, seconds_left
 from fl_lightning.experiments.resolve import (
     PlanRefused,
     ResolvedPoint,
@@ -191,8 +192,8 @@ def check_folders(plan: Path, resolved: list[ResolvedPoint], states: dict[int, R
 
 
 def list_points(resolved: list[ResolvedPoint]) -> None:
-    header = ("index", "method", "setting", "seed", "state", "run folder")
-    rows, finished, partial = [], 0, 0
+    header = ("index", "method", "setting", "seed", "state", "run folder", "round", "left")
+    rows, finished, partial, left = [], 0, 0, []
     for entry in resolved:
         point = entry.point
         state = run_state(point.out_dir, entry.rounds)
@@ -205,10 +206,24 @@ def list_points(resolved: list[ResolvedPoint]) -> None:
             described = state.describe()
             finished += state.finished
             partial += not state.finished and state.round is not None
+            left.append(_run_left(point, state))
+        reached = "-" if state.round_logged is None else f"{state.round_logged}/{entry.rounds or '?'}"
         rows.append((str(point.index), point.method, point.setting_name, str(point.seed), described,
-                     str(point.out_dir)))
+                     str(point.out_dir), reached, duration(state.seconds_left)))
     widths = [max(len(row[column]) for row in [header, *rows]) for column in range(len(header))]
     for row in [header, *rows]:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
     print(f"{len(resolved)} runs: {finished} finished, {partial} partial, {len(resolved) - finished - partial} "
           "without a checkpoint")
+    total = seconds_left(left)
+    if total is not None and any(run.rounds_left for run in left):
+        timed = sum(run.seconds_per_round is not None for run in left)
+        print(f"training left: about {duration(total)} one run at a time, at the pace of the rounds logged by "
+              f"{timed} run(s) (a run not started yet at its method's)")
+
+
+def _run_left(point: GridPoint, state: RunState) -> RunLeft:
+    """What the point's run has yet to train (nothing once finished), at its own pace."""
+    pace = None if state.pace is None else state.pace.seconds_per_round
+    rounds_left = 0 if state.finished else max(state.rounds - (state.round_logged or 0), 0)
+    return RunLeft(point.method, rounds_left, pace)
