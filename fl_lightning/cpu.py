@@ -47,9 +47,10 @@ class ThreadChoice:
 
 
 def choose_threads(setting: Union[int, Literal["auto"]], parameters: int, ranks_per_node: int,
-                   environment: Optional[dict] = None) -> ThreadChoice:
+                   environment: Optional[dict] = None, cpus: Optional[int] = None) -> ThreadChoice:
     """The threads of each CPU rank of a run whose model has `parameters`, `ranks_per_node` ranks
-    sharing this process's CPUs (the module's rule)."""
+    sharing the CPUs of its process (`cpus`: by default this process's, `available_cores`), by the
+    module's rule."""
     environment = os.environ if environment is None else environment
     if setting != "auto":
         return ThreadChoice(int(setting), "compute.cpu_threads")
@@ -60,16 +61,15 @@ def choose_threads(setting: Union[int, Literal["auto"]], parameters: int, ranks_
     if parameters < SMALL_MODEL_PARAMETERS:
         return ThreadChoice(1, f"auto: a model of {parameters:,} parameters trains fastest on one thread; more "
                                "ranks use more CPUs")
-    cpus, source = cpus_per_rank(ranks_per_node, environment)
-    return ThreadChoice(cpus, f"auto: {source}")
+    threads, source = cpus_per_rank(ranks_per_node, environment, available_cores() if cpus is None else cpus)
+    return ThreadChoice(threads, f"auto: {source}")
 
 
-def cpus_per_rank(ranks_per_node: int, environment) -> tuple[int, str]:
-    """The CPUs each rank may use, and what decided them."""
+def cpus_per_rank(ranks_per_node: int, environment, cpus: int) -> tuple[int, str]:
+    """The CPUs each rank may use of the process's `cpus`, and what decided them."""
     if environment.get("SLURM_CPUS_PER_TASK"):
-        cpus = max(1, min(int(environment["SLURM_CPUS_PER_TASK"]), available_cores()))
-        return cpus, f"SLURM_CPUS_PER_TASK={environment['SLURM_CPUS_PER_TASK']}"
-    cpus = available_cores()
+        return (max(1, min(int(environment["SLURM_CPUS_PER_TASK"]), cpus)),
+                f"SLURM_CPUS_PER_TASK={environment['SLURM_CPUS_PER_TASK']}")
     source = f"the {cpus} CPUs of this process's affinity"
     quota = cgroup_cpu_quota()
     if quota is not None and quota < cpus:

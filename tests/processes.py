@@ -261,9 +261,11 @@ def threaded_environment() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
 
 
-def start_run_process(command: list[str], environment: dict[str, str], log: Optional[IO[bytes]]) -> Popen:
+def start_run_process(command: list[str], environment: dict[str, str], log: Optional[IO[bytes]],
+                      cpus: Optional[list[int]] = None) -> Popen:
     """What `fl_lightning.experiments.local.start_run_process` starts, forked: the `conftest.forked_runs`
-    fixture has a sweep in the test's own process start its runs this way."""
+    fixture has a sweep in the test's own process start its runs this way. Not bound to `cpus`: a forked
+    run takes its threads from OMP_NUM_THREADS."""
     return Popen(command, env=environment, stdout=log, stderr=None if log is None else subprocess.STDOUT)
 
 

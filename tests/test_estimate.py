@@ -103,7 +103,7 @@ def test_fedsam_and_moon_are_priced_above_fedavg(tmp_path, capsys):
                       model={"hidden": 256, "depth": 2})
     status, out, err = run_sweep(capsys, str(plan), "--estimate", "--runs_root", str(tmp_path / "runs"), *ONE_THREAD)
     assert status == 0, err
-    assert "3 kind(s) of local step to time here on the CPU, 1 thread(s) each" in out
+    assert "3 kind(s) of local step to time here on the CPU, 1 CPU(s) each" in out
     rows = table(out)
     assert list(rows) == ["FedAvg", "FedSAM", "MOON"]  # one line per method
     # The CPU seconds of their steps, on one thread in one process: the work, whatever the load.

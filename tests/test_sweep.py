@@ -501,6 +501,29 @@ def test_cpu_runs_share_the_cores(monkeypatch):
     assert refused.value.field_name == "jobs"
 
 
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="binds processes to CPUs (Linux)")
+def test_cpu_runs_are_bound_to_cpus_of_their_own(tmp_path, monkeypatch):
+    """Each run of a CPU sweep gets CPUs of its own, and chooses its threads from them (fl_lightning.cpu):
+    the sweep gives it no thread count. Where there are fewer CPUs than counted, OMP_NUM_THREADS."""
+    cpus = sorted(os.sched_getaffinity(0))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    resources = plan_resources(jobs=len(cpus), gpus_per_run=0, threads_per_run=None)
+    assert resources.cpu_slots == [[cpu] for cpu in cpus]
+    environment = run_environment(resources, len(cpus) - 1)
+    assert "OMP_NUM_THREADS" not in environment and "MKL_NUM_THREADS" not in environment
+    with open(tmp_path / "log", "wb") as log:
+        process = local_module.start_run_process(
+            [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"], environment, log,
+            resources.cpu_slots[-1])
+        assert process.wait(timeout=60) == 0
+    assert (tmp_path / "log").read_text().strip() == str([cpus[-1]])
+
+    monkeypatch.setattr(local_module, "available_cores", lambda: 2 * len(cpus))
+    resources = plan_resources(jobs=2, gpus_per_run=0, threads_per_run=None)
+    assert resources.cpu_slots is None
+    assert run_environment(resources, 0)["OMP_NUM_THREADS"] == str(len(cpus))
+
+
 def test_gpu_runs_get_gpus_of_their_own(monkeypatch):
     monkeypatch.setattr(local_module, "available_cores", lambda: 16)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,6,7")

@@ -1,5 +1,5 @@
 """A sweep's runs on this machine: `--jobs N` at a time, each a subprocess `python -m fl_lightning fit ...`
-writing to <run folder>/sweep.log, with its share of the machine: OMP_NUM_THREADS threads on the CPU,
+writing to <run folder>/sweep.log, with its share of the machine: CPUs of its own (its affinity) on the CPU,
 or CUDA_VISIBLE_DEVICES naming its own GPUs.
 
 - A run is taken by one sweep: the sweep holds <run folder>/.sweep.lock while the run trains (and
@@ -62,13 +62,17 @@ class Resources:
     accelerator: str
     devices: int
     threads: int
-    """OMP_NUM_THREADS of each rank."""
+    """On the CPU the CPUs of each run, on GPUs the OMP_NUM_THREADS of each rank."""
     gpu_slots: Optional[list[list[str]]]
     """Per slot (one run at a time each), the GPUs of CUDA_VISIBLE_DEVICES; None on the CPU."""
+    cpu_slots: Optional[list[list[int]]] = None
+    """Per slot, on the CPU, the CPUs its run is bound to (its affinity), from which the run chooses
+    its threads as any CPU run does (fl_lightning.cpu); None where the platform binds no process to
+    CPUs: its runs then get OMP_NUM_THREADS = threads."""
 
     def describe(self) -> str:
         if self.gpu_slots is None:
-            return f"on the CPU, {self.threads} thread(s) each"
+            return f"on the CPU, {self.threads} CPU(s) each"
         return f"on {self.devices} GPU(s) each ({self.threads} CPU thread(s) per rank)"
 
 
@@ -83,7 +87,8 @@ def plan_resources(jobs: int, gpus_per_run: int, threads_per_run: Optional[int])
         if threads * jobs > cores:
             raise ConfigError("threads_per_run", f"at most {cores // jobs} with {jobs} runs at a time on {cores} "
                               "cores", threads)
-        return Resources(accelerator="cpu", devices=1, threads=threads, gpu_slots=None)
+        return Resources(accelerator="cpu", devices=1, threads=threads, gpu_slots=None,
+                         cpu_slots=cpu_slots(jobs, threads))
     gpus = visible_gpus()
     if gpus_per_run > len(gpus):
         raise ConfigError("gpus_per_run", f"at most the {len(gpus)} GPU(s) visible here", gpus_per_run)
@@ -93,6 +98,18 @@ def plan_resources(jobs: int, gpus_per_run: int, threads_per_run: Optional[int])
     threads = max(1, (threads_per_run or max(1, cores // jobs)) // gpus_per_run)
     slots = [gpus[slot * gpus_per_run:(slot + 1) * gpus_per_run] for slot in range(jobs)]
     return Resources(accelerator="gpu", devices=gpus_per_run, threads=threads, gpu_slots=slots)
+
+
+def cpu_slots(jobs: int, cpus_per_run: int) -> Optional[list[list[int]]]:
+    """`jobs` disjoint sets of `cpus_per_run` of the CPUs this process may use, where the platform binds
+    processes to CPUs (Linux); else None. A run bound to its own CPUs neither takes more than its share
+    nor has its threads wait on another run's: the rule of its threads (fl_lightning.cpu) sees them."""
+    if not hasattr(os, "sched_getaffinity"):
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < jobs * cpus_per_run:  # fewer CPUs than the cores counted
+        return None
+    return [cpus[slot * cpus_per_run:(slot + 1) * cpus_per_run] for slot in range(jobs)]
 
 
 def fit_command(point: GridPoint, resources: Resources) -> list[str]:
@@ -105,22 +122,27 @@ def fit_command(point: GridPoint, resources: Resources) -> list[str]:
 
 def run_environment(resources: Resources, slot: int) -> dict[str, str]:
     """A local run is a plain process of this machine: no SLURM or launcher variables (the sweep may
-    itself run inside an allocation), its threads, its GPUs."""
+    itself run inside an allocation), its GPUs, and its threads unless its CPUs are its own (then it
+    chooses them, `Resources.cpu_slots`)."""
     environment = {name: value for name, value in os.environ.items()
                    if not name.startswith("SLURM_") and name not in LAUNCHER_VARIABLES}
-    environment.update(OMP_NUM_THREADS=str(resources.threads), MKL_NUM_THREADS=str(resources.threads),
-                       PYTHONUNBUFFERED="1")
+    environment["PYTHONUNBUFFERED"] = "1"
+    if resources.cpu_slots is None:
+        environment.update(OMP_NUM_THREADS=str(resources.threads), MKL_NUM_THREADS=str(resources.threads))
     if resources.gpu_slots is not None:
         environment["CUDA_VISIBLE_DEVICES"] = ",".join(resources.gpu_slots[slot])
     return environment
 
 
-def start_run_process(command: list[str], environment: dict[str, str], log: Optional[IO[bytes]]) -> subprocess.Popen:
-    """A run's process, its output to `log` (None: the sweep's terminal). In a session of its own:
-    Ctrl-C in the terminal reaches the sweep only, which asks each run to stop at a round boundary
-    instead of letting it die mid-round."""
+def start_run_process(command: list[str], environment: dict[str, str], log: Optional[IO[bytes]],
+                      cpus: Optional[list[int]] = None) -> subprocess.Popen:
+    """A run's process, its output to `log` (None: the sweep's terminal), bound to `cpus` if given. In a
+    session of its own: Ctrl-C in the terminal reaches the sweep only, which asks each run to stop at a
+    round boundary instead of letting it die mid-round."""
     output = {} if log is None else {"stdout": log, "stderr": subprocess.STDOUT}
-    return subprocess.Popen(command, env=environment, stdin=subprocess.DEVNULL, start_new_session=True, **output)
+    bind = None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
+    return subprocess.Popen(command, env=environment, stdin=subprocess.DEVNULL, start_new_session=True,
+                            preexec_fn=bind, **output)
 
 
 @dataclass
@@ -184,8 +206,11 @@ def run_locally(resolved: list[ResolvedPoint], states: dict[int, RunState], opti
     if options.dry_run:
         for slot, point in enumerate(to_run):
             environment = run_environment(resources, slot % jobs)
-            shown = [f"{name}={environment[name]}" for name in ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
-                     if name in environment]
+            if resources.cpu_slots is None:
+                shown = [f"{name}={environment[name]}" for name in ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
+                         if name in environment]
+            else:
+                shown = [f"cpus={','.join(map(str, resources.cpu_slots[slot % jobs]))}"]
             print(f"[{point.index}] {' '.join(shown)} {shlex.join(fit_command(point, resources))}")
         return 0
     rounds = {entry.point.index: entry.rounds for entry in resolved}
@@ -272,7 +297,8 @@ class _Loop:
         with open(log, "ab") as handle:
             handle.write(header.encode())
             offset = handle.tell()
-            process = start_run_process(command, environment, None if self.on_terminal else handle)
+            process = start_run_process(command, environment, None if self.on_terminal else handle,
+                                        None if self.resources.cpu_slots is None else self.resources.cpu_slots[slot])
         self.running.append(Running(point, process, slot, time.monotonic(), offset, lock))
         where = "" if self.on_terminal else f" (log {log})"
         print(f"[{point.index}] started: {describe_point(point)} in {point.out_dir}{where}", flush=True)

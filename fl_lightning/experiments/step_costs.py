@@ -41,7 +41,8 @@ import torch
 
 from fl_lightning.checkpoint import checkpoint_dir, numbered_checkpoints
 from fl_lightning.config import FederationArgs
-from fl_lightning.experiments.local import Resources
+from fl_lightning.cpu import choose_threads
+from fl_lightning.experiments.local import Resources, run_environment
 from fl_lightning.experiments.resolve import ResolvedPoint, fit_parser
 from fl_lightning.fit import fit_config
 from fl_lightning.run_dir import flatten
@@ -153,7 +154,8 @@ def time_kind(entry: ResolvedPoint, machine: Resources, out_dir: Path) -> StepCo
                              build_run(dataclasses.replace(settings, federation=timed_federation), out_dir=out_dir,
                                        run_id="estimate", hyperparameters=checked.config))
         most_steps = max(client_steps(federation, len(part)) for part in loop.run.partition)
-        return _time_loop(loop, grouped, device, most_steps, federation.rounds, _run_threads(settings, machine))
+        threads = _run_threads(settings, machine, loop.module)
+        return _time_loop(loop, grouped, device, most_steps, federation.rounds, threads)
     finally:
         torch.set_num_threads(callers_threads)
         gc.collect()
@@ -161,11 +163,14 @@ def time_kind(entry: ResolvedPoint, machine: Resources, out_dir: Path) -> StepCo
             torch.cuda.empty_cache()
 
 
-def _run_threads(settings: RunSettings, machine: Resources) -> int:
-    """A sweep run's torch threads: compute.cpu_threads when it is a number, else the run's
-    OMP_NUM_THREADS (`run_environment`), which `auto` takes (fl_lightning.cpu)."""
-    threads = settings.compute.cpu_threads
-    return machine.threads if threads == "auto" else int(threads)
+def _run_threads(settings: RunSettings, machine: Resources, module: torch.nn.Module) -> int:
+    """A sweep run's torch threads: on CPUs of its own as the run chooses them from them (fl_lightning.cpu),
+    else compute.cpu_threads when it is a number, or the OMP_NUM_THREADS it is given (`run_environment`)."""
+    setting = settings.compute.cpu_threads
+    if machine.gpu_slots is not None or machine.cpu_slots is None:
+        return machine.threads if setting == "auto" else int(setting)
+    return choose_threads(setting, sum(p.numel() for p in module.parameters()), 1,
+                          run_environment(machine, 0), cpus=machine.threads).threads
 
 
 def _fabric(machine: Resources, precision: str):

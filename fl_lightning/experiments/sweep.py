@@ -76,8 +76,9 @@ def sweep(
             trains them on the CPU on purpose). 0 runs on the CPU with one rank. Locally each run gets
             CUDA_VISIBLE_DEVICES of its own: jobs x gpus_per_run must not exceed the GPUs visible. With
             --slurm, each array task asks for --gpus-per-node and --ntasks-per-node of this many.
-        threads_per_run: CPU threads of each run (OMP_NUM_THREADS, split over its ranks); locally by default
-            the cores divided by jobs. With --slurm, each task asks for these CPUs (--cpus-per-task per rank).
+        threads_per_run: CPUs of each run: on the CPU locally the CPUs it is bound to, from which it chooses
+            its threads; on GPUs OMP_NUM_THREADS, split over its ranks. Locally by default the cores divided by
+            jobs. With --slurm, each task asks for these CPUs (--cpus-per-task per rank).
         index: run grid point INDEX only, in the foreground (its output on the terminal).
         slurm: submit the grid as one SLURM array job of slurm/sweep.sbatch, task I training point I
             (from the repository root, where logs/ receives the tasks' logs).
