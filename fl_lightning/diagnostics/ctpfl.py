@@ -1,4 +1,5 @@
-"""CTP-FL's displacement bias, measured (ctp-fl.txt, section 3.4, eqs. 12-14).
+"""CTP-FL's displacement bias, measured (Junkang Liu, "CTP-FL: Common-Trajectory Gradient Prediction for
+Federated Learning", arXiv:2609.35130: section 3.4, eqs. 12-14).
 
 Under full participation CTP-FL's direction is an unbiased estimate of the path-averaged gradient,
 E[v^{r+1} | F_r] = H^r = (1/K) sum_k grad F(z_k^r) (eq. 12), not of grad F(x^r); the difference,

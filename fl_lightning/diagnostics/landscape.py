@@ -1,6 +1,7 @@
 """The loss landscape of the global model: the extreme Hessian eigenvalues and the Hessian trace.
 
-FedCONST (fedconst.md, section 4.3.2 and Tables 2-3) reads the global model's Hessian for how
+FedCONST (Kim, Kim, Shyn, Kim, "Federated Learning for Feature Generalization with Convex
+Constraints", arXiv:2606.14416: section 4.3.2 and Tables 2-3) reads the global model's Hessian for how
 convex the landscape is: C_convex = |lambda_max / lambda_min| with lambda_min the smallest
 (most negative) eigenvalue, and the trace H_trace (a negative trace points to a saddle). Appendix
 C.2 (Table 4) also reports lambda_max alone, the usual sharpness measure.
