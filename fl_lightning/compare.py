@@ -1,13 +1,20 @@
 """`fl-lightning compare`: local runs side by side, as a table and a plot, without W&B.
 
 Runs are read, and their final and best values taken, by the same code as `fl-lightning table`
-(`fl_lightning.experiments.runs`): "best" is the maximum, or the minimum for a metric whose name
-contains "loss"; a torn last line of metrics.jsonl (a killed run, until it resumes) is left out and
-reported. With `plan`, a run folder that is one of the plan's grid points is compared with the
-point's settings, as `fl-lightning table` compares them, and left out and listed when it was made
-with other settings; when none of the runs compared is a grid point under `runs_root` (a wrong or
-forgotten --runs_root), nothing could be checked, and the comparison is refused. As in a table, only
-the points of the runs compared are resolved, and one whose settings `fit` refuses refuses the plan.
+(`fl_lightning.experiments.runs`, `fl_lightning.metric_names.best_round`): the best of a test metric
+is its value at the round of the run's best validation counterpart (val_accuracy for test_accuracy)
+when the run has a validation split (data.validation), else the test metric's own best, selected on
+the test set; each row gives the round and the metric that selected it, and the notes under the
+table say which runs were selected which way. The best of another metric is its maximum, or its
+minimum for a metric whose name contains "loss". A torn last line of metrics.jsonl (a killed run,
+until it resumes) is left out and reported. A run is named by its method as `fit` names it (the
+algorithm's short name, "+const" with FedCONST's constraint), or with `plan` by the plan's name of
+the method of its grid point. With `plan`, a run folder that is one of the plan's grid points is
+compared with the point's settings, as `fl-lightning table` compares them, and left out and listed
+when it was made with other settings; when none of the runs compared is a grid point under
+`runs_root` (a wrong or forgotten --runs_root), nothing could be checked, and the comparison is
+refused. As in a table, only the points of the runs compared are resolved, and one whose settings
+`fit` refuses refuses the plan.
 """
 
 from __future__ import annotations
@@ -21,17 +28,22 @@ from fl_lightning.experiments.plan import GridPoint, load_plan
 from fl_lightning.experiments.plot import save_laid_out
 from fl_lightning.experiments.resolve import GridResolver, accepted_config
 from fl_lightning.experiments.runs import check_metric, find_runs, other_experiment, read_run, run_labels, value_at
+from fl_lightning.metric_names import TEST_ACCURACY, best_keys, best_round, final_key, is_test_metric, selection_note
 
 
-def compare(runs: Union[list[Path], str], metric: str = "test_accuracy", plot: Optional[Path] = None,
+def compare(runs: Union[list[Path], str], metric: str = TEST_ACCURACY, plot: Optional[Path] = None,
             plan: Optional[Path] = None, runs_root: Path = Path("runs")) -> list[dict]:
-    """Print one row per run (its algorithm, rounds done, final and best value of `metric`) and
-    optionally plot `metric` against the round for every run.
+    """Print one row per run (its method, rounds done, final and best value of `metric`, the round of
+    the best and the metric that selected it) and optionally plot `metric` against the round for
+    every run.
 
     Args:
         runs: output folders of `fl-lightning fit` (each holding metrics.jsonl and config.yaml), as a
-            list or a glob pattern ("runs/sweep/*"); patterns may also be list items.
-        metric: a key of metrics.jsonl, e.g. test_accuracy, test_loss, train_loss.
+            list, one after another (--runs a b) or a glob pattern ("runs/sweep/*"); patterns may
+            also be list items.
+        metric: a key of metrics.jsonl, e.g. test_accuracy, test_loss, train_loss. The best of a
+            test metric is taken at the round of the best validation counterpart (val_accuracy) in
+            runs with a validation split, else on the test set itself.
         plot: PNG file to draw the curves into, each labelled by its run folder's name.
         plan: the sweep plan the runs belong to: a run that is one of its grid points and was made with
             other settings than the point's is left out and listed.
@@ -43,7 +55,7 @@ def compare(runs: Union[list[Path], str], metric: str = "test_accuracy", plot: O
     if not paths:
         raise ConfigError("runs", "folders written by `fl-lightning fit` (with metrics.jsonl)", str(runs))
     expected = _grid_settings(Path(plan), Path(runs_root), paths) if plan is not None else {}
-    rows, curves, read, left_out = [], {}, [], []
+    rows, curves, read, left_out, selected = [], {}, [], [], {True: [], False: []}
     for path, label in zip(paths, run_labels(paths)):
         run = read_run(path)
         read.append(run)
@@ -52,16 +64,17 @@ def compare(runs: Union[list[Path], str], metric: str = "test_accuracy", plot: O
                   "the line)", file=sys.stderr)
         if not run.history:
             raise ConfigError("runs", "folders written by `fl-lightning fit` (with metrics.jsonl)", str(path))
-        config = expected.get(path.resolve())
+        method, config = expected.get(path.resolve(), (run.method, None))
         different = None if config is None else other_experiment(path, config)
         if different is not None:
             left_out.append(f"{path} ({different})")
             continue
-        points = run.points(metric)
-        values = [value for _, value in points]
-        rows.append({"run": str(path), "algorithm": run.algorithm, "rounds": run.rounds_done,
-                     f"final_{metric}": value_at(values, metric, "final"),
-                     f"best_{metric}": value_at(values, metric, "best")})
+        points, best = run.points(metric), best_round(run.history, metric)
+        rows.append({"run": str(path), "method": method, "rounds": run.rounds_done,
+                     final_key(metric): value_at([value for _, value in points], "final"),
+                     **(dict.fromkeys(best_keys(metric)) if best is None else best.summary())})
+        if best is not None and is_test_metric(metric):
+            selected[best.on_validation].append(label)
         curves[label] = points
     check_metric(metric, read)
     if left_out:
@@ -69,14 +82,17 @@ def compare(runs: Union[list[Path], str], metric: str = "test_accuracy", plot: O
     if not rows:
         raise ConfigError("runs", "runs made with their grid point's settings", str(runs))
     _print_table(rows)
+    for on_validation in (True, False):
+        if selected[on_validation]:
+            print(f"{selection_note(metric, on_validation)}: {', '.join(selected[on_validation])}")
     if plot is not None:
         _plot(curves, metric, Path(plot))
     return rows
 
 
-def _grid_settings(plan: Path, runs_root: Path, runs: list[Path]) -> dict[Path, dict]:
-    """Run folder (resolved) -> the settings `fit` builds for its grid point, for the folders of `runs`
-    that are grid points of the plan."""
+def _grid_settings(plan: Path, runs_root: Path, runs: list[Path]) -> dict[Path, tuple[str, dict]]:
+    """Run folder (resolved) -> the plan's name of its grid point's method and the settings `fit`
+    builds for the point, for the folders of `runs` that are grid points of the plan."""
     compared = {path.resolve() for path in runs}
     loaded = load_plan(plan, runs_root=runs_root)
     grid, resolver = loaded.grid(), GridResolver()
@@ -86,7 +102,7 @@ def _grid_settings(plan: Path, runs_root: Path, runs: list[Path]) -> dict[Path, 
                           f"({runs_root}/{loaded.name}/<setting>/<method>/seed<k>): --plan checks the runs compared "
                           f"that are its grid points, and none of the {len(runs)} is one under it"
                           + _root_of_grid_runs(runs, grid, runs_root), str(runs_root))
-    return {point.out_dir.resolve(): accepted_config(plan, resolver.resolve(point)) for point in points}
+    return {point.out_dir.resolve(): (point.method, accepted_config(plan, resolver.resolve(point))) for point in points}
 
 
 def _root_of_grid_runs(runs: list[Path], grid: list[GridPoint], runs_root: Path) -> str:

@@ -194,7 +194,7 @@ def fit_config(*, algorithm: Algorithm, model: ModelArgs, data: DataArgs, federa
     configured_server_optimizer = _materialise(server_optimizer)
     algorithm.server_optimizer_for(configured_server_optimizer)  # refuses one the algorithm cannot step with
     _validate_settings(federation, client_optimizer, checkpoint, resume, overwrite)
-    method = algorithm.method_name() + ("+const" if constraint is not None else "")
+    method = method_name(algorithm.method_name(), constrained=constraint is not None)
     config = _as_config({
         "algorithm": algorithm, "model": model, "data": data, "federation": federation,
         "client_optimizer": client_optimizer, "server_optimizer": configured_server_optimizer,
@@ -206,6 +206,12 @@ def fit_config(*, algorithm: Algorithm, model: ModelArgs, data: DataArgs, federa
         config, f"{method}-{data.name}-{model.name}-seed{seed}")
     config["out_dir"] = str(out_dir)
     return FitConfig(config=config, out_dir=out_dir, method=method, server_optimizer=configured_server_optimizer)
+
+
+def method_name(algorithm: str, constrained: bool) -> str:
+    """What a run is named, grouped and tagged by (`method=`), and what `compare` calls it: its
+    algorithm's name (Algorithm.method_name), with "+const" when FedCONST's constraint is on."""
+    return algorithm + ("+const" if constrained else "")
 
 
 def _validate_settings(federation: FederationArgs, client_optimizer: ClientOptimizerArgs, checkpoint: CheckpointArgs,

@@ -3,15 +3,16 @@ top of a file and inside functions alike): no cycle between files, and no file i
 above its own.
 
 The layers, lowest first (LAYERS): the errors every layer may raise; helpers that import nothing of
-the package but errors (dotted paths, the choices of settings, flat vectors); the data and model
-registries (which know nothing of the settings); the settings (config.py, which checks dataset and
-model names against those registries); the run folder, checkpoints, logging and the cluster; the
-pieces of training (the LightningModule, client updates, server optimizers, constraints); the
-algorithms; the callbacks and diagnostics; the federation; `fit`; the command line's parser in its
-three steps (messages, then the rewriting of arguments, then the parser), which the experiments use
-to read their grid points; the experiments (plans, sweeps, tables, compare); and last the commands,
-`fl_lightning.cli.main` and `python -m fl_lightning`. A module belongs to the layer of the longest
-prefix listed for it; within a layer any import is allowed that makes no cycle.
+the package but errors (dotted paths, the choices of settings, flat vectors, the metrics' names and
+the rule of a run's best value); the data and model registries (which know nothing of the settings);
+the settings (config.py, which checks dataset and model names against those registries); the run
+folder, checkpoints, logging and the cluster; the pieces of training (the LightningModule, client
+updates, server optimizers, constraints); the algorithms; the callbacks and diagnostics; the
+federation; `fit`; the command line's parser in its three steps (messages, then the rewriting of
+arguments, then the parser), which the experiments use to read their grid points; the experiments
+(plans, sweeps, tables, compare); and last the commands, `fl_lightning.cli.main` and `python -m
+fl_lightning`. A module belongs to the layer of the longest prefix listed for it; within a layer any
+import is allowed that makes no cycle.
 
 Imports in `if TYPE_CHECKING:` blocks never run on import, so they make no cycle (they are how a
 module names a type of a module that imports it), but they may not reach above their layer either:
@@ -30,7 +31,7 @@ LAYERS = [
     ("errors", ["fl_lightning", "fl_lightning.errors"]),
     ("helpers",
      ["fl_lightning.atomic_files", "fl_lightning.choices", "fl_lightning.configurable", "fl_lightning.cpu",
-      "fl_lightning.file_lock", "fl_lightning.flat", "fl_lightning.yaml_text"]),
+      "fl_lightning.file_lock", "fl_lightning.flat", "fl_lightning.metric_names", "fl_lightning.yaml_text"]),
     ("data and models", ["fl_lightning.data", "fl_lightning.models"]),
     ("settings", ["fl_lightning.config"]),
     ("run folder, logging and cluster",

@@ -12,6 +12,7 @@ import yaml
 
 from fl_lightning.checkpoint import FINAL_STOP, save_checkpoint
 from fl_lightning.cli.main import main
+from fl_lightning.compare import compare
 from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.plan import load_plan
 from fl_lightning.experiments.plot import mean_curve
@@ -20,6 +21,7 @@ from fl_lightning.experiments.runs import read_run, value_at
 from fl_lightning.experiments.table import table
 from fl_lightning.experiments.table_cells import order_methods
 from fl_lightning.experiments.table_sources import setting_label
+from fl_lightning.metric_names import Best, best_round
 from fl_lightning.run_logging import MetricsLog, read_metrics
 
 pytestmark = pytest.mark.slow  # end to end: the tests train runs in-process or in subprocesses
@@ -206,15 +208,22 @@ def test_losses_take_the_minimum_and_the_lowest_is_best(sweep):
 
 
 def test_value_rules():
-    assert value_at([0.3, 0.5, 0.4], "test_accuracy", "best") == 0.5
-    assert value_at([0.3, 0.5, 0.4], "test_loss", "best") == 0.3
-    assert value_at([0.3, 0.5, 0.4], "test_accuracy", "final") == 0.4
-    assert value_at([0.3, 0.5, 0.4], "test_accuracy", "last:2") == pytest.approx(0.45)
-    assert value_at([0.3], "test_accuracy", "last:5") == 0.3
-    assert value_at([], "test_accuracy", "final") is None
+    assert value_at([0.3, 0.5, 0.4], "final") == 0.4
+    assert value_at([0.3, 0.5, 0.4], "last:2") == pytest.approx(0.45)
+    assert value_at([0.3], "last:5") == 0.3
+    assert value_at([], "final") is None
     for bad in ("last", "last:0", "median"):
         with pytest.raises(ConfigError):
-            value_at([0.3], "test_accuracy", bad)
+            value_at([0.3], bad)
+    with pytest.raises(ValueError, match="best_round"):  # a best needs the rounds: metric_names.best_round
+        value_at([0.3], "best")
+    rows = [{"round": 2 * index, "test_accuracy": accuracy, "test_loss": loss}
+            for index, (accuracy, loss) in enumerate([(0.3, 0.9), (0.5, 0.6), (0.4, 0.7), (0.5, 0.6)], start=1)]
+    # Without a validation split: the test metric's own best, the earliest round on a tie, chosen on the test set.
+    assert best_round(rows, "test_accuracy") == Best("test_accuracy", round=4, value=0.5, selected_on="test_accuracy")
+    assert best_round(rows, "test_loss") == Best("test_loss", round=4, value=0.6, selected_on="test_loss")
+    assert not best_round(rows, "test_accuracy").on_validation
+    assert best_round(rows, "train_loss") is None
 
 
 def test_const_rows_follow_their_base_method():
@@ -360,7 +369,8 @@ def write_compare_runs(tmp_path: Path) -> None:
         log = MetricsLog(run, history=[])
         for round_index, accuracy in enumerate(accuracies, start=1):
             log.append({"round": round_index, "train_loss": 1.0 - accuracy, "test_accuracy": accuracy})
-        (run / "config.yaml").write_text(f"algorithm:\n  class_path: fl_lightning.algorithms.{name}.X{name}\n")
+        class_path = {"fedavg": "fl_lightning.algorithms.FedAvg", "ctpfl": "fl_lightning.algorithms.ctpfl.CTPFL"}[name]
+        (run / "config.yaml").write_text(f"algorithm:\n  class_path: {class_path}\n")
 
 
 def test_compare_tabulates_and_plots_local_runs(tmp_path, capsys):
@@ -368,9 +378,14 @@ def test_compare_tabulates_and_plots_local_runs(tmp_path, capsys):
     plot = tmp_path / "curves.png"
     main(["compare", "--runs", f"[{tmp_path / 'fedavg'}, {tmp_path / 'ctpfl'}]", "--plot", str(plot)])
     printed = capsys.readouterr().out.splitlines()
-    assert printed[0].split() == ["run", "algorithm", "rounds", "final_test_accuracy", "best_test_accuracy"]
-    assert printed[1].split()[1:] == ["Xfedavg", "3", "0.4000", "0.5000"]
-    assert printed[2].split()[1:] == ["Xctpfl", "3", "0.3500", "0.3500"]
+    assert printed[0].split() == ["run", "method", "rounds", "final_test_accuracy", "best_test_accuracy",
+                                  "best_test_accuracy_round", "best_test_accuracy_selected_on"]
+    assert printed[1].split()[1:] == ["fedavg", "3", "0.4000", "0.5000", "2", "test_accuracy"]
+    assert printed[2].split()[1:] == ["ctpfl", "3", "0.3500", "0.3500", "3", "test_accuracy"]
+    # No validation split: the best was chosen on the test set, and the note under the table says so.
+    assert printed[3] == ("best: selected on the test set itself, the best test_accuracy over the evaluations (no "
+                          "val_accuracy logged: no validation split, data.validation), an optimistic number: "
+                          "fedavg, ctpfl")
     assert plot.read_bytes()[:8] == PNG
 
 
@@ -378,8 +393,11 @@ def test_compare_best_loss_is_the_minimum(tmp_path, capsys):
     write_compare_runs(tmp_path)
     main(["compare", "--runs", f"[{tmp_path / 'fedavg'}]", "--metric", "train_loss"])
     printed = capsys.readouterr().out.splitlines()
-    assert printed[0].split()[-2:] == ["final_train_loss", "best_train_loss"]
-    assert printed[1].split()[-2:] == ["0.6000", "0.5000"]  # losses 0.8, 0.5, 0.6: the best is not the 0.8
+    assert printed[0].split()[3:] == ["final_train_loss", "best_train_loss", "best_train_loss_round",
+                                      "best_train_loss_selected_on"]
+    # Losses 0.8, 0.5, 0.6: the best is not the 0.8. A metric that is not the test set's is its own best.
+    assert printed[1].split()[3:] == ["0.6000", "0.5000", "2", "train_loss"]
+    assert len(printed) == 2  # nor is any note due
 
 
 def test_compare_takes_a_glob_and_labels_curves_by_folder(tmp_path, capsys, monkeypatch):
@@ -389,7 +407,7 @@ def test_compare_takes_a_glob_and_labels_curves_by_folder(tmp_path, capsys, monk
     monkeypatch.setattr("fl_lightning.compare._plot", lambda curves, metric, path: labels.extend(curves))
     main(["compare", "--runs", str(tmp_path / "*"), "--plot", str(tmp_path / "curves.png")])
     printed = capsys.readouterr().out.splitlines()
-    assert [line.split()[0] for line in printed[1:]] == [str(tmp_path / "ctpfl"), str(tmp_path / "fedavg")]
+    assert [line.split()[0] for line in printed[1:3]] == [str(tmp_path / "ctpfl"), str(tmp_path / "fedavg")]
     assert labels == ["ctpfl", "fedavg"]
 
 
@@ -413,7 +431,7 @@ def test_compare_leaves_out_a_torn_last_line_and_refuses_a_metric_no_run_logged(
         handle.write('{"round": 4, "train_lo')
     main(["compare", "--runs", f"[{tmp_path / 'fedavg'}]"])
     out, err = capsys.readouterr()
-    assert out.splitlines()[1].split()[1:] == ["Xfedavg", "3", "0.4000", "0.5000"]
+    assert out.splitlines()[1].split()[1:5] == ["fedavg", "3", "0.4000", "0.5000"]
     assert f"note: {tmp_path / 'fedavg'}: a torn last line of metrics.jsonl left out" in err
     with pytest.raises(SystemExit) as exit_info:
         main(["compare", "--runs", f"[{tmp_path / 'fedavg'}]", "--metric", "test_acc"])
@@ -430,8 +448,9 @@ def test_compare_with_a_plan_leaves_out_runs_made_with_other_settings(sweep, cap
     main(["compare", "--runs", str(sweep.parent / "runs" / "demo" / "alpha-0.5" / "scaffold" / "seed*"),
           "--plan", str(sweep), "--runs_root", str(sweep.parent / "runs")])
     out, err = capsys.readouterr()
-    assert [line.split()[0] for line in out.splitlines()[1:]] == [
+    assert [line.split()[0] for line in out.splitlines()[1:3]] == [
         str(run_folder(sweep, "alpha-0.5", "scaffold", seed)) for seed in (0, 1)]
+    assert out.splitlines()[3].endswith("an optimistic number: seed0, seed1")
     assert f"left out, made with other settings than their grid point's: {changed} (seed 7 -> 2 (config.yaml))" in err
 
 
@@ -443,7 +462,7 @@ def test_compare_with_a_plan_resolves_the_points_of_the_runs_compared_and_a_refu
     runs_root = sweep.parent / "runs"
     main(["compare", "--runs", str(runs_root / "demo" / "alpha-0.5" / "scaffold" / "seed*"), "--plan", str(sweep),
           "--runs_root", str(runs_root)])
-    assert len(capsys.readouterr().out.splitlines()) == 1 + 3
+    assert len(capsys.readouterr().out.splitlines()) == 1 + 3 + 1  # the header, 3 runs, the note of their best
     refused = run_folder(sweep, "alpha-0.1", "fedprox", 1)
     write_run(refused, [0.5, 0.6])
     with pytest.raises(SystemExit) as exit_info:
@@ -469,7 +488,7 @@ def test_compare_with_a_plan_none_of_whose_grid_points_is_among_the_runs_is_refu
         f"grid points' folders are under {runs_root.resolve()}: give that as --runs_root), got 'runs'\n")
     main(["compare", "--runs", str(runs_root / "demo" / "alpha-0.5" / "scaffold" / "seed*"), "--plan", str(sweep),
           "--runs_root", str(runs_root)])
-    assert len(capsys.readouterr().out.splitlines()) == 1 + 3
+    assert len(capsys.readouterr().out.splitlines()) == 1 + 3 + 1  # the header, 3 runs, the note of their best
 
 
 def test_a_run_whose_metrics_rows_are_lost_is_named_with_its_checkpoint_and_the_command_that_rewrites_them(
@@ -520,7 +539,7 @@ def test_before_the_first_evaluation_the_plans_metric_is_pending_not_unknown(tmp
                                             "evaluations to come: eval_seconds, round_seconds, test_accuracy, "
                                             "test_loss, train_loss, got 'test_acc'\n")
     main(["compare", "--runs", str(tmp_path / "runs" / "demo" / "alpha-0.5" / "*" / "seed0")])
-    assert capsys.readouterr().out.splitlines()[1].split()[1:] == ["FedAvg", "1", "None", "None"]
+    assert capsys.readouterr().out.splitlines()[1].split()[1:] == ["fedavg+const", "1", "None", "None", "None", "None"]
 
 
 def test_the_metrics_to_come_are_what_an_evaluation_logs(tmp_path):
@@ -533,3 +552,11 @@ def test_the_metrics_to_come_are_what_an_evaluation_logs(tmp_path):
     before_it.history = []
     assert set(row) - {"round", "train_loss", "round_seconds"} == before_it.metrics_to_come()
     assert read_run(out).metrics_to_come() == set()  # finished: nothing is to come
+def test_compare_names_a_run_by_its_method_or_by_its_plans_method(sweep, capsys):
+    runs = str(sweep.parent / "runs" / "demo" / "alpha-0.5" / "*" / "seed0")
+    # As fit names them (their W&B tag method=): the algorithm's short name, "+const" with the constraint.
+    assert [row["method"] for row in compare(runs)] == ["fedavg+const", "fedavg", "scaffold"]  # folders sorted
+    rows = compare(runs, plan=sweep, runs_root=sweep.parent / "runs")
+    assert [row["method"] for row in rows] == ["FedAvg + CONST", "FedAvg", "SCAFFOLD"]
+    assert [line.split()[1] for line in capsys.readouterr().out.splitlines()[1:4]] == [
+        "fedavg+const", "fedavg", "scaffold"]  # printed as returned

@@ -23,8 +23,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from fl_lightning.algorithms import Algorithm
 from fl_lightning.checkpoint import load_checkpoint, resume_candidates, run_is_over
+from fl_lightning.configurable import resolve_dotted_path
 from fl_lightning.errors import ConfigError
+from fl_lightning.fit import method_name
+from fl_lightning.metric_names import (
+    CLIENT_VAL_ACCURACY_MEAN,
+    CLIENT_VAL_ACCURACY_MIN,
+    CLIENT_VAL_ACCURACY_P10,
+    CLIENT_VAL_ACCURACY_STD,
+    TEST_ACCURACY,
+    TEST_LOSS,
+    VAL_ACCURACY,
+    VAL_LOSS,
+)
 from fl_lightning.run_dir import CONFIG_FILE, DifferentExperiment, check_same_experiment, recorded_config
 from fl_lightning.run_logging import METRICS_FILE
 
@@ -48,10 +61,20 @@ class Run:
         return (self.config.get("federation") or {}).get("rounds")
 
     @property
-    def algorithm(self) -> str:
+    def method(self) -> str:
+        """The run's method as `fit` named it (`fl_lightning.fit.method_name`), from its config.yaml; an
+        algorithm whose class cannot be imported here is named by its class name."""
         algorithm = self.config.get("algorithm") or {}
         class_path = algorithm.get("class_path", "?") if isinstance(algorithm, dict) else str(algorithm)
-        return class_path.rsplit(".", 1)[-1]
+        try:
+            algorithm_class = resolve_dotted_path(class_path)
+        except (ValueError, ImportError, AttributeError):
+            algorithm_class = None
+        if isinstance(algorithm_class, type) and issubclass(algorithm_class, Algorithm):
+            name = algorithm_class.method_name()
+        else:
+            name = class_path.rsplit(".", 1)[-1]
+        return method_name(name, constrained=self.config.get("constraint") is not None)
 
     def points(self, metric: str) -> list[tuple[int, float]]:
         """(round, value) of every row that logged `metric`."""
@@ -70,12 +93,12 @@ class Run:
         return {*EVALUATION_METRICS, *(validation if data.get("validation") else ())}
 
 
-EVALUATION_METRICS = ("test_accuracy", "test_loss", "eval_seconds")
+EVALUATION_METRICS = (TEST_ACCURACY, TEST_LOSS, "eval_seconds")
 """What every evaluation logs (fl_lightning.callbacks.Evaluate: each eval_every rounds, and after the last)."""
-VALIDATION_METRICS = ("val_accuracy", "val_loss")
+VALIDATION_METRICS = (VAL_ACCURACY, VAL_LOSS)
 """What it adds with a validation split (data.validation)."""
-PER_CLIENT_METRICS = ("client_val_accuracy_mean", "client_val_accuracy_std", "client_val_accuracy_min",
-                      "client_val_accuracy_p10")
+PER_CLIENT_METRICS = (CLIENT_VAL_ACCURACY_MEAN, CLIENT_VAL_ACCURACY_STD, CLIENT_VAL_ACCURACY_MIN,
+                      CLIENT_VAL_ACCURACY_P10)
 """What it adds with data.per_client_eval."""
 
 
@@ -234,16 +257,7 @@ def other_experiment(out_dir: Path, config: dict, state: Optional[RunState] = No
     return None
 
 
-# The one rule for a run's final / best / last-k value, for `table` and `compare`.
-
-
-def lower_is_better(metric: str) -> bool:
-    """Losses are minimised; every other metric (accuracies) is maximised."""
-    return "loss" in metric.lower()
-
-
-def best_value(values: list[float], metric: str) -> float:
-    return min(values) if lower_is_better(metric) else max(values)
+# A run's final / last-k value, for `table` and `compare`; its best is fl_lightning.metric_names.best_round's.
 
 
 AT_CHOICES = "final, best or last:K (the mean of the last K evaluations, K >= 1)"
@@ -261,14 +275,13 @@ def parse_at(at: str) -> tuple[str, int]:
     raise ConfigError("at", AT_CHOICES, at)
 
 
-def value_at(values: list[float], metric: str, at: str) -> Optional[float]:
-    """One run's value of `metric` (its logged values in round order): final, best or last:k."""
-    if not values:
-        return None
+def value_at(values: list[float], at: str) -> Optional[float]:
+    """One run's final value (the last logged) or the mean of its last k (`last:k`), from its values in
+    round order. `best` is chosen by round, by fl_lightning.metric_names.best_round, from the run's rows."""
     rule, k = parse_at(at)
     if rule == "best":
-        return best_value(values, metric)
-    return statistics.fmean(values[-k:])
+        raise ValueError("value_at takes final or last:K; a run's best is metric_names.best_round of its rows")
+    return statistics.fmean(values[-k:]) if values else None
 
 
 def find_runs(entries: list, recursive: bool) -> list[Path]:

@@ -15,12 +15,12 @@ Table (`table.md`, printed, and `table.csv`):
   runs is "–", and one whose runs are still training, none counted yet, "pending".
 - the value of one run is taken (`--at`) at the final round (`final`, the default: the last value
   logged), at its best evaluation (`best`: the maximum, or the minimum for a metric whose name
-  contains "loss"), or as the mean of its last k evaluations (`last:k`). The same rule serves
-  `fl-lightning compare`. In a table, `best` of a test metric is chosen off the test set: the
-  metric at the evaluation of the run's best validation counterpart (`val_accuracy` for
-  `test_accuracy`, `val_loss` for `test_loss`), for runs with a validation split
-  (`data.validation`); a run without one falls back on the test metric's own best, and the notes
-  under the table say which runs were selected on the test set.
+  contains "loss"), or as the mean of its last k evaluations (`last:k`). `best` of a test metric
+  is chosen off the test set, as everywhere (fl_lightning.metric_names.best_round): the metric at
+  the evaluation of the run's best validation counterpart (`val_accuracy` for `test_accuracy`,
+  `val_loss` for `test_loss`), for runs with a validation split (`data.validation`); a run without
+  one falls back on the test metric's own best, and the notes under the table say which runs were
+  selected on the test set.
 - a run counts when it is finished: its metrics.jsonl reaches the rounds of its grid point (without
   a plan, the `federation.rounds` of its config.yaml), or its newest checkpoint records a final stop
   (an early stop: it counts at its last round, and the notes name it). Unfinished runs count only
@@ -69,7 +69,6 @@ from fl_lightning.experiments.plot import plot_curves
 from fl_lightning.experiments.reference import paper_numbers
 from fl_lightning.experiments.runs import (
     Run,
-    best_value,
     check_metric,
     other_experiment,
     parse_at,
@@ -79,6 +78,7 @@ from fl_lightning.experiments.runs import (
 )
 from fl_lightning.experiments.table_cells import Cell, Table, mark_best, order_methods
 from fl_lightning.experiments.table_sources import Entry, load_entries
+from fl_lightning.metric_names import best_round, is_test_metric, selection_note
 from fl_lightning.run_dir import CONFIG_FILE
 
 
@@ -131,7 +131,6 @@ def table(plan: Union[str, list[str]], metric: Optional[str] = None, at: str = "
     methods = order_methods(loaded.methods)
     cells = {(m, s): Cell() for m in methods for s in loaded.settings}
     curves: dict[tuple[str, str], list] = {key: [] for key in cells}
-    selection = validation_metric(metric) if at == "best" else None
     outcomes, read = Outcomes(), []
     for entry in loaded.entries:
         run = read_run(entry.path)
@@ -158,13 +157,13 @@ def table(plan: Union[str, list[str]], metric: Optional[str] = None, at: str = "
             if not include_partial:
                 continue
         points = run.points(metric)
-        if selection is not None and run.points(selection):
-            value = value_at_best_round(run, metric, selection)
-            outcomes.chosen_on_validation.append(entry)
+        if at == "best":
+            best = best_round(run.history, metric)
+            value = None if best is None else best.value
+            if best is not None and is_test_metric(metric):
+                (outcomes.chosen_on_validation if best.on_validation else outcomes.chosen_on_test).append(entry)
         else:
-            value = value_at([v for _, v in points], metric, at)
-            if selection is not None:
-                outcomes.chosen_on_test.append(entry)
+            value = value_at([v for _, v in points], at)
         if value is None:
             (outcomes.pending if under_way else outcomes.empty).append(entry)
             continue
@@ -186,7 +185,7 @@ def table(plan: Union[str, list[str]], metric: Optional[str] = None, at: str = "
         mark_best([cells[m, setting] for m in methods], metric, decimals)
     for key in outcomes.cells_under_way():
         cells[key].pending = True
-    notes = outcomes.notes(metric, selection)
+    notes = outcomes.notes(metric)
 
     result = Table(metric=metric, at=at, methods=methods, settings=loaded.settings, labels=loaded.labels,
                    cells=cells, curves=curves, percent=percent, decimals=decimals, reference=has_reference,
@@ -233,7 +232,7 @@ class Outcomes:
         """The cells with runs still training that a value of theirs may yet fill."""
         return {(entry.method, entry.setting) for entry in [*self.pending, *(e for e, _ in self.excluded)]}
 
-    def notes(self, metric: str, selection: Optional[str]) -> list[str]:
+    def notes(self, metric: str) -> list[str]:
         notes = []
         if self.excluded:
             notes.append("not counted, unfinished (--include_partial true counts them): "
@@ -250,12 +249,9 @@ class Outcomes:
             notes.append("a torn last line of metrics.jsonl left out (a killed run; resuming it rewrites the line): "
                          + _listing([_where(e) for e in self.torn]))
         if self.chosen_on_validation:
-            notes.append(f"best: each run's {metric} at the evaluation of its best {selection} (model selection "
-                         f"on the validation split, data.validation; the test set chooses nothing): "
-                         f"{len(self.chosen_on_validation)} run(s)")
+            notes.append(f"{selection_note(metric, on_validation=True)}: {len(self.chosen_on_validation)} run(s)")
         if self.chosen_on_test:
-            notes.append(f"best: selected on the test set itself, the best {metric} over the evaluations (no "
-                         f"{selection} logged: no validation split, data.validation), an optimistic number: "
+            notes.append(f"{selection_note(metric, on_validation=False)}: "
                          + _listing([_where(e) for e in self.chosen_on_test]))
         if self.not_started:
             notes.append("not started: " + _listing([_where(e) for e in self.not_started]))
@@ -267,23 +263,6 @@ class Outcomes:
         if self.empty:
             notes.append(f"no {metric} logged: " + _listing([_where(e) for e in self.empty]))
         return notes
-
-
-def validation_metric(metric: str) -> Optional[str]:
-    """What `--at best` chooses a round of `metric` by: val_X for a test metric test_X, None for a
-    metric that is not the test set's (it is then its own best)."""
-    return "val_" + metric.removeprefix("test_") if metric.startswith("test_") else None
-
-
-def value_at_best_round(run: Run, metric: str, selection: str) -> Optional[float]:
-    """`metric` at the run's evaluation of best `selection` (the earliest, on a tie), among the
-    evaluations that logged both."""
-    chosen, reported = dict(run.points(selection)), dict(run.points(metric))
-    rounds = [r for r in chosen if r in reported]
-    if not rounds:
-        return None
-    best = best_value([chosen[r] for r in rounds], selection)
-    return reported[next(r for r in rounds if chosen[r] == best)]
 
 
 def _where(entry: Entry) -> str:

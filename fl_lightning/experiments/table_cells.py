@@ -10,7 +10,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Optional
 
-from fl_lightning.experiments.runs import best_value, lower_is_better
+from fl_lightning.metric_names import best_value, lower_is_better
 
 
 @dataclass
