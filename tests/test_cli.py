@@ -14,6 +14,7 @@ from fl_lightning.cli.main import COMMANDS, command_parser, main
 from fl_lightning.cli.parser import build_parser, parse_command_line
 from fl_lightning.experiments.data_check import fit_line_of
 from fl_lightning.models import registered_models
+from fl_lightning.run_logging import MetricsLog
 
 CONFIGS = Path(__file__).parent.parent / "configs"
 QUICKSTART = str(CONFIGS / "quickstart.yaml")
@@ -262,6 +263,20 @@ def test_sweep_and_table_take_the_plan_as_their_first_argument(tmp_path, capsys)
     main(["sweep", str(plan), "--list", "true", "--runs_root", str(tmp_path / "runs")])
     listed = capsys.readouterr().out
     assert "fedavg" in listed and "seed1" in listed and "not started" in listed
+
+
+def test_compare_takes_run_folders_one_after_another_or_with_runs_repeated(tmp_path, capsys):
+    for name in ("a", "b", "c", "d"):
+        (tmp_path / name).mkdir()
+        MetricsLog(tmp_path / name, history=[]).append({"round": 1, "test_accuracy": 0.5})
+    folders = [str(tmp_path / name) for name in ("a", "b", "c", "d")]
+    # As a shell expands `--runs runs/*`, each folder once, and every form of --runs besides.
+    for argv in (["--runs", *folders], ["--runs", *folders[:2], "--metric", "test_accuracy", "--runs", *folders[2:]],
+                 [f"--runs={folders[0]}", "--runs", f"[{folders[1]}, {folders[2]}]", "--runs", folders[3]]):
+        main(["compare", *argv])
+        assert [line.split()[0] for line in capsys.readouterr().out.splitlines()[1:5]] == folders, argv
+    main(["compare", "--runs", str(tmp_path / "*")])  # one pattern stays one value
+    assert [line.split()[0] for line in capsys.readouterr().out.splitlines()[1:5]] == folders
 
 
 def test_data_takes_plans_or_a_fit_command_line():

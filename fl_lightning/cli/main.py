@@ -45,6 +45,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     data_fit_line = fit_line_of(argv)  # `data --config FILE ...`: a fit command line, parsed as fit parses it
     if argv and argv[0] in PLAN_COMMANDS:
         argv = _plan_command_line(argv)
+    elif argv and argv[0] == "compare":
+        argv = _runs_command_line(argv)
     try:
         if (model := _model_asked_about(argv)) is not None:
             from fl_lightning.models.registry import model_help
@@ -88,6 +90,27 @@ def _plan_command_line(argv: list[str]) -> list[str]:
             arg = f"{option}+{equals}{value if equals else ''}"
         rewritten.append(arg)
     return rewritten
+
+
+def _runs_command_line(argv: list[str]) -> list[str]:
+    """`compare --runs a b --runs c` -> `compare --runs+ a --runs+ b --runs+ c`: run folders given one
+    after another (as a shell expands `--runs runs/x/*`) or with --runs repeated are one list, as a
+    repeated option would otherwise keep its last value only. A single --runs value (a folder, a
+    pattern, a [list]) stays as it is."""
+    runs, others, position = [], [], 1
+    while position < len(argv):
+        option, equals, value = argv[position].partition("=")
+        position += 1
+        if option != "--runs":
+            others.append(argv[position - 1])
+            continue
+        runs += [value] if equals else []
+        while position < len(argv) and not argv[position].startswith("-"):
+            runs.append(argv[position])
+            position += 1
+    if len(runs) <= 1:
+        return argv
+    return [argv[0], *[arg for run in runs for arg in ("--runs+", run)], *others]
 
 
 def _model_asked_about(argv: list[str]) -> Optional[str]:
