@@ -81,14 +81,17 @@ def test_the_smoke_plans_spec_has_a_section_per_setting_filtered_by_its_tag_and_
     assert [section["name"] for section in spec["sections"]] == settings
     assert [section["label"] for section in spec["sections"]] == ["α = 0.5", "α = 0.1"]
     assert spec["project"] == "fl-lightning" and spec["entity"] is None and spec["plan"] == "smoke"
+    assert spec["best"] == {"summary": "best_test_accuracy", "selected_on": ["test_accuracy"]}
     for section in spec["sections"]:
         assert section["filters"] == {"tags": ["plan=smoke"], "config": {"setting": section["name"]}}
         assert section["groupby"] == ["config.method"]
-        assert section["columns"] == ["summary:final_test_accuracy", "summary:best_test_accuracy"]
+        assert section["columns"] == ["summary:final_test_accuracy", "summary:best_test_accuracy",
+                                      "summary:best_test_accuracy_round", "summary:best_test_accuracy_selected_on"]
         panels = {panel["title"]: panel for panel in section["panels"]}
-        # The smoke plan turns on no diagnostic: accuracy, loss and the summary's results only.
+        # The smoke plan turns on no diagnostic: accuracy, loss and the summary's results only; without a
+        # validation split its best test accuracy is selected on the test set, and the bars say so.
         assert list(panels) == ["test_accuracy", "val_accuracy", "train_loss", "final_test_accuracy",
-                                "best_test_accuracy"]
+                                "best_test_accuracy (selected on the test set: no validation split)"]
         for panel in section["panels"]:
             assert (panel["groupby"], panel["aggregate"], panel["band"]) == ("config.method", "mean", "minmax")
         for metric in ("test_accuracy", "val_accuracy"):
@@ -115,7 +118,8 @@ def test_the_report_built_from_the_spec_filters_groups_and_bands_each_section(tm
         assert (runset.entity, runset.project) == ("my-team", "fl-lightning")
         assert filter_values(runset.filters) == {"tags": ["plan=smoke"], "config": {"setting": setting}}
         assert runset.groupby == ["config.method"]
-        assert runset.pinned_columns == ["summary:final_test_accuracy", "summary:best_test_accuracy"]
+        assert runset.pinned_columns == ["summary:final_test_accuracy", "summary:best_test_accuracy",
+                                         "summary:best_test_accuracy_round", "summary:best_test_accuracy_selected_on"]
         lines = [panel for panel in grid.panels if isinstance(panel, wr.LinePlot)]
         bars = [panel for panel in grid.panels if isinstance(panel, wr.BarPlot)]
         assert [line.y for line in lines] == [["test_accuracy"], ["val_accuracy"], ["train_loss"]]
@@ -123,6 +127,27 @@ def test_the_report_built_from_the_spec_filters_groups_and_bands_each_section(tm
         for panel in lines + bars:
             assert panel.groupby == wr.Config("method")
             assert (panel.groupby_aggfunc, panel.groupby_rangefunc) == ("mean", "stddev")
+
+
+def test_a_plan_with_a_validation_split_and_per_client_evaluation_gets_their_panels(tmp_path):
+    split = {"data.validation": 0.2, "data.per_client_eval": True}
+    plan = yaml.safe_load((ROOT / SMOKE).read_text())
+    spec = dashboard(write_plan(tmp_path, configs=[*plan["configs"], split]), offline=True, out=tmp_path / "spec.json")
+    assert spec["best"] == {"summary": "best_test_accuracy", "selected_on": ["val_accuracy"]}
+    titles = [panel["title"] for panel in spec["sections"][0]["panels"]]
+    assert titles == ["test_accuracy", "val_accuracy", "train_loss", "client_val_accuracy_mean",
+                      "client_val_accuracy_p10", "client_val_accuracy_min", "final_test_accuracy",
+                      "best_test_accuracy (at the best val_accuracy)"]
+    lines = [panel for panel in build_report({**spec, "entity": "my-team"}).blocks[2].panels
+             if isinstance(panel, wr.LinePlot)]
+    assert [line.y for line in lines][3:] == [["client_val_accuracy_mean"], ["client_val_accuracy_p10"],
+                                              ["client_val_accuracy_min"]]
+    # One method with the split, one without: the bars say both ways their runs' best was selected.
+    methods = {"FedAvg": [*plan["methods"]["FedAvg"], split], "FedAvg + CONST": plan["methods"]["FedAvg + CONST"]}
+    spec = dashboard(write_plan(tmp_path, methods=methods), offline=True, out=tmp_path / "spec.json")
+    assert spec["best"]["selected_on"] == ["val_accuracy", "test_accuracy"]
+    assert spec["sections"][0]["panels"][-1]["title"] == ("best_test_accuracy (at the best val_accuracy or selected "
+                                                          "on the test set: no validation split)")
 
 
 def test_tags_and_values_holding_operators_reach_wandb_as_written():
@@ -263,7 +288,8 @@ def test_the_spec_goes_into_the_plans_run_folder_by_default(tmp_path, capsys):
 
 def test_a_title_longer_than_wandb_takes_is_refused():
     plan = load_plan(ROOT / SMOKE)
+    runs = {"diagnostics": [], "selected_on": {"test_accuracy"}, "per_client_eval": False}
     with pytest.raises(ConfigError, match=r"^title: expected at most 128 characters"):
-        dashboard_spec(plan, project="fl-lightning", entity=None, title="x" * 129, band="minmax", diagnostics=[])
+        dashboard_spec(plan, project="fl-lightning", entity=None, title="x" * 129, band="minmax", **runs)
     assert dashboard_spec(plan, project="fl-lightning", entity=None, title="x" * 128, band="minmax",
-                          diagnostics=[])["title"] == "x" * 128
+                          **runs)["title"] == "x" * 128

@@ -15,11 +15,15 @@ wandb-workspaces library) holds:
   `setting: <setting name>`, grouped by the config's `method`, so that a W&B group is one method's
   seeds;
 - in each section: test accuracy, validation accuracy (`val_accuracy`, logged when
-  `data.validation` holds samples out) and training loss against the round (W&B's step), one
-  line per method, the mean over its seeds with a band from their minimum to their maximum
-  (`--band minmax`) or mean ± std (`--band std`); bars of the final and best test accuracy (each
-  run's summary) per method; the runs table, one row per method with its final and best test
-  accuracy;
+  `data.validation` holds samples out) and training loss against the round (W&B's step), and when
+  the plan's runs evaluate each client (`data.per_client_eval`) the mean, 10th percentile and
+  minimum of the clients' accuracies (`client_val_accuracy_mean`, `_p10`, `_min`), one line per
+  method, the mean over its seeds with a band from their minimum to their maximum (`--band
+  minmax`) or mean ± std (`--band std`); bars of the final and best test accuracy (each run's
+  summary) per method, the best's title saying how it was selected (at the round of the best
+  val_accuracy for runs with a validation split, else on the test set: `fl_lightning.metric_names`);
+  the runs table, one row per method with its final and best test accuracy, the best's round and
+  what selected it;
 - for each diagnostic that the plan's runs turn on (`callbacks:`; see docs/diagnostics.md), a
   panel per group of the metrics it logs: one for the names under each prefix (`hessian/*`, all
   the metrics whose name starts with `hessian/`) and one for each name without one
@@ -51,6 +55,16 @@ from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.plan import Plan, load_plan
 from fl_lightning.experiments.resolve import check_grid, check_overrides, resolve_grid
 from fl_lightning.experiments.table_sources import setting_label
+from fl_lightning.metric_names import (
+    CLIENT_VAL_ACCURACY_MEAN,
+    CLIENT_VAL_ACCURACY_MIN,
+    CLIENT_VAL_ACCURACY_P10,
+    TEST_ACCURACY,
+    VAL_ACCURACY,
+    best_keys,
+    final_key,
+    selection,
+)
 from fl_lightning.run_logging import check_wandb_environment
 
 SPEC_FILE = "dashboard.json"
@@ -58,10 +72,13 @@ SPEC_FILE = "dashboard.json"
 METHOD_KEY = "method"
 SETTING_KEY = "setting"
 """Keys of each sweep run's W&B config: its method and its setting name."""
-CURVES = ("test_accuracy", "val_accuracy", "train_loss")
+CURVES = (TEST_ACCURACY, VAL_ACCURACY, "train_loss")
 """Metrics drawn against the round in every section."""
-RESULTS = ("final_test_accuracy", "best_test_accuracy")
-"""Summary values of each run (written when it finishes): the bars and the runs table's columns."""
+PER_CLIENT_CURVES = (CLIENT_VAL_ACCURACY_MEAN, CLIENT_VAL_ACCURACY_P10, CLIENT_VAL_ACCURACY_MIN)
+"""Metrics drawn against the round when the plan's runs evaluate each client (data.per_client_eval)."""
+FINAL, BEST, BEST_ROUND, BEST_SELECTED_ON = final_key(TEST_ACCURACY), *best_keys(TEST_ACCURACY)
+"""Summary values of each run (written when it finishes, `fl_lightning.run_logging.run_summary`):
+the bars (final and best) and the runs table's columns (all four)."""
 BANDS = {"minmax": "minmax", "std": "stddev"}
 """`band` -> W&B's range function of a group's lines and bars."""
 TITLE_LENGTH = 128
@@ -124,7 +141,8 @@ def dashboard(
                               "name the one to show with --project)", sorted(runs.projects))
         project = next(iter(runs.projects))
     spec = dashboard_spec(loaded, project=project, entity=entity, title=title, band=band,
-                          diagnostics=runs.diagnostics)
+                          diagnostics=runs.diagnostics, selected_on=runs.selected_on,
+                          per_client_eval=runs.per_client_eval)
     path = Path(out) if out is not None else Path(runs_root) / loaded.name / SPEC_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomically(path, json.dumps(spec, indent=2, ensure_ascii=False) + "\n")
@@ -157,9 +175,12 @@ def dashboard(
 
 
 def dashboard_spec(plan: Plan, project: str, entity: Optional[str], title: Optional[str],
-                   band: Literal["minmax", "std"], diagnostics: list[str]) -> dict:
+                   band: Literal["minmax", "std"], diagnostics: list[str], selected_on: set[str],
+                   per_client_eval: bool) -> dict:
     """The report of `plan`'s runs in `project`, as plain data (see the module's docstring);
-    `diagnostics` are the class paths of the callbacks its runs turn on."""
+    `diagnostics` are the class paths of the callbacks its runs turn on, `selected_on` what selects
+    the round of their best test accuracy (val_accuracy for runs with a validation split,
+    test_accuracy for the others) and `per_client_eval` whether any evaluates each client."""
     if band not in BANDS:
         raise ConfigError("band", f"one of {', '.join(BANDS)}", band)
     title = title or f"{plan.name}: methods compared"
@@ -170,9 +191,13 @@ def dashboard_spec(plan: Plan, project: str, entity: Optional[str], title: Optio
         settings.setdefault(point.setting_name, point.setting)
     axis_values = {axis: list(choices) for axis, choices in plan.settings.items()}
     grouping = {"groupby": f"config.{METHOD_KEY}", "aggregate": "mean", "band": BANDS[band]}
+    curves = CURVES + (PER_CLIENT_CURVES if per_client_eval else ())
     panels = [{"type": "line", "title": metric, "x": "Step", "title_x": "round", "y": [metric], **grouping}
-              for metric in CURVES]
-    panels += [{"type": "bar", "title": metric, "metrics": [metric], **grouping} for metric in RESULTS]
+              for metric in curves]
+    selections = sorted(selected_on, reverse=True)  # val_accuracy first
+    how_best = " or ".join(selection(TEST_ACCURACY, on_validation=metric == VAL_ACCURACY) for metric in selections)
+    panels += [{"type": "bar", "title": panel_title, "metrics": [metric], **grouping}
+               for metric, panel_title in ((FINAL, FINAL), (BEST, f"{BEST} ({how_best})"))]
     panels += [_diagnostic_panel(metric, grouping) for metric in diagnostic_metrics(diagnostics)]
     return {
         "title": title,
@@ -181,12 +206,13 @@ def dashboard_spec(plan: Plan, project: str, entity: Optional[str], title: Optio
         "entity": entity,
         "project": project,
         "plan": plan.name,
+        "best": {"summary": BEST, "selected_on": selections},
         "sections": [{
             "name": name,
             "label": setting_label(setting, axis_values),
             "filters": {"tags": [f"plan={plan.name}"], "config": {SETTING_KEY: name}},
             "groupby": [f"config.{METHOD_KEY}"],
-            "columns": [f"summary:{metric}" for metric in RESULTS],
+            "columns": [f"summary:{metric}" for metric in (FINAL, BEST, BEST_ROUND, BEST_SELECTED_ON)],
             "panels": panels,
         } for name, setting in settings.items()],
     }
@@ -227,6 +253,11 @@ class _RunsSettings:
     """Their logger.wandb_mode values."""
     diagnostics: list[str]
     """Class paths of the callbacks they turn on, each once."""
+    selected_on: set[str]
+    """What selects the round of their best test accuracy: val_accuracy for runs with a validation
+    split (data.validation), test_accuracy for runs without one."""
+    per_client_eval: bool
+    """Whether any of them evaluates each client (data.per_client_eval)."""
 
 
 def _runs_settings(plan: Plan) -> _RunsSettings:
@@ -240,8 +271,11 @@ def _runs_settings(plan: Plan) -> _RunsSettings:
     for entry in resolved:
         callbacks += [callback["class_path"] for callback in entry.config["callbacks"]
                       if callback["class_path"] not in callbacks]
+    data = [entry.config["data"] for entry in resolved]
     return _RunsSettings(projects={entry.config["logger"]["project"] for entry in resolved},
-                         modes={entry.config["logger"]["wandb_mode"] for entry in resolved}, diagnostics=callbacks)
+                         modes={entry.config["logger"]["wandb_mode"] for entry in resolved}, diagnostics=callbacks,
+                         selected_on={VAL_ACCURACY if settings["validation"] else TEST_ACCURACY for settings in data},
+                         per_client_eval=any(settings["per_client_eval"] for settings in data))
 
 
 def _options(entity: Optional[str], project: str, title: Optional[str], band: str, runs: _RunsSettings) -> list[str]:
