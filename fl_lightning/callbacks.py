@@ -45,6 +45,7 @@ from typing import Literal, Optional
 from fl_lightning.cluster import STOP_SIGNALS, requeue_after_stop
 from fl_lightning.configurable import Configurable
 from fl_lightning.errors import ConfigError, WriteFailed
+from fl_lightning.metric_names import TEST_ACCURACY
 from fl_lightning.run_logging import MetricsLog, WandbRun, round_line, summary_line
 
 
@@ -254,7 +255,7 @@ class ShowProgress(Callback):
             print(round_line(metrics, loop.rounds), flush=True)
             return
         self._bar.update(1)
-        accuracies = [row["test_accuracy"] for row in loop.history if "test_accuracy" in row]
+        accuracies = [row[TEST_ACCURACY] for row in loop.history if TEST_ACCURACY in row]
         self._bar.set_postfix(s_per_round=f"{metrics['round_seconds']:.2f}",
                               acc=f"{accuracies[-1]:.4f}" if accuracies else "-")
 

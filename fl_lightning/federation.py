@@ -35,6 +35,14 @@ from fl_lightning.constraints import Constraint
 from fl_lightning.data import DeviceTransform, ImageDataset
 from fl_lightning.flat import FlatLayout
 from fl_lightning.lost_ranks import RankProcesses
+from fl_lightning.metric_names import (
+    CLIENT_VAL_ACCURACY_MEAN,
+    CLIENT_VAL_ACCURACY_MIN,
+    CLIENT_VAL_ACCURACY_P10,
+    CLIENT_VAL_ACCURACY_STD,
+    VAL_ACCURACY,
+    VAL_LOSS,
+)
 from fl_lightning.module import ClassificationModule
 from fl_lightning.server_optimizers import ServerOptimizer
 
@@ -386,15 +394,14 @@ class FederatedLoop:
         counts = fabric.all_reduce(counts, reduce_op="sum") if fabric.world_size > 1 else counts
         correct, loss = counts.double().cpu()
         samples = torch.tensor([len(part) for part in held_out], dtype=torch.float64)
-        metrics = {"val_accuracy": (correct.sum() / samples.sum()).item(),
-                   "val_loss": (loss.sum() / samples.sum()).item()}
+        metrics = {VAL_ACCURACY: (correct.sum() / samples.sum()).item(), VAL_LOSS: (loss.sum() / samples.sum()).item()}
         if self.run.data.per_client_eval:
             accuracies = correct / samples
             metrics.update({
-                "client_val_accuracy_mean": accuracies.mean().item(),
-                "client_val_accuracy_std": accuracies.std(correction=0).item(),
-                "client_val_accuracy_min": accuracies.min().item(),
-                "client_val_accuracy_p10": torch.quantile(accuracies, 0.1).item(),
+                CLIENT_VAL_ACCURACY_MEAN: accuracies.mean().item(),
+                CLIENT_VAL_ACCURACY_STD: accuracies.std(correction=0).item(),
+                CLIENT_VAL_ACCURACY_MIN: accuracies.min().item(),
+                CLIENT_VAL_ACCURACY_P10: torch.quantile(accuracies, 0.1).item(),
             })
         return metrics
 

@@ -13,6 +13,8 @@ from torch import nn
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
+from fl_lightning.metric_names import TEST_ACCURACY, TEST_LOSS
+
 
 class ClassificationModule(L.LightningModule):
     def __init__(self, network: nn.Module, num_classes: int):
@@ -44,8 +46,8 @@ class ClassificationModule(L.LightningModule):
     def compute_test_metrics(self) -> dict[str, float]:
         """Accuracy and loss over every rank's shard (torchmetrics syncs across ranks), then reset."""
         results = {
-            "test_accuracy": self.test_accuracy.compute().item(),
-            "test_loss": self.test_loss.compute().item(),
+            TEST_ACCURACY: self.test_accuracy.compute().item(),
+            TEST_LOSS: self.test_loss.compute().item(),
         }
         self.test_accuracy.reset()
         self.test_loss.reset()

@@ -28,6 +28,7 @@ from fl_lightning.atomic_files import failures_reported_as_writes_of, write_text
 from fl_lightning.cluster import slurm_job_id
 from fl_lightning.config import LoggerArgs
 from fl_lightning.errors import UNWRITABLE_ERRNOS, ConfigError, WriteFailed
+from fl_lightning.metric_names import TEST_ACCURACY, VAL_ACCURACY, best_keys, best_round, final_key
 from fl_lightning.wandb_file import history_steps, is_finished, read_records
 
 METRICS_FILE = "metrics.jsonl"
@@ -180,12 +181,12 @@ class WandbRun:
             self._logged_rounds.append(metrics["round"])
 
     def finish(self, history: list[dict], folder_writable: bool = True) -> None:
-        """Record the final and best test accuracy in the run's summary (what a dashboard's table
-        compares), then close the run, and wait until W&B's service has written every round this
-        process logged into the run's file (`run.finish` returns before it has), or warn naming
-        what the file lacks: a requeue or exit right after would otherwise lose the last rounds.
-        In a run folder that cannot be written (`folder_writable` false: the run ends on it) the run
-        is only closed (`_close_unwritable`).
+        """Record the final and best test accuracy in the run's summary (`run_summary`: what a
+        dashboard's bars and table compare), then close the run, and wait until W&B's service has
+        written every round this process logged into the run's file (`run.finish` returns before it
+        has), or warn naming what the file lacks: a requeue or exit right after would otherwise lose
+        the last rounds. In a run folder that cannot be written (`folder_writable` false: the run
+        ends on it) the run is only closed (`_close_unwritable`).
 
         Under SLURM, W&B's service is then shut down (`wandb.teardown`), not left to W&B's exit
         hook: Slurm sends SIGTERM to every process of the job step, the service included, on
@@ -194,10 +195,8 @@ class WandbRun:
         Python), so it is left running."""
         if not folder_writable:
             self._close_unwritable()
-        accuracies = [row["test_accuracy"] for row in history if row.get("test_accuracy") is not None]
-        if self._run is not None and accuracies:
-            summary = {"final_test_accuracy": accuracies[-1], "best_test_accuracy": max(accuracies),
-                       "rounds_done": history[-1]["round"], **selected_on_validation(history)}
+        summary = run_summary(history)
+        if self._run is not None and summary:
             self._call("write the summary", lambda: self._run.summary.update(summary))
         if self._run is not None:
             run_file = Path(self._run.settings.sync_file)
@@ -267,24 +266,30 @@ def _shut_down_wandb_service() -> None:
         pass
 
 
-def selected_on_validation(history: list[dict]) -> dict:
-    """The test accuracy at the evaluation of best validation accuracy (the earliest, on a tie), as
-    `fl-lightning table --at best` reports it: a model chosen without the test set. Empty without a
-    validation split (data.validation), where best_test_accuracy is the only best there is."""
-    evaluated = [row for row in history
-                 if row.get("val_accuracy") is not None and row.get("test_accuracy") is not None]
-    if not evaluated:
+def run_summary(history: list[dict]) -> dict:
+    """The W&B summary of a run's metrics rows: its final and best test accuracy, the round of the best
+    and what selected it (`fl_lightning.metric_names.best_round`: the best val_accuracy with a
+    validation split, else the test set), with a split the best val_accuracy, and the rounds done.
+    Empty before any evaluation."""
+    best = best_round(history, TEST_ACCURACY)
+    if best is None:
         return {}
-    chosen = max(evaluated, key=lambda row: (row["val_accuracy"], -row["round"]))
-    return {"best_val_accuracy": chosen["val_accuracy"], "test_accuracy_at_best_val": chosen["test_accuracy"],
-            "round_of_best_val": chosen["round"]}
+    summary = {final_key(TEST_ACCURACY): _final_value(history, TEST_ACCURACY), **best.summary(),
+               "rounds_done": history[-1]["round"]}
+    if best.on_validation:
+        summary[best_keys(VAL_ACCURACY)[0]] = best_round(history, VAL_ACCURACY).value
+    return summary
+
+
+def _final_value(history: list[dict], metric: str) -> float:
+    return [row[metric] for row in history if row.get(metric) is not None][-1]
 
 
 def round_line(metrics: dict, rounds: int) -> str:
     """The console line of one round (the progress bar's replacement in batch jobs)."""
     parts = [f"round {metrics['round']}/{rounds}", f"train_loss {metrics['train_loss']:.4f}"]
-    if "test_accuracy" in metrics:
-        parts.append(f"test_accuracy {metrics['test_accuracy']:.4f}")
+    if TEST_ACCURACY in metrics:
+        parts.append(f"{TEST_ACCURACY} {metrics[TEST_ACCURACY]:.4f}")
     parts.append(f"{metrics['round_seconds']:.2f} s")
     return "  ".join(parts)
 
@@ -301,8 +306,9 @@ def summary_line(history: list[dict], rounds: int, out_dir: Path, stop_reasons: 
         state = f"stopped for good ({final_stop}; the same command trains nothing more)"
     else:
         state = f"stopped ({why}; checkpoint saved)"
-    accuracies = [row["test_accuracy"] for row in history if row.get("test_accuracy") is not None]
-    accuracy = f"; final test_accuracy {accuracies[-1]:.4f}, best {max(accuracies):.4f}" if accuracies else ""
+    best = best_round(history, TEST_ACCURACY)
+    accuracy = "" if best is None else (f"; final {TEST_ACCURACY} {_final_value(history, TEST_ACCURACY):.4f}, "
+                                        f"best {best.value:.4f} ({best.describe()})")
     return f"{state} at round {final_round}/{rounds}{accuracy}; outputs in {out_dir}"
 
 

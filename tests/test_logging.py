@@ -1,13 +1,12 @@
 """Run logs: metrics.jsonl and a Weights & Biases offline run (no network needed)."""
 
-import json
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from wandb_records import history_rows, records
+from wandb_records import history_rows, records, summary
 
 from fl_lightning.cli.main import main
 from fl_lightning.run_logging import MetricsLog, read_metrics
@@ -32,10 +31,13 @@ def test_wandb_offline_run_holds_the_logged_metrics(tmp_path):
     assert {"method=fedavg", "dataset=digits", "constraint=none", "model=mlp"} <= set(run_info.tags)
     assert re.fullmatch(r"digits-alpha0\.5-mlp-fedavg-[0-9a-f]{8}", run_info.run_group)
     assert run_info.display_name == f"fedavg-seed0-{run_info.run_group.rsplit('-', 1)[1]}"
-    summary = {item.key or ".".join(item.nested_key): json.loads(item.value_json)
-               for r in records(run_file) if r.WhichOneof("record_type") == "summary" for item in r.summary.update}
-    accuracies = [row["test_accuracy"] for row in read_metrics(tmp_path) if "test_accuracy" in row]
-    assert (summary["final_test_accuracy"], summary["best_test_accuracy"]) == (accuracies[-1], max(accuracies))
+    recorded = summary(run_file)
+    accuracies = {row["round"]: row["test_accuracy"] for row in read_metrics(tmp_path) if "test_accuracy" in row}
+    assert recorded["final_test_accuracy"] == accuracies[max(accuracies)]
+    # No validation split: the best is the test set's own, and the summary says so.
+    best = recorded["best_test_accuracy"]
+    assert best == accuracies[recorded["best_test_accuracy_round"]] == max(accuracies.values())
+    assert recorded["best_test_accuracy_selected_on"] == "test_accuracy"
 
 
 @pytest.mark.slow

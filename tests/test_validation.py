@@ -15,19 +15,27 @@ import torch
 import torch.nn.functional as F
 import yaml
 from reference import LinearProblem, small_setup
+from wandb_records import summary
 
 from fl_lightning import run_setup
 from fl_lightning.algorithms import FedAvg
 from fl_lightning.callbacks import Callback
+from fl_lightning.cli.main import main
+from fl_lightning.compare import compare
 from fl_lightning.config import DataArgs, FabricArgs
 from fl_lightning.data import hold_out_validation, load_dataset, partition_indices
 from fl_lightning.errors import ConfigError
+from fl_lightning.experiments.dashboard import dashboard
+from fl_lightning.experiments.plan import load_plan
 from fl_lightning.experiments.table import table
 from fl_lightning.fit import fit
+from fl_lightning.metric_names import Best, best_round
 from fl_lightning.run_dir import check_same_experiment, experiment_digest, recorded_config
-from fl_lightning.run_logging import MetricsLog, read_metrics, selected_on_validation
+from fl_lightning.run_logging import MetricsLog, read_metrics, run_summary
 
 pytestmark = pytest.mark.slow  # end to end: the tests train runs in-process or in subprocesses
+REPOSITORY = Path(__file__).resolve().parents[1]
+BEST_KEYS = ("best_test_accuracy", "best_test_accuracy_round", "best_test_accuracy_selected_on")
 PER_CLIENT_KEYS = ("client_val_accuracy_mean", "client_val_accuracy_std", "client_val_accuracy_min",
                    "client_val_accuracy_p10")
 
@@ -246,13 +254,91 @@ def test_at_best_reports_the_test_metric_at_the_round_of_the_best_validation_met
     assert "best:" not in capsys.readouterr().out
 
 
-def test_the_wandb_summary_reports_the_test_accuracy_of_the_round_chosen_on_validation():
-    history = [{"round": 1, "val_accuracy": 0.5, "test_accuracy": 0.40},
-               {"round": 2, "val_accuracy": 0.7, "test_accuracy": 0.55},
+def test_the_best_is_the_test_metric_at_the_earliest_round_of_the_best_validation_value():
+    history = [{"round": 1, "val_accuracy": 0.5, "test_accuracy": 0.40, "val_loss": 0.9, "test_loss": 1.0},
+               {"round": 2, "val_accuracy": 0.7, "test_accuracy": 0.55, "val_loss": 0.6, "test_loss": 0.8},
                {"round": 3, "train_loss": 0.1},
-               {"round": 4, "val_accuracy": 0.7, "test_accuracy": 0.60},
-               {"round": 5, "val_accuracy": 0.6, "test_accuracy": 0.65}]
+               {"round": 4, "val_accuracy": 0.7, "test_accuracy": 0.60, "val_loss": 0.6, "test_loss": 0.7},
+               {"round": 5, "val_accuracy": 0.6, "test_accuracy": 0.65, "val_loss": 0.7, "test_loss": 0.5}]
     # The earliest of the tied best validation rounds, never the test set's own best (round 5).
-    assert selected_on_validation(history) == {"best_val_accuracy": 0.7, "test_accuracy_at_best_val": 0.55,
-                                               "round_of_best_val": 2}
-    assert selected_on_validation([{"round": 1, "test_accuracy": 0.4}]) == {}
+    best = best_round(history, "test_accuracy")
+    assert best == Best("test_accuracy", round=2, value=0.55, selected_on="val_accuracy")
+    assert best.on_validation
+    assert best.describe() == "round 2, at the best val_accuracy"
+    assert best_round(history, "test_loss") == Best("test_loss", round=2, value=0.8, selected_on="val_loss")
+    assert best_round(history, "val_accuracy") == Best("val_accuracy", round=2, value=0.7, selected_on="val_accuracy")
+    assert run_summary(history) == {"final_test_accuracy": 0.65, "best_test_accuracy": 0.55,
+                                    "best_test_accuracy_round": 2, "best_test_accuracy_selected_on": "val_accuracy",
+                                    "best_val_accuracy": 0.7, "rounds_done": 5}
+    # Without a split: the test set's own best, which says so.
+    without = [{key: value for key, value in row.items() if not key.startswith("val_")} for row in history]
+    assert best_round(without, "test_accuracy").describe() == "round 5, selected on the test set: no validation split"
+    assert run_summary(without)["best_test_accuracy_selected_on"] == "test_accuracy"
+    assert run_summary([{"round": 1, "train_loss": 0.4}]) == {}
+
+
+# --- one best in fit's last line, the W&B summary, compare, the dashboard and `table --at best` -------
+
+class ValidationAgainstTheTestSet(Callback):
+    """Each evaluation's val_accuracy becomes 1 - test_accuracy: a validation split that disagrees with
+    the test set, so that the round it selects is the test set's worst, never its best (what a real
+    split does by chance on some runs, made certain)."""
+
+    def on_round_end(self, fabric, loop, metrics: dict) -> None:
+        if "val_accuracy" in metrics:
+            metrics["val_accuracy"] = 1.0 - metrics["test_accuracy"]
+
+
+def write_best_plan(folder: Path, split: bool) -> Path:
+    """A plan of one run: FedAvg + CONST on the digits, 4 rounds evaluated each, logged to W&B offline;
+    with `split`, a validation split that disagrees with the test set."""
+    configs = [str(REPOSITORY / "configs" / "quickstart.yaml"), {"model.options": {"hidden": 16, "depth": 1}},
+               {"federation.rounds": 4, "federation.local_steps": 2, "federation.eval_every": 1},
+               {"checkpoint.every": 4, "logger.progress_bar": False, "logger.wandb_mode": "offline"}]
+    if split:
+        configs.append({"data.validation": 0.2,
+                        "callbacks": [{"class_path": f"{__name__}.{ValidationAgainstTheTestSet.__name__}"}]})
+    plan = {"name": "best", "configs": configs, "seeds": [0], "settings": {"alpha": {"0.5": [{"data.alpha": 0.5}]}},
+            "methods": {"FedAvg + CONST": [str(REPOSITORY / "configs" / name) for name in ("algorithms/fedavg.yaml",
+                                                                                      "const.yaml")]}}
+    (folder / "plan.yaml").write_text(yaml.safe_dump(plan, sort_keys=False))
+    return folder / "plan.yaml"
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["validation split", "no split"])
+def test_fit_the_wandb_summary_compare_the_dashboard_and_table_report_one_best(split, tmp_path, capsys):
+    """With a validation split each reports the test accuracy at the round of the best val_accuracy (the
+    earliest on a tie) and says so; without one, the test set's own best, and each says that the test
+    set selected it."""
+    plan_file, runs_root = write_best_plan(tmp_path, split), tmp_path / "runs"
+    (point,) = load_plan(plan_file, runs_root=runs_root).grid()
+    main(point.fit_arguments())
+    last_line = capsys.readouterr().out.splitlines()[-1]
+    evaluations = [row for row in read_metrics(point.out_dir) if "test_accuracy" in row]
+    selected_on = "val_accuracy" if split else "test_accuracy"
+    chosen = max(evaluations, key=lambda row: row[selected_on])  # the first of the maxima: the earliest round
+    test_sets_own = max(evaluations, key=lambda row: row["test_accuracy"])
+    assert (chosen["round"] != test_sets_own["round"]) == split, "the split should choose another round"
+    says = "at the best val_accuracy" if split else "selected on the test set: no validation split"
+    note = ("at the evaluation of its best val_accuracy (model selection on the validation split" if split
+            else "best: selected on the test set itself, the best test_accuracy over the evaluations")
+
+    assert f"best {chosen['test_accuracy']:.4f} (round {chosen['round']}, {says}); outputs in" in last_line
+    (run_file,) = (point.out_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    recorded = summary(run_file)
+    best = (chosen["test_accuracy"], chosen["round"], selected_on)
+    assert tuple(recorded[key] for key in BEST_KEYS) == best
+    assert recorded.get("best_val_accuracy") == (chosen["val_accuracy"] if split else None)
+    (compared,) = compare(str(point.out_dir), plan=plan_file, runs_root=runs_root)
+    assert tuple(compared[key] for key in BEST_KEYS) == best and compared["method"] == "FedAvg + CONST"
+    assert note in capsys.readouterr().out.splitlines()[-1]
+    tabulated = table(str(plan_file), at="best", percent=False, runs_root=runs_root, out=tmp_path / "table")
+    assert tabulated.cell(point.method, point.setting_name).values == [chosen["test_accuracy"]]
+    assert any(note in line for line in tabulated.notes)
+    # The dashboard shows the summary: bars of best_test_accuracy, titled with how it was selected, and
+    # its round in the runs table.
+    spec = dashboard(plan_file, offline=True, runs_root=runs_root, out=tmp_path / "dashboard.json")
+    (section,) = spec["sections"]
+    (bar,) = [panel for panel in section["panels"] if panel.get("metrics") == [BEST_KEYS[0]]]
+    assert bar["title"] == f"best_test_accuracy ({says})"
+    assert {f"summary:{key}" for key in BEST_KEYS} <= set(section["columns"])

@@ -33,3 +33,10 @@ def run_record(run_file: Path):
 def run_config(run_file: Path) -> dict:
     """The run's W&B config as its run record holds it, {key: value}."""
     return {item.key: json.loads(item.value_json) for item in run_record(run_file).config.update}
+
+
+def summary(run_file: Path) -> dict:
+    """The run's summary as the file records it, {key: value}: every update, the last value of a key kept."""
+    return {item.key or ".".join(item.nested_key): json.loads(item.value_json)
+            for record in records(run_file) if record.WhichOneof("record_type") == "summary"
+            for item in record.summary.update}
