@@ -115,7 +115,7 @@ class EarlyStopping(Callback):
     be one every rank computes alike (reduced across ranks, as train_loss and test_accuracy are).
     Its state, the best value so far and the evaluations since, is saved with the checkpoints."""
 
-    def __init__(self, metric: str = "test_accuracy", mode: Literal["max", "min"] = "max", patience: int = 5,
+    def __init__(self, metric: str = TEST_ACCURACY, mode: Literal["max", "min"] = "max", patience: int = 5,
                  min_delta: float = 0.0):
         self.metric, self.mode, self.patience, self.min_delta = metric, mode, patience, min_delta
         self.best: Optional[float] = None

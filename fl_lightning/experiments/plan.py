@@ -39,6 +39,7 @@ import yaml
 from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.overrides import parse_overrides, value_text, variant_name
 from fl_lightning.experiments.resources import PlanResources, read_resources
+from fl_lightning.metric_names import TEST_ACCURACY
 from fl_lightning.yaml_text import load_yaml
 
 Part = Union[str, dict]
@@ -95,7 +96,7 @@ class Plan:
     seeds: list[int]
     path: Path
     reference: Optional[Path] = None
-    metric: str = "test_accuracy"
+    metric: str = TEST_ACCURACY
     runs_root: Path = field(default=Path("runs"))
     resources: PlanResources = field(default_factory=PlanResources)
     overrides: dict[str, Any] = field(default_factory=dict)
@@ -175,7 +176,7 @@ def load_plan(path: Path, runs_root: Path = Path("runs"), overrides: Optional[li
                 resources=read_resources(raw.get("resources")), overrides=parsed_overrides,
                 configs=raw.get("configs") or [], methods=methods,
                 settings={a: {str(v): p for v, p in c.items()} for a, c in settings.items()}, seeds=seeds, path=path,
-                reference=None if reference is None else Path(reference), metric=raw.get("metric", "test_accuracy"),
+                reference=None if reference is None else Path(reference), metric=raw.get("metric", TEST_ACCURACY),
                 runs_root=runs_root)
 
 

@@ -19,6 +19,7 @@ from fl_lightning.experiments.plan import GridPoint, load_plan
 from fl_lightning.experiments.reference import paper_numbers
 from fl_lightning.experiments.resolve import GridResolver, accepted_config, check_overrides
 from fl_lightning.experiments.runs import find_runs, read_run
+from fl_lightning.metric_names import TEST_ACCURACY
 from fl_lightning.run_dir import defining_settings
 from fl_lightning.run_logging import METRICS_FILE
 
@@ -188,7 +189,7 @@ def _from_folders(paths: list[Path]) -> Loaded:
     common = Path(os.path.commonpath([str(p.resolve()) for p in paths]))
     out = common.parent if (common / METRICS_FILE).is_file() else common
     return Loaded(entries=entries, methods=list(dict.fromkeys(e.method for e in entries)), settings=settings,
-                   labels=labels, metric="test_accuracy", reference=None, out=out)
+                   labels=labels, metric=TEST_ACCURACY, reference=None, out=out)
 
 
 def _parse_setting_name(name: str) -> Optional[dict[str, str]]:
