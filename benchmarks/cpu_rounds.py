@@ -55,8 +55,9 @@ from fl_lightning.algorithms import FedAvg
 from fl_lightning.clients.run import CLIENT_STREAM, batch_positions, seeded_generator
 from fl_lightning.config import ClientOptimizerArgs, ComputeArgs, DataArgs, FederationArgs, ModelArgs
 from fl_lightning.data import ImageDataset, load_dataset, partition_indices
-from fl_lightning.federation import FederatedLoop, aggregation_weights, sample_clients
-from fl_lightning.run_setup import RunData, RunSettings, build_run, initial_network
+from fl_lightning.federation.aggregation import aggregation_weights, sample_clients
+from fl_lightning.federation.loop import FederatedLoop
+from fl_lightning.federation.setup import RunData, RunSettings, initial_network, rank_inputs
 from fl_lightning.server_optimizers import ServerSGD
 
 REPOSITORY = Path(__file__).resolve().parents[1]
@@ -168,7 +169,7 @@ class InProcess:
             client_optimizer=ClientOptimizerArgs(lr=LR, momentum=MOMENTUM), server_optimizer=ServerSGD(lr=1.0),
             compute=ComputeArgs(client_path=client_path), seed=SEED,
         )
-        run = build_run(settings, out_dir=Path("benchmark-run"), run_id="benchmark", hyperparameters={},
+        run = rank_inputs(settings, out_dir=Path("benchmark-run"), run_id="benchmark", hyperparameters={},
                         data=RunData(train, test, partition))
         self.loop = FederatedLoop(fabric, run)
 

@@ -31,8 +31,8 @@ from fl_lightning.data import ImageDataset
 from fl_lightning.data.datasets import CIFAR10_MEAN, CIFAR10_STD
 from fl_lightning.diagnostics.ctpfl import DisplacementBias
 from fl_lightning.diagnostics.landscape import Landscape
-from fl_lightning.federation import FederatedLoop
-from fl_lightning.run_setup import RunData, RunSettings, build_run
+from fl_lightning.federation.loop import FederatedLoop
+from fl_lightning.federation.setup import RunData, RunSettings, rank_inputs
 from fl_lightning.server_optimizers import ServerSGD
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py, also when loaded by path
@@ -84,7 +84,7 @@ def federation(fabric: Fabric, args: argparse.Namespace) -> FederatedLoop:
         server_optimizer=ServerSGD(lr=SERVER_LR), seed=SEED,
     )
     partition = [indices.numpy() for indices in torch.arange(total).split(SAMPLES_PER_CLIENT)]
-    run = build_run(settings, out_dir=Path("benchmark-run"), run_id="benchmark", hyperparameters={},
+    run = rank_inputs(settings, out_dir=Path("benchmark-run"), run_id="benchmark", hyperparameters={},
                     data=RunData(dataset, dataset, partition))
     return FederatedLoop(fabric, run)
 

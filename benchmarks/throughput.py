@@ -9,7 +9,7 @@ S * B. fl-lightning runs each algorithm of `--algorithms` (by default FedAvg, SC
 CTP-FL; also FedAvgM and MOON) on both client paths of `ComputeArgs.client_path`: `loop` (one
 client after another) and `grouped` (a rank's clients computed together; CTP-FL's fused, one
 backward pass per query point), each run assembled as `fl-lightning fit` assembles it
-(`fl_lightning.run_setup.build_run`: the algorithm's server optimizer and model). Every method
+(`fl_lightning.federation.setup.rank_inputs`: the algorithm's server optimizer and model). Every method
 reads the same random uint8 images of the chosen shape, split IID over the clients as `fit` splits
 them, from the device through the same normalising transform (no augmentation, no download), so
 only the training loops differ.
@@ -53,13 +53,13 @@ import torch.nn.functional as F
 from lightning.fabric import Fabric
 from torch import nn
 
-import fl_lightning.federation
+import fl_lightning.federation.loop
 from fl_lightning.algorithms import CTPFL, MOON, SCAFFOLD, FedAvg, FedAvgM, FedProx
 from fl_lightning.clients.run import CLIENT_STREAM, Batch, batch_positions, seeded_generator
 from fl_lightning.config import ClientOptimizerArgs, ComputeArgs, DataArgs, FederationArgs, ModelArgs
 from fl_lightning.data import DeviceTransform, ImageDataset, partition_indices
-from fl_lightning.federation import FederatedLoop
-from fl_lightning.run_setup import RunData, RunSettings, build_run, initial_network
+from fl_lightning.federation.loop import FederatedLoop
+from fl_lightning.federation.setup import RunData, RunSettings, initial_network, rank_inputs
 from fl_lightning.server_optimizers import ServerSGD
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py, also when loaded by path
@@ -138,7 +138,7 @@ class Workload:
         total = num_clients * SAMPLES_PER_CLIENT
         images, labels = random_images(total, channels, image_size, num_classes)
         self.images, self.labels = images.to(device), labels.to(device)
-        # As fit splits a dataset (data.partition iid), kept on the CPU as federation.train() keeps it.
+        # As fit splits a dataset (data.partition iid), kept on the CPU as federation.loop.train() keeps it.
         self.partition = partition_indices(labels.numpy(), num_clients, "iid", seed=SEED)
         self.client_indices = [torch.as_tensor(part) for part in self.partition]
         self.mean, self.std = normalisation(channels)
@@ -168,7 +168,7 @@ class Workload:
         return inputs, self.labels[indices]
 
     def client_positions(self, client_id: int, round_index: int) -> list[torch.Tensor]:
-        """The batch order `LocalTrainer.client_run` draws for this client and round, so the naive loop
+        """The batch order `LocalTrainer.client_round` draws for this client and round, so the naive loop
         reads exactly the batches fl-lightning reads."""
         generator = seeded_generator(SEED, CLIENT_STREAM, round_index, client_id)
         return batch_positions(SAMPLES_PER_CLIENT, self.batch_size, self.local_steps, None, generator)
@@ -258,14 +258,14 @@ def run_settings(model_name: str, workload: Workload, algorithm: str, compute: C
 
 
 class FlLightning:
-    """The product's round: a `FederatedLoop` set up as `federation.train()` sets it up on one rank,
+    """The product's round: a `FederatedLoop` set up as `federation.loop.train()` sets it up on one rank,
     timed through its `run_round` (every client's update, the aggregation and the server step)."""
 
     def __init__(self, fabric: Fabric, model_name: str, workload: Workload, algorithm: str, compute: ComputeArgs):
         self.name = fl_lightning_name(algorithm, compute.client_path)
         self.algorithm, self.client_path = algorithm, compute.client_path
         dataset = workload.dataset
-        run = build_run(run_settings(model_name, workload, algorithm, compute), out_dir=Path("benchmark-run"),
+        run = rank_inputs(run_settings(model_name, workload, algorithm, compute), out_dir=Path("benchmark-run"),
                         run_id="benchmark", hyperparameters={}, data=RunData(dataset, dataset, workload.partition))
         self.loop = FederatedLoop(fabric, run)
         self.module = self.loop.module
@@ -279,7 +279,7 @@ class FlLightning:
         yielded."""
         device = self.loop.fabric.device
         seconds: list[float] = []
-        client_updates = fl_lightning.federation.client_updates
+        client_updates = fl_lightning.federation.loop.client_updates
 
         def timed_client_updates(*args, **kwargs):
             updates = client_updates(*args, **kwargs)
@@ -293,7 +293,7 @@ class FlLightning:
                     return
                 yield update
 
-        with mock.patch.object(fl_lightning.federation, "client_updates", timed_client_updates):
+        with mock.patch.object(fl_lightning.federation.loop, "client_updates", timed_client_updates):
             yield seconds
 
 

@@ -8,7 +8,7 @@ model far; it logs the norm of each round's aggregated update.
 import torch
 
 from fl_lightning.algorithms.base import PSEUDO_GRADIENT, Algorithm, train_locally
-from fl_lightning.clients import ClientRun, clip_to_norm
+from fl_lightning.clients import ClientRound, clip_to_norm
 from fl_lightning.errors import ConfigError
 
 
@@ -27,7 +27,7 @@ class ClippedFedAvg(Algorithm):
         self.clip_norm = clip_norm
         self.update_norm = float("nan")
 
-    def client_update(self, client: ClientRun) -> dict[str, torch.Tensor]:
+    def client_update(self, client: ClientRound) -> dict[str, torch.Tensor]:
         local_params = train_locally(client)  # local SGD from the global model x
         return {PSEUDO_GRADIENT: clip_to_norm(client.global_params - local_params, self.clip_norm)}
 

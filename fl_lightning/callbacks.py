@@ -6,7 +6,7 @@ The loop (`fl_lightning.federation.train`) calls these hooks on every rank throu
 - `on_fit_start(fabric, loop)`: once, before the first round (also after a resume).
 - `on_round_start(fabric, loop, round_index)`: before the round's clients train.
 - `on_client_end(fabric, loop, client, uploads, weight)`: on the rank that trained it, after each
-  client's update: `client` is its `ClientRun` (id, round, global parameters), `uploads` its
+  client's update: `client` is its `ClientRound` (id, round, global parameters), `uploads` its
   flat upload vectors by name (read only), `weight` its aggregation weight p_i. A diagnostic sums
   what it needs here and reduces it once on its own rounds.
 - `on_round_end(fabric, loop, metrics)`: after the server step; `metrics` (a dict with "round",

@@ -60,6 +60,7 @@ from fl_lightning.constraints import Constraint
 from fl_lightning.cpu import ThreadChoice, choose_threads, cpu_rank
 from fl_lightning.data import class_histogram, plot_partition
 from fl_lightning.errors import ConfigError, RunInterrupted
+from fl_lightning.federation.setup import RankInputs, RunSettings, as_lists, rank_inputs
 from fl_lightning.flat import FlatLayout
 from fl_lightning.lost_ranks import watch_started_ranks
 from fl_lightning.run_dir import (
@@ -84,7 +85,6 @@ from fl_lightning.run_logging import (
     new_wandb_run,
     run_tags,
 )
-from fl_lightning.run_setup import RunSettings, as_lists, build_run
 from fl_lightning.server_optimizers import ServerOptimizer, ServerSGD
 
 
@@ -271,9 +271,9 @@ def _build_and_train(settings: RunSettings, checked: FitConfig, resume_state: Op
         tags=run_tags({"method": method, "constraint": type(constraint).__name__ if constraint else "none",
                        "dataset": data.name, "alpha": str(data.alpha), "model": model.name}, logger.tags),
     )
-    run = build_run(settings, out_dir=out_dir, run_id=identity.run_id, hyperparameters=config,
-                    resume_state=resume_state)
-    module, rounds = run.module, settings.federation.rounds
+    inputs = rank_inputs(settings, out_dir=out_dir, run_id=identity.run_id, hyperparameters=config,
+                         resume_state=resume_state)
+    module, rounds = inputs.module, settings.federation.rounds
     if resume_state is not None and run_is_over(resume_state, rounds):
         if launching:
             _complete_logs_of_finished_run(logger, out_dir, identity, config, resume_state, rounds)
@@ -288,7 +288,7 @@ def _build_and_train(settings: RunSettings, checked: FitConfig, resume_state: Op
     # Ranks return nothing: a spawned rank's return value travels through a pipe that a model
     # would block. The final model is the last checkpoint, always written at the end.
     with _threads_of_started_ranks(threads):
-        engine.launch(_train_and_record, run, threads)
+        engine.launch(_train_and_record, inputs, threads)
     final = torch.load(checkpoint_dir(out_dir) / LAST, map_location="cpu", weights_only=False)
     module.load_state_dict(final["model"])
     return FlatLayout.of(module.named_parameters()).flatten(dict(module.named_parameters()))
@@ -329,16 +329,15 @@ def _complete_logs_of_finished_run(logger: LoggerArgs, out_dir: Path, identity: 
         wandb.finish(state["metrics"])
 
 
-# `run` is a federation.FederatedRun, left unannotated: federation imports Lightning, which parsing
-# and refusing a command line need not wait for, and jsonargparse, reading fit's signature, runs
-# the imports of this module's `if TYPE_CHECKING:` block.
-def _train_and_record(fabric, run, threads: Optional[ThreadChoice]) -> None:
-    from fl_lightning.federation import train
+def _train_and_record(fabric, inputs: RankInputs, threads: Optional[ThreadChoice]) -> None:
+    # The loop imports Lightning, which parsing and refusing a command line need not wait for.
+    from fl_lightning.federation.loop import train
 
-    with contextlib.nullcontext() if threads is None else cpu_rank(threads, run.hyperparameters["fabric"]["precision"]):
+    precision = inputs.settings.fabric.precision
+    with contextlib.nullcontext() if threads is None else cpu_rank(threads, precision):
         if fabric.global_rank == 0:
-            _write_run_files(run)
-        train(fabric, run)
+            _write_run_files(inputs)
+        train(fabric, inputs)
         # Lightning closes an NCCL process group when the process exits but leaves a gloo one to the
         # interpreter's teardown, where its threads can abort a rank after the run has finished.
         if torch.distributed.is_initialized():
@@ -371,17 +370,17 @@ def _threads_of_started_ranks(threads: Optional[ThreadChoice]):
             os.environ["OMP_NUM_THREADS"] = before
 
 
-def _write_run_files(run) -> None:
-    out = run.out_dir
-    write_text_atomically(out / CONFIG_FILE, yaml.safe_dump(run.hyperparameters, sort_keys=False))
+def _write_run_files(inputs: RankInputs) -> None:
+    out, data = inputs.out_dir, inputs.data
+    write_text_atomically(out / CONFIG_FILE, yaml.safe_dump(inputs.hyperparameters, sort_keys=False))
     write_text_atomically(out / "partition.json",
-                          json.dumps({str(i): p.tolist() for i, p in enumerate(run.partition)}))
-    if run.validation is not None:
+                          json.dumps({str(i): p for i, p in enumerate(as_lists(data.partition))}))
+    if data.validation is not None:
         write_text_atomically(out / VALIDATION_FILE,
-                              json.dumps({str(i): p for i, p in enumerate(as_lists(run.validation))}))
+                              json.dumps({str(i): p for i, p in enumerate(as_lists(data.validation))}))
     # A resumed run has the partition it started with (fit refuses a changed one), and its plot.
-    if run.resume_state is None or not (out / PARTITION_PLOT).is_file():
-        histogram = class_histogram(run.train.labels.numpy(), run.partition, run.train.num_classes)
+    if inputs.resume_state is None or not (out / PARTITION_PLOT).is_file():
+        histogram = class_histogram(data.train.labels.numpy(), data.partition, data.train.num_classes)
         plot_partition(histogram, out / PARTITION_PLOT)
 
 

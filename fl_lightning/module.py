@@ -1,7 +1,7 @@
 """The client's model logic as a LightningModule: the loss and the evaluation metrics.
 
 Algorithms never re-implement the loss: they evaluate `training_step` at parameters of their own
-choosing through `torch.func.functional_call` (see `fl_lightning.clients.trainer`).
+choosing through `torch.func.functional_call` (see `fl_lightning.federation.trainer`).
 """
 
 from __future__ import annotations

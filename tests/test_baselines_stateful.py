@@ -16,10 +16,12 @@ from fl_lightning.algorithms.moon import MOON
 from fl_lightning.algorithms.scaffold import SCAFFOLD
 from fl_lightning.checkpoint import load_checkpoint
 from fl_lightning.clients.run import CLIENT_STREAM, batch_positions, seeded_generator
-from fl_lightning.clients.trainer import LocalSettings, LocalTrainer, TrainingData
 from fl_lightning.config import ClientOptimizerArgs, FabricArgs, FederationArgs, ModelArgs
 from fl_lightning.errors import ConfigError
-from fl_lightning.federation import FlatGlobalModel, sample_clients
+from fl_lightning.federation.aggregation import sample_clients
+from fl_lightning.federation.global_state import FlatGlobalModel
+from fl_lightning.federation.setup import RunSettings
+from fl_lightning.federation.trainer import LocalTrainer, TrainingData
 from fl_lightning.fit import fit
 from fl_lightning.models import FeatureClassifier, create_model
 from fl_lightning.module import ClassificationModule
@@ -298,9 +300,10 @@ def test_moon_represents_the_global_and_previous_models_in_eval_mode():
 
     fabric = Fabric(accelerator="cpu", devices=1, precision="32-true")
     federation = FederationArgs(num_clients=1, clients_per_round=1, local_epochs=epochs, batch_size=num_samples)
+    settings = RunSettings(algorithm, federation=federation, client_optimizer=ClientOptimizerArgs(lr=lr), seed=SEED)
     trainer = LocalTrainer(fabric, module, TrainingData(inputs, labels, UnchangedFeatures()), model,
-                           [torch.arange(num_samples)], LocalSettings(SEED, federation, ClientOptimizerArgs(lr=lr)))
-    client = trainer.client_run(0, 1, {"previous_model": previous_params.clone(),
+                           [torch.arange(num_samples)], settings)
+    client = trainer.client_round(0, 1, {"previous_model": previous_params.clone(),
                                        "previous_buffers": previous_buffers.clone()})
     local = model.params - algorithm.client_update(client)[PSEUDO_GRADIENT]
 

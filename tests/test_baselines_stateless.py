@@ -17,7 +17,7 @@ from fl_lightning.algorithms.fedsam import FedSAM
 from fl_lightning.clients.run import CLIENT_STREAM, batch_positions, seeded_generator
 from fl_lightning.config import ClientOptimizerArgs, ModelArgs
 from fl_lightning.errors import ConfigError
-from fl_lightning.federation import sample_clients
+from fl_lightning.federation.aggregation import sample_clients
 from fl_lightning.fit import fit
 from fl_lightning.run_logging import read_metrics
 from fl_lightning.server_optimizers import FedAdam, ServerSGD

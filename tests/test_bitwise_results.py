@@ -177,10 +177,10 @@ def server_step_too_long(original):
 def test_a_wrong_rule_is_far_outside_the_tolerance(wrong_rule, tmp_path, monkeypatch):
     """FedAvg weighting its clients uniformly instead of by their samples (a difference of 1.7e-2 here),
     and a server step 1.0001 times too long (1.1e-5): both are refused on any machine."""
-    from fl_lightning import federation
+    from fl_lightning.federation import loop
 
     if wrong_rule == "uniform weights":
-        monkeypatch.setattr(federation, "aggregation_weights", uniform_aggregation)
+        monkeypatch.setattr(loop, "aggregation_weights", uniform_aggregation)
     else:
         monkeypatch.setattr(FedAvg, "server_update", server_step_too_long(FedAvg.server_update))
     comparison = compare(final_model(tmp_path / "fedavg", "fedavg"), recorded_models()["fedavg"])

@@ -17,7 +17,7 @@ from fl_lightning.checkpoint import checkpoint_dir, numbered_checkpoints
 from fl_lightning.cli.main import main
 from fl_lightning.cli.parser import build_parser
 from fl_lightning.constraints import CONST
-from fl_lightning.federation import clients_of_rank, sample_clients
+from fl_lightning.federation.aggregation import clients_of_rank, sample_clients
 from fl_lightning.fit import _as_config
 from fl_lightning.run_logging import read_metrics
 

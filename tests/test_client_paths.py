@@ -14,8 +14,8 @@ import torch
 from lightning.fabric import Fabric
 from torch import nn
 
-import fl_lightning.clients.groups as client_groups
-import fl_lightning.clients.paths as client_paths
+import fl_lightning.federation.client_paths as client_paths
+import fl_lightning.federation.groups as client_groups
 from fl_lightning.algorithms import (
     CTPFL,
     MOON,
@@ -32,15 +32,16 @@ from fl_lightning.algorithms.base import PSEUDO_GRADIENT
 from fl_lightning.callbacks import Callback
 from fl_lightning.checkpoint import LAST, checkpoint_dir
 from fl_lightning.cli.main import main
-from fl_lightning.clients.paths import ClientPath, Grouping, group_size_for, uses_grouped_path
-from fl_lightning.clients.trainer import LocalSettings, LocalTrainer, TrainingData
 from fl_lightning.config import ClientOptimizerArgs, ComputeArgs, DataArgs, FederationArgs
 from fl_lightning.constraints import CONST
 from fl_lightning.data import ImageDataset
-from fl_lightning.federation import FederatedLoop, FlatGlobalModel
+from fl_lightning.federation.client_paths import ClientPath, Grouping, group_size_for, uses_grouped_path
+from fl_lightning.federation.global_state import FlatGlobalModel
+from fl_lightning.federation.loop import FederatedLoop
+from fl_lightning.federation.setup import RunData, RunSettings, rank_inputs
+from fl_lightning.federation.trainer import LocalTrainer, TrainingData
 from fl_lightning.models import FeatureClassifier
 from fl_lightning.module import ClassificationModule
-from fl_lightning.run_setup import RunData, RunSettings, build_run
 from fl_lightning.server_optimizers import ServerSGD
 
 QUICKSTART = str(Path(__file__).parent.parent / "configs" / "quickstart.yaml")
@@ -100,7 +101,7 @@ def federated_loop(algorithm_name: str, *, batch_norm: bool, client_path: str, l
         compute=ComputeArgs(client_path=client_path, group_size=group_size, channels_last=channels_last,
                             compile=compile_steps),
     )
-    run = build_run(settings, out_dir=Path("unused"), run_id="test", hyperparameters={},
+    run = rank_inputs(settings, out_dir=Path("unused"), run_id="test", hyperparameters={},
                     data=RunData(dataset, dataset, partition), network=network)
     return FederatedLoop(Fabric(accelerator="cpu", devices=1, precision=precision, callbacks=callbacks), run)
 
@@ -408,7 +409,7 @@ def test_channels_last_images_give_the_same_model():
     settings = dict(algorithm_name="fedavg", batch_norm=True, local_steps=2, client_path="loop")
     plain = federated_loop(**settings)
     channels_last = federated_loop(**settings, channels_last=True)
-    client = channels_last.trainer.client_run(0, 0, {})
+    client = channels_last.trainer.client_round(0, 0, {})
     inputs, _ = next(client.batches())
     assert inputs.is_contiguous(memory_format=torch.channels_last) and not inputs.is_contiguous()
     assert_same_run(rounds_of(channels_last), rounds_of(plain))
@@ -437,7 +438,7 @@ def test_a_tied_weight_gets_the_gradient_of_both_uses():
     expected = torch.autograd.grad(loss, list(module.parameters()))
     model = FlatGlobalModel.bind(module, torch.device("cpu"))
     trainer = LocalTrainer(Fabric(accelerator="cpu", devices=1), module, TrainingData(inputs, labels, None), model, [],
-                           LocalSettings(0, FederationArgs(), ClientOptimizerArgs()))
+                           RunSettings(FedAvg()))
     _, gradient = trainer.loss_and_grad(model.params, model.buffers, (inputs, labels))
     torch.testing.assert_close(gradient, torch.cat([g.reshape(-1) for g in expected]))
 

@@ -51,7 +51,7 @@ def quadratic_loop(span: float, callbacks: list, weight_decay: float = 0.0, serv
                                   partition, CTPFL(span=span, weight_decay=weight_decay), callbacks, local_steps=4,
                                   batch_size=2, server_lr=server_lr,
                                   module_type=partial(QuadraticModule, hessian=HESSIAN))
-    centres = loop.test_transform(images).flatten(1).double()
+    centres = loop.evaluation.test_transform(images).flatten(1).double()
     # F = (1/N) sum_i F_i (uniform weights, CTP-FL's default): grad F(z) = A (z - mean of client means).
     mean_centre = torch.stack([centres[p].mean(0) for p in partition]).mean(0)
     return fabric, loop, mean_centre
@@ -67,7 +67,7 @@ def augmented_ctpfl_client():
     module, images, labels, partition, _ = tiny_network_problem()
     _, loop = federated_loop(module, images, labels, partition, CTPFL(), [], local_steps=5, batch_size=4,
                              augment=True, num_classes=3)
-    return loop, loop.trainer.client_run(2, 7, {}), partition
+    return loop, loop.trainer.client_round(2, 7, {}), partition
 
 
 def test_batches_looked_at_again_are_the_clients_own_and_leave_its_generator_alone():
@@ -98,12 +98,13 @@ def test_what_a_diagnostic_asks_a_client_leaves_its_round_as_it_was():
     assert torch.equal(loop.global_model.buffers, global_buffers)
     # Batches drawn at the training positions from a generator where training's stood after the
     # batch order are the training batches: drawn as training draws them.
-    generator = seeded_generator(loop.run.seed, CLIENT_STREAM, 7, 2)
+    generator = seeded_generator(loop.inputs.settings.seed, CLIENT_STREAM, 7, 2)
     batch_positions(client.num_samples, 4, 5, None, generator)
     for (inputs, targets), (drawn, drawn_targets) in zip(trained, client.draw_batches(client.execution.positions,
                                                                                       generator)):
         assert torch.equal(inputs, drawn) and torch.equal(targets, drawn_targets)
-    assert torch.equal(client.generator(1001).get_state(), seeded_generator(loop.run.seed, 1001, 7, 2).get_state())
+    seed = loop.inputs.settings.seed
+    assert torch.equal(client.generator(1001).get_state(), seeded_generator(seed, 1001, 7, 2).get_state())
     assert torch.equal(client.execution.generator.get_state(), state)
     assert loop.trainer.training_pool().tolist() == sorted(int(i) for part in partition for i in part)
 

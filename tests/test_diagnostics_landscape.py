@@ -27,10 +27,10 @@ from fl_lightning.diagnostics.landscape import (
     power_extremes,
 )
 from fl_lightning.errors import ConfigError
-from fl_lightning.federation import FederatedLoop
+from fl_lightning.federation.loop import FederatedLoop
+from fl_lightning.federation.setup import RunData, RunSettings, rank_inputs
 from fl_lightning.module import ClassificationModule
 from fl_lightning.run_logging import read_metrics
-from fl_lightning.run_setup import RunData, RunSettings, build_run
 from fl_lightning.server_optimizers import ServerSGD
 
 QUICKSTART = str(Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml")
@@ -85,7 +85,7 @@ def federated_loop(network: nn.Module, images: torch.Tensor, labels: torch.Tenso
         data=DataArgs(augment=augment, crop_padding=1), client_optimizer=ClientOptimizerArgs(lr=0.1),
         seed=seed, compute=ComputeArgs(client_path=client_path),
     )
-    run = build_run(settings, out_dir=Path("unused"), run_id="test", hyperparameters={},
+    run = rank_inputs(settings, out_dir=Path("unused"), run_id="test", hyperparameters={},
                     data=RunData(dataset, test_set, partition), network=network, module_type=module_type)
     fabric = Fabric(accelerator="cpu", devices=1, callbacks=callbacks)
     return fabric, FederatedLoop(fabric, run)
@@ -224,7 +224,7 @@ def test_landscape_of_a_tiny_batchnorm_network_matches_autograd_hessian(split, h
     fabric, loop = federated_loop(network, images, labels, partition, FedAvg(), [landscape], num_classes=3, test=test)
     inputs, subset_labels = landscape.subset(loop)
     assert len(subset_labels) == 20
-    pool = loop.test_transform(test[0] if split == "test" else images)
+    pool = loop.evaluation.test_transform(test[0] if split == "test" else images)
     assert (inputs[:, None] == pool[None]).flatten(2).all(2).any(1).all()  # drawn from the split asked for
     hessian = exact_hessian(loop, inputs, subset_labels)
     spectrum = torch.linalg.eigvalsh(hessian.double())

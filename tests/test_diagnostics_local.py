@@ -82,7 +82,7 @@ class StubTrainer:
 
 
 class StubClient:
-    """What a diagnostic asks of a client (`ClientRun`'s methods for diagnostics), on the stub's data."""
+    """What a diagnostic asks of a client (`ClientRound`'s methods for diagnostics), on the stub's data."""
 
     def __init__(self, trainer: StubTrainer, client_id: int, round_index: int, params: torch.Tensor, projection):
         self.trainer, self.client_id, self.round, self.global_params = trainer, client_id, round_index, params
@@ -104,7 +104,7 @@ class StubClient:
 def stub_loop(params: torch.Tensor, rounds: int = ROUNDS):
     layout = FlatLayout(("layer.weight", "layer.bias"), (torch.Size([2, 2]), torch.Size([1])))
     federation = SimpleNamespace(num_clients=NUM_CLIENTS, batch_size=1)
-    return SimpleNamespace(rounds=rounds, run=SimpleNamespace(federation=federation),
+    return SimpleNamespace(rounds=rounds, inputs=SimpleNamespace(settings=SimpleNamespace(federation=federation)),
                            global_model=SimpleNamespace(param_layout=layout, params=params,
                                                         buffer_layout=FlatLayout((), ())))
 

@@ -23,7 +23,7 @@ from fl_lightning.experiments.local import Resources
 from fl_lightning.experiments.plan import load_plan
 from fl_lightning.experiments.resolve import resolve_grid
 from fl_lightning.experiments.step_costs import StepCost, Stretch
-from fl_lightning.federation import sample_clients
+from fl_lightning.federation.aggregation import sample_clients
 from fl_lightning.models import create_model
 
 REPOSITORY = Path(__file__).resolve().parents[1]

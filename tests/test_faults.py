@@ -388,9 +388,10 @@ def test_bad_input_in_a_real_process(tmp_path):
 KILL_ROUND = 4
 KILL_DRIVER = """
 import os, signal, sys
-from fl_lightning import federation, run_logging
+from fl_lightning import run_logging
+from fl_lightning.federation.loop import FederatedLoop
 target, when, kill_round = sys.argv[1], sys.argv[2], int(sys.argv[3])
-owner = {"save": (federation.FederatedLoop, "save_checkpoint"), "metrics": (run_logging.MetricsLog, "append"),
+owner = {"save": (FederatedLoop, "save_checkpoint"), "metrics": (run_logging.MetricsLog, "append"),
          "wandb": (run_logging.WandbRun, "log")}[target]
 original = getattr(*owner)
 

@@ -7,7 +7,7 @@ from reference import SEED, LinearProblem, assert_close, small_setup
 
 from fl_lightning.algorithms import CTPFL, FedAvg
 from fl_lightning.config import ClientOptimizerArgs
-from fl_lightning.federation import sample_clients
+from fl_lightning.federation.aggregation import sample_clients
 from fl_lightning.fit import fit
 from fl_lightning.server_optimizers import ServerSGD
 

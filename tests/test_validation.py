@@ -17,7 +17,6 @@ import yaml
 from reference import LinearProblem, small_setup
 from wandb_records import summary
 
-from fl_lightning import run_setup
 from fl_lightning.algorithms import FedAvg
 from fl_lightning.callbacks import Callback
 from fl_lightning.cli.main import main
@@ -28,6 +27,7 @@ from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.dashboard import dashboard
 from fl_lightning.experiments.plan import load_plan
 from fl_lightning.experiments.table import table
+from fl_lightning.federation import setup as federation_setup
 from fl_lightning.fit import fit
 from fl_lightning.metric_names import Best, best_round
 from fl_lightning.run_dir import check_same_experiment, experiment_digest, recorded_config
@@ -166,7 +166,7 @@ def test_a_resume_checks_the_held_out_samples(cifar_root, tmp_path, monkeypatch)
         training, validation = hold_out_validation(parts, fraction, seed)
         return training, [part[:-1] for part in validation]
 
-    monkeypatch.setattr(run_setup, "hold_out_validation", one_sample_fewer)
+    monkeypatch.setattr(federation_setup, "hold_out_validation", one_sample_fewer)
     with pytest.raises(ConfigError, match="the same validation samples"):
         fit(algorithm=FedAvg(), **setup)
     monkeypatch.undo()

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from fl_lightning.choices import Weighting
-from fl_lightning.clients import Batch, ClientRun
+from fl_lightning.clients import Batch, ClientRound
 from fl_lightning.config import FederationArgs
 from fl_lightning.configurable import Configurable
 from fl_lightning.server_optimizers import ServerOptimizer
@@ -88,7 +88,7 @@ class Algorithm(Configurable):
         callback that reads them (`on_client_end`)."""
         return False
 
-    def client_update(self, client: ClientRun) -> dict[str, torch.Tensor]:
+    def client_update(self, client: ClientRound) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
     def server_update(self, params: torch.Tensor, aggregate: dict[str, torch.Tensor]) -> None:
@@ -113,7 +113,7 @@ class Algorithm(Configurable):
 Direction = Callable[[torch.Tensor, torch.Tensor, Batch], torch.Tensor]
 
 
-def train_locally(client: ClientRun, direction: Optional[Direction] = None) -> torch.Tensor:
+def train_locally(client: ClientRound, direction: Optional[Direction] = None) -> torch.Tensor:
     """The local SGD loop shared by the local-update methods: returns the final local model y.
 
     `direction(y, g, batch)` (optional) turns each mini-batch gradient g at y into what the local

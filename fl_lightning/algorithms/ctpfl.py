@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 
 from fl_lightning.algorithms.base import PSEUDO_GRADIENT, Algorithm
-from fl_lightning.clients import ClientRun, clip_to_norm
+from fl_lightning.clients import ClientRound, clip_to_norm
 from fl_lightning.config import FederationArgs
 from fl_lightning.errors import ConfigError
 from fl_lightning.server_optimizers import ServerSGD
@@ -84,7 +84,7 @@ class CTPFL(Algorithm):
         # u_i is affine in the client's gradients at points all clients share; clipping is not.
         return self.clip_norm is None
 
-    def client_update(self, client: ClientRun) -> dict[str, torch.Tensor]:
+    def client_update(self, client: ClientRound) -> dict[str, torch.Tensor]:
         """The query points are the same for every client, so in the grouped path (`compute.client_path`)
         the clients of a rank evaluate each of them in one pass over their concatenated batches,
         each normalising with its own batch statistics; fused (`fuses_clients`), that pass has one

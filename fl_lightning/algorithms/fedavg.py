@@ -9,12 +9,12 @@ from __future__ import annotations
 import torch
 
 from fl_lightning.algorithms.base import PSEUDO_GRADIENT, Algorithm, train_locally
-from fl_lightning.clients import ClientRun
+from fl_lightning.clients import ClientRound
 
 
 class FedAvg(Algorithm):
     short_name = "fedavg"
 
-    def client_update(self, client: ClientRun) -> dict[str, torch.Tensor]:
+    def client_update(self, client: ClientRound) -> dict[str, torch.Tensor]:
         local_params = train_locally(client)
         return {PSEUDO_GRADIENT: client.global_params - local_params}

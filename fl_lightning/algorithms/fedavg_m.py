@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from fl_lightning.algorithms.base import PSEUDO_GRADIENT, Algorithm, train_locally
-from fl_lightning.clients import ClientRun
+from fl_lightning.clients import ClientRound
 from fl_lightning.errors import ConfigError
 
 MEAN_LOCAL_STEP = "mean_local_step"
@@ -50,7 +50,7 @@ class FedAvgMomentum(Algorithm):
     def initial_server_state(self, num_params: int, device: torch.device) -> dict[str, torch.Tensor]:
         return {"global_direction": torch.zeros(num_params, device=device)}
 
-    def client_update(self, client: ClientRun) -> dict[str, torch.Tensor]:
+    def client_update(self, client: ClientRound) -> dict[str, torch.Tensor]:
         global_share = (1 - self.gradient_weight) * self.server_state["global_direction"]
         local_params = train_locally(
             client, direction=lambda _, gradient, __: self.gradient_weight * gradient + global_share

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from fl_lightning.algorithms.base import PSEUDO_GRADIENT, Algorithm, train_locally
-from fl_lightning.clients import ClientRun
+from fl_lightning.clients import ClientRound
 from fl_lightning.errors import ConfigError
 
 SERVER_H = "h"
@@ -44,7 +44,7 @@ class FedDyn(Algorithm):
     def initial_server_state(self, num_params: int, device: torch.device) -> dict[str, torch.Tensor]:
         return {SERVER_H: torch.zeros(num_params, device=device)}
 
-    def client_update(self, client: ClientRun) -> dict[str, torch.Tensor]:
+    def client_update(self, client: ClientRound) -> dict[str, torch.Tensor]:
         global_params = client.global_params
         client_h = client.state.get(CLIENT_H, torch.zeros_like(global_params))
         local_params = train_locally(

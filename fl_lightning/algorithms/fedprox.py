@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from fl_lightning.algorithms.base import PSEUDO_GRADIENT, Algorithm, train_locally
-from fl_lightning.clients import ClientRun
+from fl_lightning.clients import ClientRound
 from fl_lightning.errors import ConfigError
 
 
@@ -22,7 +22,7 @@ class FedProx(Algorithm):
             raise ConfigError("algorithm.init_args.mu", "a value >= 0", mu)
         self.mu = mu
 
-    def client_update(self, client: ClientRun) -> dict[str, torch.Tensor]:
+    def client_update(self, client: ClientRound) -> dict[str, torch.Tensor]:
         global_params = client.global_params
         local_params = train_locally(
             client, direction=lambda params, gradient, _: gradient + self.mu * (params - global_params)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from fl_lightning.algorithms.base import PSEUDO_GRADIENT, Algorithm, train_locally
-from fl_lightning.clients import Batch, ClientRun
+from fl_lightning.clients import Batch, ClientRound
 from fl_lightning.errors import ConfigError
 
 
@@ -23,7 +23,7 @@ class FedSAM(Algorithm):
             raise ConfigError("algorithm.init_args.rho", "a value >= 0", rho)
         self.rho = rho
 
-    def client_update(self, client: ClientRun) -> dict[str, torch.Tensor]:
+    def client_update(self, client: ClientRound) -> dict[str, torch.Tensor]:
         def gradient_at_ascent_point(params: torch.Tensor, gradient: torch.Tensor, batch: Batch) -> torch.Tensor:
             ascent = self.rho / (gradient.norm() + 1e-12) * gradient
             # Not a training step: BatchNorm statistics and the recorded loss stay the first pass's.

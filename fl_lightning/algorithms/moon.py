@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fl_lightning.algorithms.base import PSEUDO_GRADIENT, Algorithm, train_locally
-from fl_lightning.clients import PADDING_LABEL, Batch, ClientRun
+from fl_lightning.clients import PADDING_LABEL, Batch, ClientRound
 from fl_lightning.errors import ConfigError
 from fl_lightning.models import FeatureClassifier
 
@@ -98,7 +98,7 @@ class MOON(Algorithm):
     def prepare_model(self, network: nn.Module) -> nn.Module:
         return ProjectedClassifier(network, self.projection_dim)
 
-    def client_update(self, client: ClientRun) -> dict[str, torch.Tensor]:
+    def client_update(self, client: ClientRound) -> dict[str, torch.Tensor]:
         # The buffers as received (training replaces client.buffers): the global model's.
         global_model = (client.global_params, client.buffers.clone())
         previous_model = client.state.get(PREVIOUS_MODEL)
@@ -114,7 +114,7 @@ class MOON(Algorithm):
         client.state[PREVIOUS_BUFFERS] = client.buffers.clone()
         return {PSEUDO_GRADIENT: client.global_params - local_params}
 
-    def contrastive_gradient(self, client: ClientRun, params: torch.Tensor,
+    def contrastive_gradient(self, client: ClientRound, params: torch.Tensor,
                              global_model: tuple[torch.Tensor, torch.Tensor],
                              previous_model: tuple[torch.Tensor, torch.Tensor], batch: Batch) -> torch.Tensor:
         """The gradient of mu * the contrastive loss at `params` on `batch`'s images; `global_model` and

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from fl_lightning.algorithms.base import PSEUDO_GRADIENT, Algorithm, train_locally
-from fl_lightning.clients import ClientRun
+from fl_lightning.clients import ClientRound
 
 CONTROL = "control"
 CONTROL_DELTA = "control_delta"
@@ -52,7 +52,7 @@ class SCAFFOLD(Algorithm):
     def initial_server_state(self, num_params: int, device: torch.device) -> dict[str, torch.Tensor]:
         return {CONTROL: torch.zeros(num_params, device=device)}
 
-    def client_update(self, client: ClientRun) -> dict[str, torch.Tensor]:
+    def client_update(self, client: ClientRound) -> dict[str, torch.Tensor]:
         server_control = self.server_state[CONTROL]
         client_control = client.state.get(CONTROL, torch.zeros_like(server_control))
         drift_correction = server_control - client_control
@@ -62,7 +62,7 @@ class SCAFFOLD(Algorithm):
         client.state[CONTROL] = new_client_control
         return {PSEUDO_GRADIENT: model_change, CONTROL_DELTA: new_client_control - client_control}
 
-    def step_length(self, client: ClientRun) -> float:
+    def step_length(self, client: ClientRound) -> float:
         """K_i * lr, or with `effective_steps` the momentum-aware distance per unit direction."""
         args = client.optimizer_args
         if self.effective_steps:

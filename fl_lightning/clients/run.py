@@ -1,4 +1,4 @@
-"""What a client's local update works with (`ClientRun`): its mini-batch stream, the loss and its
+"""What a client's local update works with (`ClientRound`): its mini-batch stream, the loss and its
 gradient at any parameters, and an explicit local SGD.
 
 Everything a client draws comes from a generator seeded by (seed, round, client), never by rank,
@@ -9,17 +9,37 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Protocol
 
 import numpy as np
 import torch
 
 from fl_lightning.config import ClientOptimizerArgs
 
-if TYPE_CHECKING:
-    from fl_lightning.clients.trainer import LocalTrainer
-
 Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class ClientTrainer(Protocol):
+    """What a `ClientRound` asks of the rank's trainer (fl_lightning.federation.trainer.LocalTrainer):
+    its batches, and the module's loss, gradient and features at flat parameters."""
+
+    seed: int
+    """The run's seed, which every client's stream of draws starts from."""
+    global_buffers: torch.Tensor
+    """The global model's float buffers (BatchNorm running statistics), read only."""
+
+    def make_batches(self, sample_indices: torch.Tensor, positions: list[torch.Tensor],
+                     generator: torch.Generator) -> list[Batch]: ...
+
+    def loss_grad_and_buffers(self, params: torch.Tensor, buffers: torch.Tensor, batch: Batch, functional: bool = False,
+                              client_weights: Optional[torch.Tensor] = None
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+    def loss_and_grad(self, params: torch.Tensor, buffers: torch.Tensor, batch: Batch
+                      ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def features(self, params: torch.Tensor, buffers: torch.Tensor, inputs: torch.Tensor,
+                 training: bool = True) -> torch.Tensor: ...
 
 
 # Separate streams, so that a client's batches never share random numbers with client sampling.
@@ -111,13 +131,13 @@ group's): F.cross_entropy's default ignore_index, so losses average over the cli
 
 @dataclass
 class Execution:
-    """How a `ClientRun`'s passes are computed: by which trainer, on which of the client's samples
-    in which order, and, in a group (`fl_lightning.clients.groups`), how: under `torch.func.vmap`
-    (`vectorised`, with `active_steps`) or fused (`client_weights`). Made by `LocalTrainer.client_run`
+    """How a `ClientRound`'s passes are computed: by which trainer, on which of the client's samples
+    in which order, and, in a group (`fl_lightning.federation.groups`), how: under `torch.func.vmap`
+    (`vectorised`, with `active_steps`) or fused (`client_weights`). Made by `LocalTrainer.client_round`
     and by the grouped path; algorithms never read it."""
 
-    trainer: "LocalTrainer"
-    """The rank's trainer that built the run (shared by the round's clients on this rank)."""
+    trainer: ClientTrainer
+    """The rank's trainer that built the round (shared by the round's clients on this rank)."""
     sample_indices: torch.Tensor
     """The client's training-set indices."""
     positions: list[torch.Tensor]
@@ -137,14 +157,14 @@ class Execution:
     """In a group whose clients differ in steps: which steps this client takes (`LocalSGD`)."""
 
     def made_batches(self) -> list[Batch]:
-        """The batches, made on first use (see `ClientRun.batches`)."""
+        """The batches, made on first use (see `ClientRound.batches`)."""
         if self.batches is None:
             self.batches = self.trainer.make_batches(self.sample_indices, self.positions, self.generator)
         return self.batches
 
 
 @dataclass
-class ClientRun:
+class ClientRound:
     """One client's share of one round.
 
     Algorithms read and write it the same way whether it runs alone or, in the grouped path, as
@@ -228,13 +248,13 @@ class ClientRun:
         buffers; this client's buffers and losses stay as they are. E.g. the gradient at the
         global model on a batch the client trained on (`batches`)."""
         trainer = self.execution.trainer
-        return trainer.loss_and_grad(params, trainer.global_model.buffers, batch)[1]
+        return trainer.loss_and_grad(params, trainer.global_buffers, batch)[1]
 
     def generator(self, stream: int) -> torch.Generator:
         """A generator for the client's draws of this round in `stream`, seeded by (the run's seed,
         `stream`, round, client) as its training stream is (`CLIENT_STREAM`): the same on any number
         of ranks, and advancing no stream of training. Streams from 1000 up are the diagnostics'."""
-        return seeded_generator(self.execution.trainer.settings.seed, stream, self.round, self.client_id)
+        return seeded_generator(self.execution.trainer.seed, stream, self.round, self.client_id)
 
     def draw_batches(self, positions: list[torch.Tensor], generator: torch.Generator) -> list[Batch]:
         """Batches of the client's own samples: one per tensor of `positions` (places in its sample

@@ -25,12 +25,12 @@ import torch
 
 from fl_lightning.algorithms.base import PSEUDO_GRADIENT
 from fl_lightning.algorithms.ctpfl import CTPFL
-from fl_lightning.clients import ClientRun
+from fl_lightning.clients import ClientRound
 from fl_lightning.diagnostics.base import Diagnostic
 from fl_lightning.errors import ConfigError
 
 
-def gradient_at_global_model(client: ClientRun, algorithm: CTPFL) -> torch.Tensor:
+def gradient_at_global_model(client: ClientRound, algorithm: CTPFL) -> torch.Tensor:
     """(1/K) sum_k g_i(x; B_ik): the client's gradient at the global model x on each batch it used
     at the query points, computed as CTP-FL computes its (training mode, so BatchNorm normalises
     with each batch's statistics, from the global buffers; the same weight decay)."""

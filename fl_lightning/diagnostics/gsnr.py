@@ -3,7 +3,7 @@
 
 `GradientVariance` and `GSNR` draw extra mini-batches from each of the round's clients, on the
 rank that trained it, and take the loss gradient at the global model x the client started from
-(`ClientRun.gradient_at`). They change nothing the run depends on:
+(`ClientRound.gradient_at`). They change nothing the run depends on:
 - the samples and their augmentation come from a generator of their own, seeded by (seed,
   stream, round, client) like the training streams but with a stream number of its own, so they
   are the same for any number of ranks and never advance a training stream;
@@ -100,7 +100,7 @@ class GradientVariance(RoundSums):
         return loop.global_model.param_layout.numel + 3
 
     def add(self, sums, loop, client, uploads, weight) -> None:
-        batch_size = self.batch_size or loop.run.federation.batch_size
+        batch_size = self.batch_size or loop.inputs.settings.federation.batch_size
         moments = gradient_moments(client, self.num_batches, batch_size, GRADIENT_VARIANCE_STREAM, sums.dtype,
                                    self.projected)
         if moments is None:

@@ -173,13 +173,12 @@ class Landscape(Diagnostic):
         if self.split == "train":
             pool = loop.trainer.training_pool()
         else:
-            pool = torch.arange(len(loop.test_labels))
+            pool = torch.arange(loop.evaluation.test_size)
         chosen = pool[torch.randperm(len(pool), generator=seeded_generator(self.seed, SUBSET_STREAM))[
             : self.subset_size]].sort().values
         if self.split == "train":
             return loop.trainer.training_batch(chosen)
-        chosen = chosen.to(loop.test_images.device)
-        return loop.test_transform(loop.test_images[chosen]), loop.test_labels[chosen]
+        return loop.evaluation.test_batch(chosen)
 
     def measure(self, loop) -> dict[str, float]:
         """The metrics for the loop's global model now (this rank alone)."""

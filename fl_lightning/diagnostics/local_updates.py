@@ -87,10 +87,10 @@ class ClientDrift(RoundSums):
     number of clients, so the maximum over all ranks comes out of the same sum."""
 
     def size(self, loop) -> int:
-        return 2 * loop.run.federation.num_clients
+        return 2 * loop.inputs.settings.federation.num_clients
 
     def add(self, sums, loop, client, uploads, weight) -> None:
-        num_clients = loop.run.federation.num_clients
+        num_clients = loop.inputs.settings.federation.num_clients
         sums[client.client_id] = _upload(uploads, sums.dtype).norm()
         sums[num_clients + client.client_id] = weight
 

@@ -183,8 +183,8 @@ def units_per_round(cost: StepCost, data: DataArgs, federation: FederationArgs, 
     """One rank's work in a round of a point, in its kind's units, over the point's first rounds: the
     local steps of the rank's clients on the loop path, its longest client's on the grouped path
     (where a group steps as long as its longest client)."""
-    from fl_lightning.federation import clients_of_rank, sample_clients
-    from fl_lightning.run_setup import split_over_clients
+    from fl_lightning.federation.aggregation import clients_of_rank, sample_clients
+    from fl_lightning.federation.setup import split_over_clients
 
     partition, _ = split_over_clients(cost.train_labels, data, federation.num_clients, seed)
     steps = [client_steps(federation, len(part)) for part in partition]

@@ -8,7 +8,7 @@ and the precision (`kind_of`). Not the values of the algorithm's or the local op
 over clients, their number or their local budget: those decide how many steps a round takes
 (estimate.py counts them for every point), not what one costs.
 
-A kind is timed at its first grid point, assembled as `fit` assembles it (`build_run`) into one
+A kind is timed at its first grid point, assembled as `fit` assembles it (`rank_inputs`) into one
 rank's loop (`FederatedLoop`) on the device and with the CPU threads of a sweep run:
 
 - a warm-up round of one local step for each timed client: the first call of every code path
@@ -44,9 +44,9 @@ from fl_lightning.config import FederationArgs
 from fl_lightning.cpu import choose_threads
 from fl_lightning.experiments.local import Resources, run_environment
 from fl_lightning.experiments.resolve import ResolvedPoint, fit_parser
+from fl_lightning.federation.setup import RunSettings, rank_inputs
 from fl_lightning.fit import fit_config
 from fl_lightning.run_dir import flatten
-from fl_lightning.run_setup import RunSettings, build_run
 
 TIMED_SECONDS = 2.0
 """Wall seconds of local steps timed per kind, after its warm-up round."""
@@ -134,8 +134,8 @@ def client_steps(federation: FederationArgs, num_samples: int) -> int:
 
 def time_kind(entry: ResolvedPoint, machine: Resources, out_dir: Path) -> StepCost:
     """Time the kind of `entry`'s steps here (see the module docstring), with `machine`'s device and threads."""
-    from fl_lightning.clients.paths import uses_grouped_path
-    from fl_lightning.federation import FederatedLoop
+    from fl_lightning.federation.client_paths import uses_grouped_path
+    from fl_lightning.federation.loop import FederatedLoop
 
     arguments = fit_parser().instantiate(entry.settings).fit
     arguments.pop("config", None)
@@ -151,9 +151,9 @@ def time_kind(entry: ResolvedPoint, machine: Resources, out_dir: Path) -> StepCo
     callers_threads = torch.get_num_threads()
     try:
         loop = FederatedLoop(_fabric(machine, settings.fabric.precision),
-                             build_run(dataclasses.replace(settings, federation=timed_federation), out_dir=out_dir,
+                             rank_inputs(dataclasses.replace(settings, federation=timed_federation), out_dir=out_dir,
                                        run_id="estimate", hyperparameters=checked.config))
-        most_steps = max(client_steps(federation, len(part)) for part in loop.run.partition)
+        most_steps = max(client_steps(federation, len(part)) for part in loop.inputs.data.partition)
         threads = _run_threads(settings, machine, loop.module)
         return _time_loop(loop, grouped, device, most_steps, federation.rounds, threads)
     finally:
@@ -198,7 +198,7 @@ def _time_loop(loop, grouped: bool, device: torch.device, most_steps: int, round
     holding = max(len(states), 1)
     return StepCost(grouped=grouped, stateful=loop.stateful, work=work, timed=timed, peak_bytes=peak,
                     checkpoint_bytes=checkpoint, state_bytes_per_client=state_bytes / holding,
-                    shard_bytes_per_client=shards / holding, train_labels=loop.run.train.labels.numpy())
+                    shard_bytes_per_client=shards / holding, train_labels=loop.inputs.data.train.labels.numpy())
 
 
 def _timed_rounds(loop, steps: int, threads: int, once: bool = False) -> Stretch:
@@ -207,7 +207,7 @@ def _timed_rounds(loop, steps: int, threads: int, once: bool = False) -> Stretch
     trainer = loop.trainer
     federation = dataclasses.replace(trainer.settings.federation, local_steps=steps, local_epochs=None)
     trainer.settings = dataclasses.replace(trainer.settings, federation=federation)
-    units = steps if loop.client_path.grouped else steps * loop.run.federation.clients_per_round
+    units = steps if loop.client_path.grouped else steps * loop.inputs.settings.federation.clients_per_round
     torch.set_num_threads(threads)
     stretch = Stretch()
     while True:

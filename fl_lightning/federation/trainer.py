@@ -1,11 +1,11 @@
-"""The rank's trainer: builds its clients' `ClientRun`s and evaluates the module's loss, its gradient
+"""The rank's trainer: builds its clients' `ClientRound`s and evaluates the module's loss, its gradient
 and its features at arbitrary flat parameters, the module's own tensors replaced by views of them
 (`torch.func.functional_call`), so one client or, under vmap, a group of clients computes alike.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional
 
 import numpy as np
@@ -16,14 +16,13 @@ from torch.func import functional_call
 from fl_lightning.clients.run import (
     CLIENT_STREAM,
     Batch,
-    ClientRun,
+    ClientRound,
     Execution,
     batch_positions,
     differentiate,
     seeded_generator,
 )
-from fl_lightning.config import ClientOptimizerArgs, ComputeArgs, FederationArgs
-from fl_lightning.constraints import Constraint
+from fl_lightning.federation.setup import RunSettings
 
 if TYPE_CHECKING:  # fl_lightning.module imports Lightning, which the command line need not wait for
     from fl_lightning.module import ClassificationModule
@@ -37,17 +36,6 @@ class TrainingData:
     labels: torch.Tensor
     transform: Callable
     """`fl_lightning.data.DeviceTransform` (or anything called as it is: images, crops=None)."""
-
-
-@dataclass
-class LocalSettings:
-    """The run's settings that its clients' local updates read."""
-
-    seed: int
-    federation: FederationArgs
-    optimizer: ClientOptimizerArgs
-    constraint: Optional[Constraint] = None
-    compute: ComputeArgs = field(default_factory=ComputeArgs)
 
 
 class ForwardFeaturesCall(nn.Module):
@@ -64,10 +52,10 @@ class ForwardFeaturesCall(nn.Module):
 
 
 class LocalTrainer:
-    """Builds `ClientRun`s on one rank and evaluates the module's loss at arbitrary flat parameters."""
+    """Builds `ClientRound`s on one rank and evaluates the module's loss at arbitrary flat parameters."""
 
     def __init__(self, fabric, module: ClassificationModule, data: TrainingData, global_model,
-                 partition: list[np.ndarray], settings: LocalSettings):
+                 partition: list[np.ndarray], settings: RunSettings):
         """Everything that stays the same for the whole run: the rank's copy of the training data,
         the global model (`fl_lightning.federation.FlatGlobalModel`: flat tensors the server updates
         in place), each client's sample indices (`partition`) and the run's settings."""
@@ -91,6 +79,14 @@ class LocalTrainer:
         # where a tensor is registered under two names.
         self.tied_weights = (len(list(module.named_parameters(remove_duplicate=False)))
                              != len(list(module.named_parameters())))
+
+    @property
+    def seed(self) -> int:
+        return self.settings.seed
+
+    @property
+    def global_buffers(self) -> torch.Tensor:
+        return self.global_model.buffers
 
     def make_batches(self, sample_indices: torch.Tensor, positions: list[torch.Tensor], generator: torch.Generator
                      ) -> list[Batch]:
@@ -162,7 +158,7 @@ class LocalTrainer:
         # running statistics it computes are dropped (the CE pass already counted this batch).
         return self._call_with_buffers(self.features_call, params, buffers, inputs, training)[0].float()
 
-    def client_run(self, client_id: int, round_index: int, state: dict[str, torch.Tensor]) -> ClientRun:
+    def client_round(self, client_id: int, round_index: int, state: dict[str, torch.Tensor]) -> ClientRound:
         """The client's share of round `round_index`, starting from the global model and `state`.
         Everything it draws comes from one stream: its batch order, then its augmentations."""
         settings, global_model = self.settings, self.global_model
@@ -174,14 +170,14 @@ class LocalTrainer:
         constraint = settings.constraint
         projection = None if constraint is None else constraint.projection(global_model.params,
                                                                            global_model.param_layout)
-        return ClientRun(
+        return ClientRound(
             client_id=client_id,
             round=round_index,
             num_samples=len(sample_indices),
             global_params=global_model.params,
             buffers=global_model.buffers.clone(),
             state=state,
-            optimizer_args=settings.optimizer,
+            optimizer_args=settings.client_optimizer,
             projection=projection,
             num_steps=len(positions),
             execution=Execution(self, sample_indices, positions, generator),

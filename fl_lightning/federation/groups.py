@@ -1,14 +1,14 @@
 """How a rank computes its clients' updates: one after another, or grouped.
 
 Grouped, a rank's clients advance in lockstep: the algorithm's own `client_update` runs once,
-under `torch.func.vmap`, on a `ClientRun` whose tensors are the group's stacked ones (buffers,
+under `torch.func.vmap`, on a `ClientRound` whose tensors are the group's stacked ones (buffers,
 state, batches); the global model and the server state stay shared. So a local-update method's
 forward and backward passes batch over the clients' parameters, and CTP-FL's, whose clients query
 the same points, become one pass over the concatenated batches. No algorithm has code of its own
 for this: what vmap cannot run (`.item()`, branching on values) has no place in a client rule.
 
 Where the algorithm allows it (`Algorithm.fuses_clients`: CTP-FL), a group is fused: the rule runs
-once, without vmap around it, on a `ClientRun` whose every gradient is the weighted mean of the
+once, without vmap around it, on a `ClientRound` whose every gradient is the weighted mean of the
 group's (`Execution.client_weights`), one backward pass over the concatenated batches. Each client
 of the group then contributes the group's mean upload, which the aggregation weighs with the
 client's weight, so the sum over the group is the same. A client's own upload is computed, alone on
@@ -33,16 +33,16 @@ import torch
 from torch import nn
 
 from fl_lightning.algorithms.base import Algorithm
-from fl_lightning.clients.paths import ClientPath, Grouping
-from fl_lightning.clients.run import PADDING_LABEL, ClientRun
+from fl_lightning.clients.run import PADDING_LABEL, ClientRound
+from fl_lightning.federation.client_paths import ClientPath, Grouping
 
 Uploads = Mapping[str, torch.Tensor]
-Update = tuple[ClientRun, Uploads, Uploads]
+Update = tuple[ClientRound, Uploads, Uploads]
 Updates = Iterator[Update]
-GroupRun = Callable[[Algorithm, list[ClientRun]], list[Update]]
+GroupRun = Callable[[Algorithm, list[ClientRound]], list[Update]]
 
 
-def client_updates(algorithm: Algorithm, clients: Iterable[ClientRun], path: ClientPath,
+def client_updates(algorithm: Algorithm, clients: Iterable[ClientRound], path: ClientPath,
                    weights: dict[int, float]) -> Updates:
     """Each of one rank's clients this round with what it contributes to the aggregation and its own
     uploads (the same, unless fused), computed as `path` says: in the order given, or group by
@@ -70,7 +70,8 @@ def _has_batch_statistics(module: nn.Module) -> bool:
     return any(isinstance(layer, nn.modules.batchnorm._BatchNorm) for layer in module.modules())
 
 
-def _groups(clients: list[ClientRun], group_size: Optional[int], equal_steps: bool = False) -> list[list[ClientRun]]:
+def _groups(clients: list[ClientRound], group_size: Optional[int], equal_steps: bool = False
+            ) -> list[list[ClientRound]]:
     """Clients that can share a group: the same state entries (an algorithm may branch on whether a
     client has trained before), with BatchNorm the same batch sizes, and fused (`equal_steps`, where
     no step can be masked) the same number of steps. Within that, a group holds at most `group_size`
@@ -79,13 +80,13 @@ def _groups(clients: list[ClientRun], group_size: Optional[int], equal_steps: bo
     if not clients:
         return []
     pad = not _has_batch_statistics(clients[0].execution.trainer.module)
-    kinds: dict[tuple, list[ClientRun]] = {}
+    kinds: dict[tuple, list[ClientRound]] = {}
     for client in sorted(clients, key=lambda c: -c.num_steps):
         sizes = None if pad else tuple(client.batch_sizes)
         steps = client.num_steps if equal_steps else None
         kinds.setdefault((tuple(sorted(client.state)), sizes, steps), []).append(client)
     size = group_size or len(clients)
-    groups: list[list[ClientRun]] = []
+    groups: list[list[ClientRound]] = []
     for kind in kinds.values():
         groups.append([kind[0]])
         for client in kind[1:]:
@@ -97,7 +98,7 @@ def _groups(clients: list[ClientRun], group_size: Optional[int], equal_steps: bo
     return groups
 
 
-def _group_updates(algorithm: Algorithm, group: list[ClientRun], run_group: GroupRun) -> Updates:
+def _group_updates(algorithm: Algorithm, group: list[ClientRound], run_group: GroupRun) -> Updates:
     if len(group) == 1:
         yield _alone(algorithm, group[0])
         return
@@ -120,12 +121,12 @@ def _group_updates(algorithm: Algorithm, group: list[ClientRun], run_group: Grou
     yield from results
 
 
-def _alone(algorithm: Algorithm, client: ClientRun) -> Update:
+def _alone(algorithm: Algorithm, client: ClientRound) -> Update:
     uploads = algorithm.client_update(client)
     return client, uploads, uploads
 
 
-def _run_group(algorithm: Algorithm, group: list[ClientRun]) -> list[Update]:
+def _run_group(algorithm: Algorithm, group: list[ClientRound]) -> list[Update]:
     """Every client of `group` updated together; writes each client's state, buffers and losses
     back as if it had run alone, and returns its uploads."""
     first = group[0]
@@ -159,7 +160,7 @@ def _run_group(algorithm: Algorithm, group: list[ClientRun]) -> list[Update]:
     return results
 
 
-def _run_fused(algorithm: Algorithm, group: list[ClientRun], weights: dict[int, float]) -> list[Update]:
+def _run_fused(algorithm: Algorithm, group: list[ClientRound], weights: dict[int, float]) -> list[Update]:
     """`group` as one fused client (equal steps, stateless): writes each client's buffers and losses
     back as if it had run alone; each contributes the group's `weights`-weighted mean uploads."""
     first = group[0]
@@ -183,7 +184,7 @@ class OwnUploads(Mapping):
     """A fused client's own uploads, computed on first access: its rule run alone from its start of
     the round on the same batches, leaving the global random stream as it was (dropout)."""
 
-    def __init__(self, algorithm: Algorithm, start: ClientRun):
+    def __init__(self, algorithm: Algorithm, start: ClientRound):
         self._algorithm, self._start = algorithm, start
         self._uploads: Optional[dict[str, torch.Tensor]] = None
 
@@ -204,7 +205,7 @@ class OwnUploads(Mapping):
         return len(self._computed())
 
 
-def _stacked_batches(group: list[ClientRun], steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _stacked_batches(group: list[ClientRound], steps: int) -> tuple[torch.Tensor, torch.Tensor]:
     """[clients, steps, batch, ...] images and labels; a client's shorter batches are padded with
     `PADDING_LABEL` samples, and its steps beyond its own repeat its first batch (masked)."""
     batch_size = max(size for client in group for size in client.batch_sizes)

@@ -1,8 +1,9 @@
-"""A federated run assembled from its settings: the clients' data (loaded and split as `fit` does,
-or given), the initial model (created from the seed, then prepared by the algorithm and the
-constraint) and the server optimizer the algorithm steps with (`Algorithm.server_optimizer_for`).
-`fit`, the benchmarks and the tests build every `FederatedRun` through `build_run`, so that what
-they train is the algorithm they name.
+"""A run's settings (`RunSettings`, the one value `fit` builds and hands down whole) and what a rank
+is given to run the federation (`RankInputs`): the settings beside what their assembly made, the
+clients' data (loaded and split as `fit` does, or given), the initial model (created from the seed,
+then prepared by the algorithm and the constraint) and the server optimizer the algorithm steps with
+(`Algorithm.server_optimizer_for`). `fit`, the benchmarks and the tests assemble every rank's inputs
+through `rank_inputs`, so that what they train is the algorithm they name.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ from fl_lightning.models import create_model
 from fl_lightning.server_optimizers import ServerOptimizer, ServerSGD
 
 if TYPE_CHECKING:
-    from fl_lightning.federation import FederatedRun
     from fl_lightning.module import ClassificationModule
 
 
@@ -68,17 +68,32 @@ class RunData:
     validation: Optional[list[np.ndarray]] = None
 
 
-def build_run(settings: RunSettings, *, out_dir: Path, run_id: str, hyperparameters: dict,
-              resume_state: Optional[dict] = None, data: Optional[RunData] = None,
-              network: Optional[nn.Module] = None,
-              module_type: Optional[Callable[[nn.Module, int], ClassificationModule]] = None) -> FederatedRun:
-    """The run of these settings. `data` replaces the dataset that settings.data names and its split
-    (the caller's data is not checked against the federation); `network` replaces the model that
-    settings.model names, already initialised by the caller, and is prepared all the same;
-    `module_type` (network, num_classes) -> module replaces ClassificationModule (a module whose
+@dataclass
+class RankInputs:
+    """Everything a rank needs to run the federation (picklable, for spawned ranks)."""
+
+    settings: RunSettings
+    server_optimizer: ServerOptimizer
+    """The server optimizer the algorithm steps with (`Algorithm.server_optimizer_for` of the configured one)."""
+    module: ClassificationModule
+    data: RunData
+    out_dir: Path
+    run_id: str
+    hyperparameters: dict
+    """The run's settings as config.yaml and the checkpoints record them."""
+    resume_state: Optional[dict] = None
+
+
+def rank_inputs(settings: RunSettings, *, out_dir: Path, run_id: str, hyperparameters: dict,
+                resume_state: Optional[dict] = None, data: Optional[RunData] = None,
+                network: Optional[nn.Module] = None,
+                module_type: Optional[Callable[[nn.Module, int], ClassificationModule]] = None) -> RankInputs:
+    """What a rank of a run of these settings is given. `data` replaces the dataset that settings.data
+    names and its split (the caller's data is not checked against the federation); `network` replaces
+    the model that settings.model names, already initialised by the caller, and is prepared all the
+    same; `module_type` (network, num_classes) -> module replaces ClassificationModule (a module whose
     training_step computes another loss)."""
-    # Both import Lightning, which parsing and refusing a command line need not wait for.
-    from fl_lightning.federation import FederatedRun
+    # It imports Lightning, which parsing and refusing a command line need not wait for.
     from fl_lightning.module import ClassificationModule
 
     algorithm, constraint = settings.algorithm, settings.constraint
@@ -92,14 +107,9 @@ def build_run(settings: RunSettings, *, out_dir: Path, run_id: str, hyperparamet
                               type(constraint).__name__)
         constraint.prepare_model(network)
     module = (module_type or ClassificationModule)(network, data.train.num_classes)
-    return FederatedRun(
-        algorithm=algorithm, server_optimizer=algorithm.server_optimizer_for(settings.server_optimizer), module=module,
-        train=data.train, test=data.test, partition=data.partition, validation=data.validation,
-        federation=settings.federation, data=settings.data, client_optimizer=settings.client_optimizer,
-        checkpoint_keep=settings.checkpoint.keep, seed=settings.seed, out_dir=out_dir, run_id=run_id,
-        hyperparameters=hyperparameters, constraint=constraint, resume_state=resume_state,
-        compute=settings.compute,
-    )
+    return RankInputs(settings=settings, server_optimizer=algorithm.server_optimizer_for(settings.server_optimizer),
+                      module=module, data=data, out_dir=out_dir, run_id=run_id, hyperparameters=hyperparameters,
+                      resume_state=resume_state)
 
 
 def initial_network(model: ModelArgs, train: ImageDataset, seed: int) -> nn.Module:

@@ -1,0 +1,74 @@
+"""A round's clients and their aggregation: who takes part (the same draw on every rank, for any
+number of ranks), which rank computes each, with what weight, and the one flat buffer that one
+all-reduce(sum) aggregates, stop requests riding on it."""
+
+from __future__ import annotations
+
+import torch
+
+from fl_lightning.algorithms import Algorithm
+from fl_lightning.clients.run import SAMPLING_STREAM, seeded_generator
+
+
+def sample_clients(seed: int, round_index: int, num_clients: int, clients_per_round: int) -> list[int]:
+    """The round's clients: the same draw on every rank and for any number of ranks."""
+    generator = seeded_generator(seed, SAMPLING_STREAM, round_index)
+    return sorted(torch.randperm(num_clients, generator=generator)[:clients_per_round].tolist())
+
+
+def aggregation_weights(clients: list[int], sizes: list[int], weighting: str) -> dict[int, float]:
+    if weighting == "uniform":
+        return {c: 1.0 / len(clients) for c in clients}
+    total = sum(sizes[c] for c in clients)
+    return {c: sizes[c] / total for c in clients}
+
+
+def clients_of_rank(clients: list[int], rank: int, world_size: int, stateful: bool) -> list[int]:
+    """Stateful clients stay with their owner rank (client id mod world size), where their state
+    lives; stateless clients are dealt round-robin so ranks get nearly equal shares."""
+    if stateful:
+        return [c for c in clients if c % world_size == rank]
+    return clients[rank::world_size]
+
+
+STOP_REQUESTED = "stop_requested"
+REQUEUE_REQUESTED = "requeue_requested"
+
+
+def stop_vote(asked_final: list[bool], world_size: int) -> int:
+    """A rank's entry in the stop slot: 0 when it asks nothing, 1 for an interruption, and more than
+    every rank's interruptions together for a final stop, so that the slot's sum over the ranks says
+    both whether any rank asked to stop (> 0) and whether any asked for a final stop (`is_final_vote`)."""
+    if not asked_final:
+        return 0
+    return world_size + 1 if any(asked_final) else 1
+
+
+def is_final_vote(total: float, world_size: int) -> bool:
+    return total > world_size
+
+
+class UploadBuffer:
+    """The flat buffer one all-reduce sums: weighted uploads, float buffers, summed uploads, the
+    weighted training loss, the ranks' stop votes (`stop_vote`) and the number of ranks asked to
+    requeue (a preemption signal), in that order. Riding on the aggregation, a stop request needs no
+    collective of its own."""
+
+    def __init__(self, algorithm: Algorithm, num_params: int, num_buffers: int, device: torch.device):
+        self.sections: list[tuple[str, int, bool]] = (
+            [(name, num_params, True) for name in algorithm.weighted_uploads]
+            + [("buffers", num_buffers, True)]
+            + [(name, num_params, False) for name in algorithm.summed_uploads]
+            + [("train_loss", 1, True), (STOP_REQUESTED, 1, False), (REQUEUE_REQUESTED, 1, False)]
+        )
+        self.flat = torch.zeros(sum(size for _, size, _ in self.sections), device=device)
+        self._views = dict(zip([n for n, _, _ in self.sections], self.flat.split([s for _, s, _ in self.sections])))
+        self._weighted = {n for n, _, w in self.sections if w}
+
+    def add(self, values: dict[str, torch.Tensor], weight: float) -> None:
+        for name, value in values.items():
+            self._views[name].add_(value, alpha=weight if name in self._weighted else 1.0)
+
+    def reduced(self, fabric) -> dict[str, torch.Tensor]:
+        total = fabric.all_reduce(self.flat, reduce_op="sum") if fabric.world_size > 1 else self.flat
+        return dict(zip([n for n, _, _ in self.sections], total.split([s for _, s, _ in self.sections])))
