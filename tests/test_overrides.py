@@ -113,6 +113,37 @@ def test_a_variant_lives_apart_and_never_mixes_with_the_plan_in_a_table(tmp_path
     assert f"finished  {base_dir}" in out
 
 
+@pytest.mark.slow
+def test_an_override_that_restates_what_every_point_has_is_the_plans_own_runs(tmp_path, capsys, monkeypatch):
+    # A user's 2-round override of a 2-round plan, data.validation=0 (the same run as none), the alpha of
+    # its one column: no variant, so the finished run is found, swept as finished and tabulated.
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    path = write_plan(tmp_path / "plan.yaml")
+    runs = tmp_path / "runs"
+    (point,) = load_plan(path, runs_root=runs).grid()
+    fl_lightning_main(point.fit_arguments())
+    accuracy = 100 * read_metrics(point.out_dir)[-1]["test_accuracy"]
+    restating = [["federation.rounds=2"], ["data.validation=0"], ["data.alpha=0.5"],
+                 ["federation.rounds=2", "data.validation=0", "data.root=elsewhere"]]
+    for overrides in restating:
+        result = table(plan=str(path), runs_root=runs, override=overrides)
+        assert not result.notes
+        assert [cell.values for cell in result.cells.values()] == [[accuracy]]
+        assert dashboard(path, offline=True, runs_root=runs, override=overrides)["plan"] == "tiny"
+    capsys.readouterr()
+    fl_lightning_main(["sweep", str(path), "--runs_root", str(runs), "--override", "federation.rounds=2",
+                       "--override", "data.root=elsewhere"])
+    out = capsys.readouterr().out
+    assert out.startswith("overrides federation.rounds=2, data.root=elsewhere: the plan's own runs (federation."
+                          "rounds=2: what every point has already; the others do not change the experiment)")
+    assert "[0] skipped, finished" in out and sorted(path.name for path in runs.iterdir()) == ["tiny"]
+    # With an override that changes a point, the variant is named for that one alone.
+    fl_lightning_main(["sweep", str(path), "--runs_root", str(runs), "--override", "federation.rounds=2",
+                       "--override", "federation.local_steps=2", "--list"])
+    variant = load_plan(path, overrides=["federation.local_steps=2"]).name
+    assert variant.startswith("tiny@local_steps2-") and f"plan variant {variant} of tiny " in capsys.readouterr().out
+
+
 def test_the_dashboard_of_a_variant_shows_the_variants_runs(tmp_path, capsys):
     path = write_plan(tmp_path / "plan.yaml")
     spec = dashboard(path, offline=True, runs_root=tmp_path / "runs", override=["federation.rounds=1"])

@@ -53,7 +53,7 @@ from typing import Literal, Optional
 from fl_lightning.atomic_files import write_text_atomically
 from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.plan import Plan, load_plan
-from fl_lightning.experiments.resolve import check_grid, check_overrides, resolve_grid
+from fl_lightning.experiments.resolve import check_grid, resolve_variant
 from fl_lightning.experiments.table_sources import setting_label
 from fl_lightning.metric_names import (
     CLIENT_VAL_ACCURACY_MEAN,
@@ -264,8 +264,7 @@ def _runs_settings(plan: Plan) -> _RunsSettings:
     """The W&B projects and modes of the plan's runs and the callbacks they turn on, from each point's
     settings resolved as `fit` resolves them (nothing is trained); a plan with a point `fit` would
     refuse, or with overrides that `check_overrides` refuses, is refused."""
-    resolved = resolve_grid(plan.grid())
-    check_overrides(plan, resolved)
+    resolved = resolve_variant(plan)
     check_grid(plan.path, resolved)
     callbacks: list[str] = []
     for entry in resolved:

@@ -20,6 +20,12 @@ checkpoints, compute, ...) keep the plan's name and folders, except `federation.
 continue a run, but a table reports the accuracy at the plan's rounds, so other rounds are another
 table.
 
+An override that restates what every grid point already has (`federation.rounds=3` of a 3-round
+plan, `data.validation=0`) names no variant: the plan's own runs are swept and tabulated
+(`fl_lightning.experiments.resolve.resolve_variant`, decided from every point's resolved settings).
+A variant's table says so in its caption, table.csv and plot, and its folder holds `variant.yaml`:
+the plan file and the overrides that make it.
+
 An override of a setting that a setting axis or a method sets (every column or row would train its
 value under its own label), or one that `fit` refuses at a point, is refused by sweep, table and
 dashboard alike: `fl_lightning.experiments.resolve.check_overrides`.
@@ -30,10 +36,13 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import shlex
+from pathlib import Path
 from typing import Any, Optional
 
 import yaml
 
+from fl_lightning.atomic_files import write_text_atomically
 from fl_lightning.errors import ConfigError
 from fl_lightning.run_dir import is_safe_to_change
 from fl_lightning.yaml_text import load_yaml
@@ -101,3 +110,21 @@ def value_text(value: Any) -> str:
 
 def describe_overrides(overrides: dict[str, Any]) -> str:
     return ", ".join(f"{key}={value_text(value)}" for key, value in overrides.items())
+
+
+VARIANT_FILE = "variant.yaml"
+
+
+def write_variant_file(folder: Path, variant: str, plan_files: list[Path], overrides: dict[str, Any]) -> Path:
+    """`folder`/variant.yaml: which plan file(s) and which overrides make the variant whose runs (or
+    table) the folder holds, and the sweep command that trains them."""
+    sweeps = [shlex.join(["fl-lightning", "sweep", str(path), *(f"--override={key}={value_text(value)}"
+                                                               for key, value in overrides.items())])
+              for path in plan_files]
+    text = ("# A plan variant: the plan's grid with these overrides applied last to every point (--override),\n"
+            "# not the plan's own settings.\n"
+            + yaml.safe_dump({"variant": variant, "plan_files": [str(path) for path in plan_files],
+                              "overrides": overrides, "sweep": sweeps}, sort_keys=False, allow_unicode=True))
+    folder.mkdir(parents=True, exist_ok=True)
+    write_text_atomically(folder / VARIANT_FILE, text)
+    return folder / VARIANT_FILE

@@ -37,7 +37,7 @@ from typing import Any, Optional, Union
 import yaml
 
 from fl_lightning.errors import ConfigError
-from fl_lightning.experiments.overrides import parse_overrides, value_text, variant_name
+from fl_lightning.experiments.overrides import changes_the_experiment, parse_overrides, value_text, variant_name
 from fl_lightning.experiments.resources import PlanResources, read_resources
 from fl_lightning.metric_names import TEST_ACCURACY
 from fl_lightning.yaml_text import load_yaml
@@ -103,6 +103,22 @@ class Plan:
     """The command line's --override, applied last to every point; `name` is then the variant's."""
     base_name: str = ""
     """The plan file's own name (`name` without the variant)."""
+    restated: frozenset[str] = frozenset()
+    """Overrides that restate what every point already has (resolve.resolve_variant): they name no variant."""
+
+    @property
+    def variant_overrides(self) -> dict[str, Any]:
+        """The overrides that make this plan a variant of its file's ({} for the plan's own runs)."""
+        return {key: value for key, value in self.overrides.items()
+                if key not in self.restated and changes_the_experiment(key)}
+
+    def restate(self, keys: set[str]) -> bool:
+        """Name the plan for its overrides but `keys`, which change nothing at any point; True when
+        that renames it (its points' folders and W&B names are then the new name's)."""
+        self.restated = frozenset(keys)
+        name = variant_name(self.base_name, {k: v for k, v in self.overrides.items() if k not in self.restated})
+        renamed, self.name = name != self.name, name
+        return renamed
 
     def grid(self) -> list[GridPoint]:
         """Every run, settings outermost, then methods, then seeds (seeds of a cell are neighbours)."""

@@ -107,10 +107,36 @@ def check_grid(plan: Path, resolved: list[ResolvedPoint]) -> None:
                           [refusal(entry) for entry in broken])
 
 
-def check_overrides(plan: Plan, resolved: list[ResolvedPoint]) -> None:
+def resolve_variant(plan: Plan, resolver: Optional[GridResolver] = None) -> list[ResolvedPoint]:
+    """Every grid point of `plan` resolved with the plan's overrides, once the plan is named for those
+    that change a point (Plan.restate) and they are checked (check_overrides): how `sweep`, `table`
+    and `dashboard` begin a plan given with `--override`.
+
+    An override that restates, at every point, what the point resolves to without the overrides
+    (`federation.rounds=3` of a 3-round plan; `data.validation=0`, which `fit` reads as null) changes
+    no run: it names no variant, so the plan's own runs are the ones swept and tabulated. The seeds of
+    a setting and method differ in their seed alone, so the first seed's points stand for them all."""
+    resolver = resolver or GridResolver()
+    resolved = [resolver.resolve(point) for point in plan.grid()]
+    if not plan.overrides:
+        return resolved
+    own = GridResolver()
+    pairs = [(entry, own.resolve(dataclasses.replace(entry.point, overrides={}))) for entry in resolved
+             if entry.point.seed == plan.seeds[0]]
+    restated = {key for key in plan.overrides
+                if all(entry.config is not None and plain.config is not None
+                       and _value(entry.config, key) == _value(plain.config, key) for entry, plain in pairs)}
+    if plan.restate(restated):
+        resolved = [resolver.resolve(point) for point in plan.grid()]
+    check_overrides(plan, resolved, own)
+    return resolved
+
+
+def check_overrides(plan: Plan, resolved: list[ResolvedPoint], own: Optional[GridResolver] = None) -> None:
     """Refuse the plan's overrides (`--override`, applied last to every point) where a table, a
     dashboard or the runs of the variant would belong to no experiment of the plan; `resolved` holds
-    every point, resolved with them. Refused, in `sweep`, `table` and `dashboard` alike:
+    every point, resolved with them, and `own` resolves points without them. Overrides that restate
+    what every point has (Plan.restated) are not refused. Refused, in `sweep`, `table` and `dashboard` alike:
 
     - an override of a setting that a setting axis or a method sets: every column (or row) would
       train the override's value under the label of its own. An axis or a method sets it when its
@@ -120,13 +146,14 @@ def check_overrides(plan: Plan, resolved: list[ResolvedPoint]) -> None:
       accepts: the variant's runs could never be trained, and a table of them would show none."""
     if not plan.overrides:
         return
-    own = GridResolver()
+    own = own or GridResolver()
 
     def without_overrides(point: GridPoint) -> ResolvedPoint:
         return own.resolve(dataclasses.replace(point, overrides={}))
 
     first_seed = [without_overrides(entry.point) for entry in resolved if entry.point.seed == plan.seeds[0]]
-    collisions = {key: setters for key in plan.overrides if (setters := _set_by(plan, key, first_seed))}
+    collisions = {key: setters for key in plan.overrides
+                  if key not in plan.restated and (setters := _set_by(plan, key, first_seed))}
     if collisions:
         reasons = "; ".join(f"{key} is set by {' and by '.join(setters)}" for key, setters in collisions.items())
         raise ConfigError("override", f"settings that no setting axis or method of the plan sets ({reasons}: each "

@@ -32,16 +32,15 @@ from fl_lightning.experiments import resources
 from fl_lightning.experiments.data_check import check_datasets
 from fl_lightning.experiments.estimate import estimate_plan
 from fl_lightning.experiments.local import run_locally
-from fl_lightning.experiments.overrides import describe_overrides
+from fl_lightning.experiments.overrides import describe_overrides, write_variant_file
 from fl_lightning.experiments.plan import GridPoint, Plan, load_plan
 from fl_lightning.experiments.progress import RunLeft, duration, seconds_left
 from fl_lightning.experiments.resolve import (
     PlanRefused,
     ResolvedPoint,
     check_grid,
-    check_overrides,
     describe_point,
-    resolve_grid,
+    resolve_variant,
 )
 from fl_lightning.experiments.runs import RunState, other_experiment, run_state
 from fl_lightning.experiments.slurm import submit, write_fit_config
@@ -103,10 +102,10 @@ def sweep(
     points = loaded.grid()
     check_options(Path(plan), len(points), list=list, index=index, slurm=slurm, fit_config=fit_config,
                   estimate=estimate)
+    resolved = resolve_variant(loaded)
+    points = [entry.point for entry in resolved]  # in the variant's folders, named once its overrides are settled
     if not fit_config:  # its output is the config's path alone, read by slurm/sweep.sbatch
         describe_variant(loaded, options.runs_root)
-    resolved = resolve_grid(points)
-    check_overrides(loaded, resolved)
     if list:
         list_points(resolved)
         return
@@ -123,6 +122,8 @@ def sweep(
     chosen = resolved if index is None else [resolved[index]]
     states = read_states(chosen)
     check_folders(Path(plan), chosen, states)
+    if loaded.variant_overrides and not (fit_config or dry_run):
+        write_variant_file(options.runs_root / loaded.name, loaded.name, [Path(plan)], loaded.variant_overrides)
     if fit_config:
         print(write_fit_config(resolved[index]))
     elif slurm:
@@ -165,12 +166,15 @@ def check_options(plan: Path, size: int, *, list: bool, index: Optional[int], sl
 def describe_variant(plan: Plan, runs_root: Path) -> None:
     if not plan.overrides:
         return
-    if plan.name == plan.base_name:
-        print(f"overrides {describe_overrides(plan.overrides)}: the plan's own runs (no override changes the "
-              "experiment)", flush=True)
-    else:
+    if plan.name != plan.base_name:
         print(f"plan variant {plan.name} of {plan.base_name} ({describe_overrides(plan.overrides)}): its runs "
               f"in {runs_root / plan.name}", flush=True)
+        return
+    restated = {key: value for key, value in plan.overrides.items() if key in plan.restated}
+    why = [f"{describe_overrides(restated)}: what every point has already"] if restated else []
+    if len(restated) < len(plan.overrides):
+        why.append("the others do not change the experiment" if restated else "no override changes the experiment")
+    print(f"overrides {describe_overrides(plan.overrides)}: the plan's own runs ({'; '.join(why)})", flush=True)
 
 
 def read_states(resolved: list[ResolvedPoint]) -> dict[int, RunState]:

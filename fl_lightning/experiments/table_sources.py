@@ -17,7 +17,7 @@ from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.overrides import SET_BY_THE_PLAN, value_text
 from fl_lightning.experiments.plan import GridPoint, load_plan
 from fl_lightning.experiments.reference import paper_numbers
-from fl_lightning.experiments.resolve import GridResolver, accepted_config, check_overrides
+from fl_lightning.experiments.resolve import GridResolver, accepted_config, resolve_variant
 from fl_lightning.experiments.runs import find_runs, read_run
 from fl_lightning.metric_names import TEST_ACCURACY
 from fl_lightning.run_dir import defining_settings
@@ -86,10 +86,10 @@ def load_entries(plan: Union[str, list[str]], runs_root: Path, overrides: Option
 
 def _from_plan(path: Path, runs_root: Path, overrides: Optional[list[str]] = None) -> Loaded:
     plan = load_plan(path, runs_root=runs_root, overrides=overrides)
-    grid = plan.grid()
     resolver = GridResolver()
     if plan.overrides:  # checked at every point, those without runs too, as a sweep of them checks them
-        check_overrides(plan, [resolver.resolve(point) for point in grid])
+        resolve_variant(plan, resolver)
+    grid = plan.grid()
     settings = list(dict.fromkeys(point.setting_name for point in grid))
     axis_values = {axis: list(choices) for axis, choices in plan.settings.items()}
     labels = {point.setting_name: setting_label(point.setting, axis_values) for point in grid}
