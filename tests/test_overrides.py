@@ -2,6 +2,8 @@
 that changes the experiment makes a variant of the plan whose runs live apart and are tabulated
 apart, one that does not (data.root) keeps the plan's own runs."""
 
+import csv
+import io
 from pathlib import Path
 
 import pytest
@@ -97,6 +99,17 @@ def test_a_variant_lives_apart_and_never_mixes_with_the_plan_in_a_table(tmp_path
     assert variant_cell.values == [100 * read_metrics(variant_dir)[-1]["test_accuracy"]]
     assert not base_table.notes and not variant_table.notes
     assert (runs / "tiny" / "table.md").is_file() and (runs / variant.name / "table.md").is_file()
+    # The variant's table says its scale: in the caption, in table.csv, and in variant.yaml beside it.
+    markdown = (runs / variant.name / "table.md").read_text()
+    assert (f"Plan variant {variant.name}: the runs have federation.rounds=1 (--override), not the plan's own "
+            "settings.") in markdown.splitlines()
+    assert "Plan variant" not in (runs / "tiny" / "table.md").read_text()
+    (row,) = csv.DictReader(io.StringIO((runs / variant.name / "table.csv").read_text()))
+    assert (row["plan"], row["overrides"]) == (variant.name, "federation.rounds=1")
+    recorded = yaml.safe_load((runs / variant.name / "variant.yaml").read_text())
+    assert recorded == {"variant": variant.name, "plan_files": [str(path)], "overrides": {"federation.rounds": 1},
+                        "sweep": [f"fl-lightning sweep {path} --override=federation.rounds=1"]}
+    assert not (runs / "tiny" / "variant.yaml").exists()
 
     # On the command line, repeated; data.root does not change the experiment: the same variant.
     capsys.readouterr()
@@ -111,6 +124,10 @@ def test_a_variant_lives_apart_and_never_mixes_with_the_plan_in_a_table(tmp_path
     out = capsys.readouterr().out
     assert "overrides data.root=elsewhere: the plan's own runs (no override changes the experiment)" in out
     assert f"finished  {base_dir}" in out
+    # A sweep of the variant (here finding its run finished) writes variant.yaml into its folder too.
+    (runs / variant.name / "variant.yaml").unlink()
+    fl_lightning_main(["sweep", str(path), "--runs_root", str(runs), "--override", "federation.rounds=1"])
+    assert yaml.safe_load((runs / variant.name / "variant.yaml").read_text())["overrides"] == {"federation.rounds": 1}
 
 
 @pytest.mark.slow
@@ -127,7 +144,7 @@ def test_an_override_that_restates_what_every_point_has_is_the_plans_own_runs(tm
                  ["federation.rounds=2", "data.validation=0", "data.root=elsewhere"]]
     for overrides in restating:
         result = table(plan=str(path), runs_root=runs, override=overrides)
-        assert not result.notes
+        assert (result.plan, result.overrides, result.notes) == ("tiny", {}, [])
         assert [cell.values for cell in result.cells.values()] == [[accuracy]]
         assert dashboard(path, offline=True, runs_root=runs, override=overrides)["plan"] == "tiny"
     capsys.readouterr()

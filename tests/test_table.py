@@ -18,7 +18,7 @@ from fl_lightning.experiments.plan import load_plan
 from fl_lightning.experiments.plot import mean_curve
 from fl_lightning.experiments.resolve import resolve_grid
 from fl_lightning.experiments.runs import read_run, value_at
-from fl_lightning.experiments.table import table
+from fl_lightning.experiments.table import table, table_files
 from fl_lightning.experiments.table_cells import order_methods
 from fl_lightning.experiments.table_sources import setting_label
 from fl_lightning.metric_names import Best, best_round
@@ -124,11 +124,15 @@ def run_folder(plan_file: Path, setting: str, method: str, seed: int) -> Path:
 
 
 def run_table(plan_file: Path, *options: str) -> tuple[str, list[dict], Path]:
-    """`fl-lightning table`: (printed text, table.csv rows, output folder)."""
+    """`fl-lightning table`: (printed text, table.csv rows, output folder); the files of another metric
+    or `--at` than the plan's metric at the final round are named with them."""
     out = plan_file.parent / "out"
     main(["table", "--plan", str(plan_file), "--runs_root", str(plan_file.parent / "runs"), "--out", str(out),
           *options])
-    return (out / "table.md").read_text(), list(csv.DictReader(io.StringIO((out / "table.csv").read_text()))), out
+    metric, at = (options[options.index(option) + 1] if option in options else default
+                  for option, default in (("--metric", "test_accuracy"), ("--at", "final")))
+    files = table_files(out, metric, at, "test_accuracy")
+    return files["md"].read_text(), list(csv.DictReader(io.StringIO(files["csv"].read_text()))), out
 
 
 def rows_by_method(rows: list[dict]) -> dict[str, dict]:
@@ -357,6 +361,119 @@ def test_an_early_stopped_run_counts_as_finished_at_its_last_round(sweep):
     assert ("finished early (a final stop in its checkpoint), counted at its last round: "
             "alpha-0.1/FedAvg + CONST/seed1 (round 2/4)") in markdown
     assert "not counted, unfinished" not in markdown
+
+
+# --baseline: paired differences
+
+
+T_975 = {2: 4.302653, 3: 3.182446}
+"""Student's t, 0.975 quantile, by degrees of freedom (as statistics tables print it)."""
+# setting -> method -> seed -> final test accuracy; the baseline is fedavg.
+PAIRED_RUNS = {
+    "alpha-0.5": {"fedavg": {0: 0.60, 1: 0.62, 2: 0.58, 3: 0.64},
+                  "better": {0: 0.64, 1: 0.66, 2: 0.63, 3: 0.67},  # +4, +4, +5, +3 points: the interval excludes 0
+                  "same": {0: 0.61, 1: 0.60, 2: 0.60, 3: 0.63},  # +1, -2, +2, -1: it does not
+                  "extra": {0: 0.70, 1: 0.72, 2: 0.68, 3: 0.74, 4: 0.80}},  # +10 each, but seed 4 has no pair
+    "alpha-0.1": {"fedavg": {0: 0.40, 1: 0.42},
+                  "better": {0: 0.45, 1: 0.46},  # two pairs: no interval
+                  "extra": {0: 0.41, 1: 0.43, 2: 0.50}},  # two pairs and seed 2 unpaired; "same" has no run here
+}
+
+
+def write_paired_runs(root: Path) -> None:
+    for setting, methods in PAIRED_RUNS.items():
+        for method, seeds in methods.items():
+            for seed, accuracy in seeds.items():
+                write_run(root / setting / method / f"seed{seed}", [accuracy - 0.1, accuracy])
+
+
+def direct_interval(differences: list[float]) -> tuple[float, float]:
+    mean, n = statistics.fmean(differences), len(differences)
+    half = T_975[n - 1] * statistics.stdev(differences) / n ** 0.5
+    return mean - half, mean + half
+
+
+def test_baseline_gives_each_cell_its_paired_difference_and_95_percent_interval(tmp_path):
+    write_paired_runs(tmp_path / "runs")
+    out = tmp_path / "out"
+    main(["table", "--plan", str(tmp_path / "runs" / "*" / "*" / "seed*"), "--baseline", "fedavg", "--out", str(out)])
+    markdown = (out / "table.md").read_text()
+    rows = rows_by_method(list(csv.DictReader(io.StringIO((out / "table.csv").read_text()))))
+    lines = markdown.splitlines()
+    assert lines[0] == "| method | α = 0.1 | vs fedavg | α = 0.5 | vs fedavg |"  # the folders' order
+    paired_cells = {line.split(" | ")[0].removeprefix("| "): line.removesuffix(" |").split(" | ")[2::2]
+                    for line in lines[2:6]}
+
+    def differences(setting: str, method: str) -> list[float]:
+        ours, base = PAIRED_RUNS[setting][method], PAIRED_RUNS[setting]["fedavg"]
+        return [100 * (ours[seed] - base[seed]) for seed in sorted(ours.keys() & base.keys())]
+
+    # Four pairs whose interval lies above 0: marked.
+    better = differences("alpha-0.5", "better")
+    low, high = direct_interval(better)
+    assert low > 0
+    cells = rows["better"]
+    assert float(cells["alpha-0.5:paired_diff"]) == pytest.approx(statistics.fmean(better))
+    # statistics.py's t is exact to its 4 decimals
+    assert (float(cells["alpha-0.5:paired_low"]), float(cells["alpha-0.5:paired_high"])) == pytest.approx(
+        (low, high), rel=1e-4)
+    assert (cells["alpha-0.5:paired_n"], cells["alpha-0.5:paired_excludes_0"]) == ("4", "1")
+    assert paired_cells["better"][1] == f"+{statistics.fmean(better):.2f} [+{low:.2f}, +{high:.2f}] *"
+    # An interval across 0: not marked.
+    same = differences("alpha-0.5", "same")
+    low, high = direct_interval(same)
+    assert low < 0 < high and rows["same"]["alpha-0.5:paired_excludes_0"] == "0"
+    assert paired_cells["same"][1] == f"{statistics.fmean(same):+.2f} [{low:+.2f}, {high:+.2f}]"
+    # Fewer than three pairs, or a seed without a pair: the mean difference alone, no interval, no mark.
+    assert float(cells["alpha-0.1:paired_diff"]) == pytest.approx(statistics.fmean(differences("alpha-0.1", "better")))
+    assert (cells["alpha-0.1:paired_n"], cells["alpha-0.1:paired_low"], cells["alpha-0.1:paired_excludes_0"]) == (
+        "2", "", "")
+    assert paired_cells["better"][0] == f"+{statistics.fmean(differences('alpha-0.1', 'better')):.2f} (2 pairs)"
+    extra = rows["extra"]
+    assert (extra["alpha-0.5:unpaired_seeds"], extra["alpha-0.5:paired_n"], extra["alpha-0.5:paired_low"],
+            extra["alpha-0.5:paired_excludes_0"]) == ("4", "4", "", "")
+    assert extra["alpha-0.1:unpaired_seeds"] == "2"
+    assert paired_cells["extra"] == [f"+{statistics.fmean(differences('alpha-0.1', 'extra')):.2f} (2 pairs; seed 2 "
+                                     "unpaired)", "+10.00 (4 pairs; seed 4 unpaired)"]
+    assert paired_cells["fedavg"] == ["baseline", "baseline"] and paired_cells["same"][0] == "–"  # no run of same
+    assert rows["fedavg"]["alpha-0.5:paired_diff"] == "" and rows["fedavg"]["baseline"] == "fedavg"
+    assert ("vs fedavg: the mean over seeds of each run's test_accuracy minus that of the fedavg run of its seed (the "
+            "same partition and client sampling), with its 95% confidence interval (Student's t, n − 1 degrees of "
+            "freedom) from 3 pairs on, * where the interval excludes 0; with fewer pairs, or seeds without a pair, the "
+            "mean difference alone and no mark.") in lines
+
+
+def test_a_baseline_the_table_does_not_have_is_refused_naming_its_methods(sweep, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        run_table(sweep, "--baseline", "FedProx")
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == ("error: baseline: expected a method of the table (FedAvg, FedAvg + CONST, "
+                                       "SCAFFOLD), got 'FedProx'\n")
+
+
+def test_two_run_folders_of_one_cell_and_seed_are_refused_not_counted_as_two_seeds(tmp_path, capsys):
+    for plan in ("a", "b"):
+        write_run(tmp_path / plan / "alpha-0.5" / "fedavg" / "seed0", [0.5, 0.6])
+    with pytest.raises(SystemExit) as exit_info:
+        main(["table", "--plan", str(tmp_path / "*" / "*" / "*" / "seed*"), "--out", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (
+        "error: plan: expected run folders of one run per method, setting and seed (two runs of one seed are not "
+        f"two seeds), got '{tmp_path / 'a/alpha-0.5/fedavg/seed0'} and {tmp_path / 'b/alpha-0.5/fedavg/seed0'}, both "
+        "fedavg | alpha-0.5 | seed 0'\n")
+
+
+def test_tables_of_other_metrics_and_rounds_are_written_beside_the_plans_and_say_which_they_are(plain_table, sweep):
+    _, rows, out = plain_table
+    assert {row["metric"] for row in rows} == {"test_accuracy"} and {row["at"] for row in rows} == {"final"}
+    run_table(sweep)
+    markdown, rows, out = run_table(sweep, "--metric", "test_loss", "--at", "last:2")
+    assert "test_loss, mean of each run's last 2 evaluations (--metric test_loss --at last:2): " in markdown
+    assert {row["metric"] for row in rows} == {"test_loss"} and {row["at"] for row in rows} == {"last:2"}
+    assert sorted(path.name for path in out.iterdir()) == [
+        "plot-test_loss-last2.png", "plot.png", "table-test_loss-last2.csv", "table-test_loss-last2.md", "table.csv",
+        "table.md"]
+    assert "(--metric test_accuracy --at final)" in (out / "table.md").read_text()  # the plan's, as it was
 
 
 # compare

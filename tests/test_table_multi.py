@@ -122,3 +122,17 @@ def test_plans_that_differ_only_in_their_name_and_seeds_fill_the_same_cells_and_
     with pytest.raises(ConfigError, match="plans that fill each cell of the table once") as refused:
         table(plan=[str(plans[0]), str(other)], runs_root=runs)
     assert str(refused.value).endswith(f"got 'FedAvg | federation-cross-device in {plans[0]} and {other}'")
+
+
+def test_the_baseline_of_a_table_of_several_plans_is_its_method_in_each_block_of_rows(four_plans):
+    plans, runs = four_plans
+    result = table(plan=[str(path) for path in plans], runs_root=runs, baseline="FedAvg")
+    small, large = "hidden=16", "hidden=32"
+    assert result.baseline_of == {f"{small}: FedAvg + CONST": f"{small}: FedAvg",
+                                  f"{large}: FedAvg + CONST": f"{large}: FedAvg"}
+    for block, plan in ((small, plans[0]), (large, plans[2])):
+        versus = result.cells[f"{block}: FedAvg + CONST", "federation-cross-device"].versus
+        assert versus.seeds == [0] and versus.differences == [
+            accuracy(runs, plan, "FedAvg + CONST") - accuracy(runs, plan, "FedAvg")]
+    with pytest.raises(ConfigError, match=r"baseline: expected a method of the table \(FedAvg, FedAvg \+ CONST\)"):
+        table(plan=[str(path) for path in plans], runs_root=runs, baseline="SCAFFOLD")

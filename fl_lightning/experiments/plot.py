@@ -2,7 +2,7 @@
 
 Plot (`plot.png`): the metric against the round, one panel per setting, one line per method, the
 mean over the seeds counted with a band from their minimum to their maximum (`--band minmax`) or
-mean ± std (`--band std`).
+mean ± std (`--band std`). The title of a plan variant's plot names its overrides.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ import math
 import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from fl_lightning.experiments.overrides import describe_overrides
 
 if TYPE_CHECKING:
     from fl_lightning.experiments.table_cells import Table
@@ -63,7 +65,9 @@ def plot_curves(result: Table, path: Path, band: str = "minmax") -> None:
     for index in range(panels, rows * columns):
         axes_grid[index // columns][index % columns].set_visible(False)
     band_text = "min–max over seeds" if band == "minmax" else "± sample std over seeds"
-    figure.suptitle(f"{result.metric}: mean, band {band_text}", fontsize="medium")
+    # A variant's curves are not the plan's: its scale is in the title, as in the table's caption.
+    variant = f"\n{result.plan}: {describe_overrides(result.overrides)}" if result.overrides else ""
+    figure.suptitle(f"{result.metric}: mean, band {band_text}{variant}", fontsize="medium")
     save_laid_out(figure, path)
 
 

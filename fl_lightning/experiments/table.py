@@ -3,6 +3,7 @@
     fl-lightning table --plan plans/fedconst_table3.yaml                 # a plan's runs
     fl-lightning table --plan "runs/fedconst_table3/*/*/seed*"           # or run folders, or a glob
     fl-lightning table --plan plan.yaml --at best --include_partial true --out results/
+    fl-lightning table --plan plan.yaml --baseline FedAvg                # paired differences to FedAvg
 
 Table (`table.md`, printed, and `table.csv`):
 
@@ -47,9 +48,29 @@ the plan's `metric`): see reference.py. Every column of the table is then follow
 `Δ` (ours minus the paper's, in percentage points), and the CSV gets `<setting>:paper` and
 `<setting>:diff`.
 
+Paired differences (`--baseline METHOD`): the runs of one seed share the partition and the clients
+sampled, so a method is compared with the baseline seed by seed, d_s = value_s - baseline_s
+(statistics.py). After each setting's columns a column `vs METHOD` shows the mean of the d_s and its
+95% confidence interval (Student's t, n - 1 degrees of freedom), `*` where the interval excludes 0;
+below 3 pairs, or where a seed of either side has no pair, the mean alone with its pairs counted
+and the seeds unpaired, no interval and no mark (table_cells.shown_interval). The baseline's own
+cells say `baseline`. In a table of several plans, a method name is the baseline of each block of
+rows that has it (`lenet5: FedAvg` for `lenet5: ...`).
+
+A plan variant (`--override`, overrides.py) is not the plan's scale: the first line of the caption
+names its overrides (the paper's numbers are the plan's), as do the plot's title and table.csv, and
+the table's folder gets variant.yaml.
+
 table.csv has one row per method: `method`, then for each setting `<setting>:mean`, `:std`, `:n`,
-`:best` (1 or 0), and with a reference `:paper`, `:diff`; numbers in the table's units (percent
-for accuracy), empty where there is none.
+`:best` (1 or 0), with a reference `:paper`, `:diff`, with a baseline `:paired_diff`, `:paired_low`,
+`:paired_high`, `:paired_n`, `:paired_excludes_0` (1 or 0, empty without an interval),
+`:unpaired_seeds`; then `metric`, `at`, `plan` (the variant's name), `overrides` and `baseline`,
+alike in every row. Numbers are in the table's units (percent for accuracy), empty where there is none.
+
+Files: table.md, table.csv and plot.png for the plan's metric at the final round; a table of another
+`--metric` or `--at` is written beside them as table-<metric>-<at>.md, ... (`table-test_loss-best.md`,
+`plot-test_accuracy-last5.png`), never over them, and its caption says which it is (`--metric
+test_loss --at best`).
 
 Plot (`plot.png`): see plot.py.
 
@@ -60,11 +81,14 @@ single column; every run found is expected, so nothing is reported as not starte
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional, Union
 
+from fl_lightning.atomic_files import write_text_atomically
 from fl_lightning.errors import ConfigError
+from fl_lightning.experiments.overrides import write_variant_file
 from fl_lightning.experiments.plot import plot_curves
 from fl_lightning.experiments.reference import paper_numbers
 from fl_lightning.experiments.runs import (
@@ -76,8 +100,8 @@ from fl_lightning.experiments.runs import (
     run_state,
     value_at,
 )
-from fl_lightning.experiments.table_cells import Cell, Table, mark_best, order_methods
-from fl_lightning.experiments.table_sources import Entry, load_entries
+from fl_lightning.experiments.table_cells import Cell, Table, mark_best, order_methods, pair_with_baseline
+from fl_lightning.experiments.table_sources import Entry, Loaded, load_entries
 from fl_lightning.metric_names import best_round, is_test_metric, selection_note
 from fl_lightning.run_dir import CONFIG_FILE
 
@@ -86,10 +110,11 @@ def table(plan: Union[str, list[str]], metric: Optional[str] = None, at: str = "
           include_partial: bool = False, out: Optional[Path] = None, percent: Optional[bool] = None,
           decimals: Optional[int] = None, band: Literal["minmax", "std"] = "minmax",
           reference: Optional[Path] = None, runs_root: Path = Path("runs"),
-          override: Optional[list[str]] = None) -> Table:
+          override: Optional[list[str]] = None, baseline: Optional[str] = None) -> Table:
     """Tabulate a sweep as the papers do (methods x settings, mean ± std (n) over seeds) and plot its curves.
 
-    Writes table.md, table.csv and plot.png into `out` and prints the Markdown table.
+    Writes table.md, table.csv and plot.png into `out` (named with the metric and `at` unless they are
+    the plan's metric at its final round: table-test_loss-best.md) and prints the Markdown table.
 
     Args:
         plan: a sweep plan (YAML file); several plans ([a.yaml, b.yaml], or given one after another) as
@@ -115,9 +140,12 @@ def table(plan: Union[str, list[str]], metric: Optional[str] = None, at: str = "
         runs_root: the folder holding runs/<plan>/ of a plan.
         override: KEY=VALUE settings applied last to every grid point, as given to `fl-lightning sweep`
             (repeat --override for several): the table of that variant of the plan.
+        baseline: a method (row) to compare every other with, seed by seed: each cell gets the mean
+            paired difference and its 95% confidence interval (from 3 pairs), marked * where it excludes 0.
     """
     parse_at(at)
     loaded = load_entries(plan, runs_root, override)
+    baseline_of = loaded.baselines(baseline) if baseline is not None else {}
     metric = metric or loaded.metric
     percent = "accuracy" in metric.lower() if percent is None else percent
     if decimals is None:
@@ -167,38 +195,66 @@ def table(plan: Union[str, list[str]], metric: Optional[str] = None, at: str = "
         if value is None:
             (outcomes.pending if under_way else outcomes.empty).append(entry)
             continue
-        cells[entry.method, entry.setting].values.append(value * scale)
+        cells[entry.method, entry.setting].by_seed[entry.seed] = value * scale
         curves[entry.method, entry.setting].append([(r, v * scale) for r, v in points])
 
     check_metric(metric, read)
-    numbers = None
-    if reference is not None:
-        numbers = paper_numbers(Path(reference), methods, loaded.settings, loaded.labels)
-    elif loaded.papers is not None and metric == loaded.metric:
-        numbers = loaded.papers
-    has_reference = numbers is not None
-    if has_reference:
-        unit = 1.0 if percent else 0.01
-        for key, paper in numbers.items():
-            cells[key].paper = None if paper is None else paper * unit
+    has_reference = _add_paper_numbers(cells, loaded, reference, metric, methods, percent)
     for setting in loaded.settings:
         mark_best([cells[m, setting] for m in methods], metric, decimals)
+    pair_with_baseline(cells, baseline_of, loaded.settings)
     for key in outcomes.cells_under_way():
         cells[key].pending = True
     notes = outcomes.notes(metric)
 
     result = Table(metric=metric, at=at, methods=methods, settings=loaded.settings, labels=loaded.labels,
                    cells=cells, curves=curves, percent=percent, decimals=decimals, reference=has_reference,
-                   notes=notes)
-    out = Path(out) if out is not None else loaded.out
+                   notes=notes, baseline=baseline, baseline_of=baseline_of, plan=loaded.name,
+                   overrides=loaded.overrides)
+    write_table(result, loaded, Path(out) if out is not None else loaded.out, band)
+    return result
+
+
+def _add_paper_numbers(cells: dict[tuple[str, str], Cell], loaded: Loaded, reference: Optional[Path], metric: str,
+                       methods: list[str], percent: bool) -> bool:
+    """Give the cells the papers' numbers, from `reference` or the plans' own; False when there are none."""
+    numbers = None
+    if reference is not None:
+        numbers = paper_numbers(Path(reference), methods, loaded.settings, loaded.labels)
+    elif loaded.papers is not None and metric == loaded.metric:
+        numbers = loaded.papers
+    if numbers is None:
+        return False
+    unit = 1.0 if percent else 0.01
+    for key, paper in numbers.items():
+        cells[key].paper = None if paper is None else paper * unit
+    return True
+
+
+def write_table(result: Table, loaded: Loaded, out: Path, band: str) -> None:
+    """table.md (printed), table.csv and plot.png into `out`, named by the metric and
+    `at` unless the table is of the plan's metric at the final round (table_files); variant.yaml for a
+    plan variant."""
+    files = table_files(out, result.metric, result.at, loaded.metric)
     out.mkdir(parents=True, exist_ok=True)
     markdown = result.markdown()
-    (out / "table.md").write_text(markdown)
-    (out / "table.csv").write_text(result.csv_text())
-    plot_curves(result, out / "plot.png", band)
+    write_text_atomically(files["md"], markdown)
+    write_text_atomically(files["csv"], result.csv_text())
+    plot_curves(result, files["png"], band)
+    written = [files["md"], files["csv"], files["png"]]
+    if result.overrides:
+        written.append(write_variant_file(out, result.plan, loaded.plan_files, result.overrides))
     print(markdown, end="")
-    print(f"\nwritten: {out / 'table.md'}, {out / 'table.csv'}, {out / 'plot.png'}")
-    return result
+    print(f"\nwritten: {', '.join(map(str, written))}")
+
+
+def table_files(out: Path, metric: str, at: str, plan_metric: str) -> dict[str, Path]:
+    """Extension -> the file of a table of `metric` at `at` in `out`: table.md, ... for the plan's metric
+    at the final round, table-<metric>-<at>.md, ... (`last:5` as last5) for any other, so that tables of
+    other metrics or rounds sit beside each other."""
+    suffix = "" if (metric, at) == (plan_metric, "final") else "-" + re.sub(r"[^A-Za-z0-9_.+=-]+", "-",
+                                                                         f"{metric}-{at.replace(':', '')}")
+    return {"md": out / f"table{suffix}.md", "csv": out / f"table{suffix}.csv", "png": out / f"plot{suffix}.png"}
 
 
 @dataclass

@@ -8,23 +8,32 @@ import io
 import re
 import statistics
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Callable, Optional
 
+from fl_lightning.experiments.overrides import describe_overrides
+from fl_lightning.experiments.statistics import MIN_PAIRS, PairedDifference, paired_difference
 from fl_lightning.metric_names import best_value, lower_is_better
 
 
 @dataclass
 class Cell:
-    values: list[float] = field(default_factory=list)
-    """One value per seed counted, in the table's units."""
+    by_seed: dict[int, float] = field(default_factory=dict)
+    """Seed -> the value of that seed's run, for each seed counted, in the table's units."""
     paper: Optional[float] = None
     best: bool = False
     pending: bool = False
     """Runs of the cell are still training: a cell without a value yet shows "pending", not "–"."""
+    versus: Optional[PairedDifference] = None
+    """With --baseline: the cell's values minus the baseline's of its column, seed by seed; None in the
+    baseline's own cells (and where its row has no baseline)."""
+
+    @property
+    def values(self) -> list[float]:
+        return list(self.by_seed.values())
 
     @property
     def n(self) -> int:
-        return len(self.values)
+        return len(self.by_seed)
 
     @property
     def mean(self) -> Optional[float]:
@@ -54,11 +63,30 @@ class Table:
     decimals: int
     reference: bool
     notes: list[str] = field(default_factory=list)
+    baseline: Optional[str] = None
+    """The method of `--baseline`: cells of the rows in `baseline_of` also show their paired difference."""
+    baseline_of: dict[str, str] = field(default_factory=dict)
+    """Row -> the row it is compared with (the baseline's rows have none)."""
+    plan: str = ""
+    """The plan's (or its variant's) name; "" for run folders."""
+    overrides: dict[str, Any] = field(default_factory=dict)
+    """The overrides that make the plan's variant: the table says its runs are not at the plan's settings."""
 
     def cell(self, method: str, setting: str) -> Cell:
         return self.cells[method, setting]
 
-    def _number(self, value: Optional[float], sign: bool = False) -> str:
+    def paired_text(self, method: str, setting: str, signed: Optional[Callable[[float], str]] = None,
+                    dash: str = "–", mark: str = " *") -> str:
+        """The cell's paired difference to the baseline (paired_difference_text), `baseline` in the
+        baseline's own cells; `signed` writes a signed number (default `+1.20`)."""
+        if method not in self.baseline_of:
+            return "baseline" if method in self.baseline_of.values() else dash
+        if not self.cells[method, setting].n:
+            return dash
+        return paired_difference_text(self.cells[method, setting].versus,
+                                      signed or (lambda value: self.number(value, sign=True)), dash, mark)
+
+    def number(self, value: Optional[float], sign: bool = False) -> str:
         if value is None:
             return "–"
         return f"{value:+.{self.decimals}f}" if sign else f"{value:.{self.decimals}f}"
@@ -66,13 +94,13 @@ class Table:
     def cell_text(self, cell: Cell) -> str:
         if cell.n == 0:
             return "pending" if cell.pending else "–"
-        text = self._number(cell.mean) + ("" if cell.std is None else f" ± {self._number(cell.std)}")
+        text = self.number(cell.mean) + ("" if cell.std is None else f" ± {self.number(cell.std)}")
         return (f"**{text}**" if cell.best else text) + f" ({cell.n})"
 
     def markdown(self) -> str:
         header = ["method"]
         for setting in self.settings:
-            header += [self.labels[setting], "paper", "Δ"] if self.reference else [self.labels[setting]]
+            header += [self.labels[setting], *self._extra_columns()]
         lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
         for method in self.methods:
             row = [method]
@@ -80,24 +108,52 @@ class Table:
                 cell = self.cells[method, setting]
                 row.append(self.cell_text(cell))
                 if self.reference:
-                    row += [self._number(cell.paper), self._number(cell.diff, sign=True)]
+                    row += [self.number(cell.paper), self.number(cell.diff, sign=True)]
+                if self.baseline is not None:
+                    row.append(self.paired_text(method, setting))
             lines.append("| " + " | ".join(row) + " |")
+        lines += ["", *self.caption()]
+        lines += [f"- {note}" for note in self.notes]
+        return "\n".join(lines) + "\n"
+
+    def _extra_columns(self) -> list[str]:
+        """The columns after each setting's: the paper's number and the difference to it, the paired
+        difference to the baseline."""
+        columns = ["paper", "Δ"] if self.reference else []
+        return columns + ([f"vs {self.baseline}"] if self.baseline is not None else [])
+
+    def caption(self) -> list[str]:
+        """What the table shows, a sentence a line: the variant (when it is one), the metric, the
+        paired differences."""
         unit = " (%)" if self.percent else ""
         at = {"final": "at the final round", "best": "at the best evaluation"}.get(
             self.at, f"mean of each run's last {self.at.partition(':')[2]} evaluations")
         direction = "lowest" if lower_is_better(self.metric) else "highest"
-        lines += ["", f"{self.metric}{unit}, {at}: mean ± sample std (ddof = 1) over seeds (n = seeds counted); "
-                      f"bold: the {direction} of its column"
-                      + ("; paper: the reference's number, Δ: ours minus the paper's" if self.reference else "")
-                      + "."]
-        lines += [f"- {note}" for note in self.notes]
-        return "\n".join(lines) + "\n"
+        lines = [self.variant_sentence()] if self.overrides else []
+        lines.append(f"{self.metric}{unit}, {at} (--metric {self.metric} --at {self.at}): mean ± sample std (ddof = 1) "
+                     f"over seeds (n = seeds counted); bold: the {direction} of its column"
+                     + ("; paper: the reference's number, Δ: ours minus the paper's" if self.reference else "") + ".")
+        if self.baseline is not None:
+            lines.append(f"vs {self.baseline}: the mean over seeds of each run's {self.metric} minus that of the "
+                         f"{self.baseline} run of its seed (the same partition and client sampling), with its 95% "
+                         f"confidence interval (Student's t, n − 1 degrees of freedom) from {MIN_PAIRS} pairs on, * "
+                         "where the interval excludes 0; with fewer pairs, or seeds without a pair, the mean "
+                         "difference alone and no mark.")
+        return lines
+
+    def variant_sentence(self) -> str:
+        paper = "; the paper's numbers are of the plan's own settings" if self.reference else ""
+        return (f"Plan variant {self.plan}: the runs have {describe_overrides(self.overrides)} (--override), not "
+                f"the plan's own settings{paper}.")
 
     def csv_text(self) -> str:
         columns = ["method"]
         for setting in self.settings:
             columns += [f"{setting}:{part}" for part in ("mean", "std", "n", "best")]
             columns += [f"{setting}:paper", f"{setting}:diff"] if self.reference else []
+            columns += [f"{setting}:{part}" for part in PAIRED_COLUMNS] if self.baseline is not None else []
+        columns += ["metric", "at", "plan", "overrides", "baseline"]
+        context = [self.metric, self.at, self.plan, describe_overrides(self.overrides), self.baseline or ""]
         buffer = io.StringIO()
         writer = csv.writer(buffer, lineterminator="\n")
         writer.writerow(columns)
@@ -107,8 +163,49 @@ class Table:
                 cell = self.cells[method, setting]
                 row += [_csv_number(cell.mean), _csv_number(cell.std), cell.n, int(cell.best)]
                 row += [_csv_number(cell.paper), _csv_number(cell.diff)] if self.reference else []
-            writer.writerow(row)
+                row += _paired_csv(cell.versus) if self.baseline is not None else []
+            writer.writerow(row + context)
         return buffer.getvalue()
+
+
+def paired_difference_text(versus: PairedDifference, signed: Callable[[float], str], dash: str = "–",
+                           mark: str = " *") -> str:
+    """`+1.20 [+0.31, +2.09] *` (the mean difference, its 95% interval and `mark` where the interval
+    excludes 0), or the mean alone, its pairs counted, where there is no interval to show (shown_interval):
+    `+1.20 (2 pairs)`, `+1.20 (3 pairs; seed 3 unpaired)`; `dash` without any value."""
+    if versus.n == 0:
+        return "no seed paired" if versus.unpaired else dash
+    mean, pairs = signed(versus.mean), f"{versus.n} pair{'s' * (versus.n > 1)}"
+    if versus.unpaired:
+        unpaired = f"seed{'s' * (len(versus.unpaired) > 1)} {', '.join(map(str, versus.unpaired))} unpaired"
+        return f"{mean} ({pairs}; {unpaired})"
+    interval = shown_interval(versus)
+    if interval is None:
+        return f"{mean} ({pairs})"
+    low, high = map(signed, interval)
+    return f"{mean} [{low}, {high}]" + (mark if versus.excludes_zero else "")
+
+
+def shown_interval(versus: PairedDifference) -> Optional[tuple[float, float]]:
+    """The 95% interval a table shows (and marks when it excludes 0): none below MIN_PAIRS pairs, nor
+    where a seed of either side has no pair, since the pairs left are then only the seeds that both
+    happened to finish, and the cell's mean is over other seeds than its difference."""
+    return None if versus.unpaired else versus.interval
+
+
+PAIRED_COLUMNS = ("paired_diff", "paired_low", "paired_high", "paired_n", "paired_excludes_0", "unpaired_seeds")
+"""table.csv's columns of a setting's paired difference to the baseline (`--baseline`)."""
+
+
+def _paired_csv(versus: Optional[PairedDifference]) -> list:
+    """The PAIRED_COLUMNS of a cell, empty where there is nothing (the bounds and the mark without an interval)."""
+    if versus is None:
+        return [""] * len(PAIRED_COLUMNS)
+    interval = shown_interval(versus)
+    low, high = interval or (None, None)
+    excludes = "" if interval is None else int(versus.excludes_zero)
+    return [_csv_number(versus.mean), _csv_number(low), _csv_number(high), versus.n, excludes,
+            " ".join(map(str, versus.unpaired))]
 
 
 def _csv_number(value: Optional[float]) -> str:
@@ -138,3 +235,11 @@ def order_methods(methods: list[str]) -> list[str]:
         ordered.append(method)
         ordered += [const for const, base in paired.items() if base == method]
     return ordered
+
+
+def pair_with_baseline(cells: dict[tuple[str, str], Cell], baseline_of: dict[str, str], settings: list[str]) -> None:
+    """Each compared row's cells minus its baseline row's, seed by seed (Cell.versus)."""
+    for row, baseline in baseline_of.items():
+        for setting in settings:
+            cell = cells[row, setting]
+            cell.versus = paired_difference(cell.by_seed, cells[baseline, setting].by_seed)

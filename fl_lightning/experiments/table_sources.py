@@ -11,7 +11,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.overrides import SET_BY_THE_PLAN, value_text
@@ -63,6 +63,27 @@ class Loaded:
     plan_file: Optional[Path] = None
     papers: Optional[dict[tuple[str, str], Optional[float]]] = None
     """(row, setting) -> the paper's number, from each plan's reference: a table of several plans."""
+    name: str = ""
+    """The plan's name (its variant's, with overrides that change the experiment); "" for run folders."""
+    overrides: dict[str, Any] = field(default_factory=dict)
+    """The overrides that make the runs tabulated those of a plan variant, not of the plan's own settings."""
+    plan_files: list[Path] = field(default_factory=list)
+    blocks: dict[str, str] = field(default_factory=dict)
+    """Row -> its block in a table of several plans (`lenet5` of `lenet5: FedAvg`); rows not named have none."""
+
+    def baselines(self, method: str) -> dict[str, str]:
+        """Row -> the row its cells are compared with by `--baseline method`: the row of that name, or
+        else, in a table of several plans, the row of that method in its own block. The baseline's own
+        rows, and rows of a block without it, have none."""
+        if method in self.methods:
+            return {row: method for row in self.methods if row != method}
+        of_block = {block: row for row, block in self.blocks.items() if row == f"{block}: {method}"}
+        if not of_block:
+            methods = sorted({row.removeprefix(f"{self.blocks[row]}: ") if row in self.blocks else row
+                              for row in self.methods})
+            raise ConfigError("baseline", f"a method of the table ({', '.join(methods)})", method)
+        return {row: of_block[block] for row, block in self.blocks.items()
+                if block in of_block and of_block[block] != row}
 
 
 def load_entries(plan: Union[str, list[str]], runs_root: Path, overrides: Optional[list[str]] = None) -> Loaded:
@@ -99,7 +120,8 @@ def _from_plan(path: Path, runs_root: Path, overrides: Optional[list[str]] = Non
     return Loaded(entries=[Entry(point.method, point.setting_name, point.seed, point.out_dir, point, path, resolver)
                             for point in grid],
                    methods=list(plan.methods), settings=settings, labels=labels, metric=plan.metric,
-                   reference=reference, out=plan.runs_root / plan.name, plan_file=path)
+                   reference=reference, out=plan.runs_root / plan.name, plan_file=path, name=plan.name,
+                   overrides=plan.variant_overrides, plan_files=[path])
 
 
 def _from_plans(paths: list[Path], runs_root: Path, overrides: Optional[list[str]]) -> Loaded:
@@ -116,10 +138,11 @@ def _from_plans(paths: list[Path], runs_root: Path, overrides: Optional[list[str
     if len(set(metrics.values())) > 1:
         raise ConfigError("plan", "plans that report one metric (their `metric:`), to be one table", metrics)
     blocks = _row_blocks(parts)
-    entries, methods, settings, owner = [], [], [], {}
+    entries, methods, settings, owner, row_blocks = [], [], [], {}, {}
     papers: dict[tuple[str, str], Optional[float]] = {}
     for part, block in zip(parts, blocks):
         rows = {method: f"{block}: {method}" if block else method for method in part.methods}
+        row_blocks.update({row: block for row in rows.values() if block})
         for row, setting in itertools.product(rows.values(), part.settings):
             if (row, setting) in owner:
                 raise ConfigError("plan", "plans that fill each cell of the table once", f"{row} | {setting} in "
@@ -140,9 +163,11 @@ def _from_plans(paths: list[Path], runs_root: Path, overrides: Optional[list[str
     names = [part.out.name for part in parts]
     digest = hashlib.sha256("+".join(names).encode()).hexdigest()[:8]
     prefix = os.path.commonprefix(names).rstrip("_-.@") or "plans"
+    name = f"{prefix}+{len(parts)}plans-{digest}"
     return Loaded(entries=entries, methods=methods, settings=settings, labels=labels, metric=parts[0].metric,
-                   reference=None, out=Path(runs_root) / f"{prefix}+{len(parts)}plans-{digest}",
-                   papers=papers if any(part.reference is not None for part in parts) else None)
+                   reference=None, out=Path(runs_root) / name, name=name, blocks=row_blocks,
+                   overrides={key: value for part in parts for key, value in part.overrides.items()},
+                   plan_files=paths, papers=papers if any(part.reference is not None for part in parts) else None)
 
 
 def _row_blocks(parts: list[Loaded]) -> list[str]:
@@ -179,6 +204,7 @@ def _from_folders(paths: list[Path]) -> Loaded:
             entries.append(Entry(path.parent.name, path.parent.parent.name, int(seed.group(1)), path))
         else:
             entries.append(Entry(path.name, "", int(read_run(path).config.get("seed") or 0), path))
+    _check_one_run_per_seed(entries)
     settings = list(dict.fromkeys(e.setting for e in entries))
     parsed = {s: _parse_setting_name(s) for s in settings}
     axis_values: dict[str, list[str]] = {}
@@ -190,6 +216,22 @@ def _from_folders(paths: list[Path]) -> Loaded:
     out = common.parent if (common / METRICS_FILE).is_file() else common
     return Loaded(entries=entries, methods=list(dict.fromkeys(e.method for e in entries)), settings=settings,
                    labels=labels, metric=TEST_ACCURACY, reference=None, out=out)
+
+
+def _check_one_run_per_seed(entries: list[Entry]) -> None:
+    """Two folders of one row, column and seed would be counted as two seeds (and pair with one
+    baseline run): refused, naming both."""
+    seen: dict[tuple[str, str, int], Path] = {}
+    for entry in entries:
+        key = (entry.method, entry.setting, entry.seed)
+        if key in seen:
+            raise ConfigError("plan", "run folders of one run per method, setting and seed (two runs of one seed "
+                              "are not two seeds)", f"{seen[key]} and {entry.path}, both {_describe(entry)}")
+        seen[key] = entry.path
+
+
+def _describe(entry: Entry) -> str:
+    return " | ".join(filter(None, [entry.method, entry.setting, f"seed {entry.seed}"]))
 
 
 def _parse_setting_name(name: str) -> Optional[dict[str, str]]:
