@@ -3,7 +3,7 @@
     fl-lightning table --plan plans/fedconst_table3.yaml                 # a plan's runs
     fl-lightning table --plan "runs/fedconst_table3/*/*/seed*"           # or run folders, or a glob
     fl-lightning table --plan plan.yaml --at best --include_partial true --out results/
-    fl-lightning table --plan plan.yaml --baseline FedAvg                # paired differences to FedAvg
+    fl-lightning table --plan plan.yaml --baseline FedAvg --format latex # paired differences, table.tex
 
 Table (`table.md`, printed, and `table.csv`):
 
@@ -67,10 +67,10 @@ table.csv has one row per method: `method`, then for each setting `<setting>:mea
 `:unpaired_seeds`; then `metric`, `at`, `plan` (the variant's name), `overrides` and `baseline`,
 alike in every row. Numbers are in the table's units (percent for accuracy), empty where there is none.
 
-Files: table.md, table.csv and plot.png for the plan's metric at the final round; a table of another
-`--metric` or `--at` is written beside them as table-<metric>-<at>.md, ... (`table-test_loss-best.md`,
-`plot-test_accuracy-last5.png`), never over them, and its caption says which it is (`--metric
-test_loss --at best`).
+Files: table.md, table.csv and plot.png (and with `--format latex` table.tex, table_latex.py) for the
+plan's metric at the final round; a table of another `--metric` or `--at` is written beside them as
+table-<metric>-<at>.md, ... (`table-test_loss-best.md`, `plot-test_accuracy-last5.png`), never over
+them, and its caption says which it is (`--metric test_loss --at best`).
 
 Plot (`plot.png`): see plot.py.
 
@@ -101,6 +101,7 @@ from fl_lightning.experiments.runs import (
     value_at,
 )
 from fl_lightning.experiments.table_cells import Cell, Table, mark_best, order_methods, pair_with_baseline
+from fl_lightning.experiments.table_latex import latex_table
 from fl_lightning.experiments.table_sources import Entry, Loaded, load_entries
 from fl_lightning.metric_names import best_round, is_test_metric, selection_note
 from fl_lightning.run_dir import CONFIG_FILE
@@ -110,7 +111,8 @@ def table(plan: Union[str, list[str]], metric: Optional[str] = None, at: str = "
           include_partial: bool = False, out: Optional[Path] = None, percent: Optional[bool] = None,
           decimals: Optional[int] = None, band: Literal["minmax", "std"] = "minmax",
           reference: Optional[Path] = None, runs_root: Path = Path("runs"),
-          override: Optional[list[str]] = None, baseline: Optional[str] = None) -> Table:
+          override: Optional[list[str]] = None, baseline: Optional[str] = None,
+          format: Literal["markdown", "latex"] = "markdown") -> Table:
     """Tabulate a sweep as the papers do (methods x settings, mean ± std (n) over seeds) and plot its curves.
 
     Writes table.md, table.csv and plot.png into `out` (named with the metric and `at` unless they are
@@ -142,6 +144,7 @@ def table(plan: Union[str, list[str]], metric: Optional[str] = None, at: str = "
             (repeat --override for several): the table of that variant of the plan.
         baseline: a method (row) to compare every other with, seed by seed: each cell gets the mean
             paired difference and its 95% confidence interval (from 3 pairs), marked * where it excludes 0.
+        format: latex also writes table.tex (booktabs), beside table.md and table.csv.
     """
     parse_at(at)
     loaded = load_entries(plan, runs_root, override)
@@ -211,7 +214,7 @@ def table(plan: Union[str, list[str]], metric: Optional[str] = None, at: str = "
                    cells=cells, curves=curves, percent=percent, decimals=decimals, reference=has_reference,
                    notes=notes, baseline=baseline, baseline_of=baseline_of, plan=loaded.name,
                    overrides=loaded.overrides)
-    write_table(result, loaded, Path(out) if out is not None else loaded.out, band)
+    write_table(result, loaded, Path(out) if out is not None else loaded.out, band, format)
     return result
 
 
@@ -231,8 +234,8 @@ def _add_paper_numbers(cells: dict[tuple[str, str], Cell], loaded: Loaded, refer
     return True
 
 
-def write_table(result: Table, loaded: Loaded, out: Path, band: str) -> None:
-    """table.md (printed), table.csv and plot.png into `out`, named by the metric and
+def write_table(result: Table, loaded: Loaded, out: Path, band: str, format: str) -> None:
+    """table.md (printed), table.csv, plot.png and with latex table.tex into `out`, named by the metric and
     `at` unless the table is of the plan's metric at the final round (table_files); variant.yaml for a
     plan variant."""
     files = table_files(out, result.metric, result.at, loaded.metric)
@@ -242,6 +245,9 @@ def write_table(result: Table, loaded: Loaded, out: Path, band: str) -> None:
     write_text_atomically(files["csv"], result.csv_text())
     plot_curves(result, files["png"], band)
     written = [files["md"], files["csv"], files["png"]]
+    if format == "latex":
+        write_text_atomically(files["tex"], latex_table(result))
+        written.append(files["tex"])
     if result.overrides:
         written.append(write_variant_file(out, result.plan, loaded.plan_files, result.overrides))
     print(markdown, end="")
@@ -254,7 +260,8 @@ def table_files(out: Path, metric: str, at: str, plan_metric: str) -> dict[str, 
     other metrics or rounds sit beside each other."""
     suffix = "" if (metric, at) == (plan_metric, "final") else "-" + re.sub(r"[^A-Za-z0-9_.+=-]+", "-",
                                                                          f"{metric}-{at.replace(':', '')}")
-    return {"md": out / f"table{suffix}.md", "csv": out / f"table{suffix}.csv", "png": out / f"plot{suffix}.png"}
+    return {"md": out / f"table{suffix}.md", "csv": out / f"table{suffix}.csv", "tex": out / f"table{suffix}.tex",
+            "png": out / f"plot{suffix}.png"}
 
 
 @dataclass
