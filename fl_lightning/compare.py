@@ -15,10 +15,19 @@ when it was made with other settings; when none of the runs compared is a grid p
 `runs_root` (a wrong or forgotten --runs_root), nothing could be checked, and the comparison is
 refused. As in a table, only the points of the runs compared are resolved, and one whose settings
 `fit` refuses refuses the plan.
+
+With `baseline` (run folders of one experiment, one run per seed), the runs compared are grouped
+into experiments, runs whose settings differ only in the seed (as a W&B group is:
+`fl_lightning.run_dir.seedless_digest`), and each group's final and best values are paired by seed
+with the baseline's: the mean difference and its 95% confidence interval, as `table --baseline`
+shows them (fl_lightning.experiments.table_cells.paired_difference_text). A seed whose run and the
+baseline's reached different rounds is not paired. Runs of one method under other settings
+(another learning rate) are another experiment, paired on its own.
 """
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import Optional, Union
@@ -27,12 +36,25 @@ from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.plan import GridPoint, load_plan
 from fl_lightning.experiments.plot import save_laid_out
 from fl_lightning.experiments.resolve import GridResolver, accepted_config
-from fl_lightning.experiments.runs import check_metric, find_runs, other_experiment, read_run, run_labels, value_at
+from fl_lightning.experiments.runs import (
+    Run,
+    check_metric,
+    find_runs,
+    other_experiment,
+    read_run,
+    run_labels,
+    value_at,
+)
+from fl_lightning.experiments.statistics import MIN_PAIRS, paired_difference
+from fl_lightning.experiments.table_cells import paired_difference_text
 from fl_lightning.metric_names import TEST_ACCURACY, best_keys, best_round, final_key, is_test_metric, selection_note
+from fl_lightning.run_dir import seedless_digest
+from fl_lightning.run_logging import METRICS_FILE
 
 
 def compare(runs: Union[list[Path], str], metric: str = TEST_ACCURACY, plot: Optional[Path] = None,
-            plan: Optional[Path] = None, runs_root: Path = Path("runs")) -> list[dict]:
+            plan: Optional[Path] = None, runs_root: Path = Path("runs"),
+            baseline: Optional[Union[list[Path], str]] = None) -> list[dict]:
     """Print one row per run (its method, rounds done, final and best value of `metric`, the round of
     the best and the metric that selected it) and optionally plot `metric` against the round for
     every run.
@@ -48,14 +70,21 @@ def compare(runs: Union[list[Path], str], metric: str = TEST_ACCURACY, plot: Opt
         plan: the sweep plan the runs belong to: a run that is one of its grid points and was made with
             other settings than the point's is left out and listed.
         runs_root: the folder holding runs/<plan>/ of the plan.
+        baseline: run folders (a list or glob patterns, as `runs`) of one experiment, one run per seed,
+            to compare the others with: the runs compared are grouped into experiments (runs whose
+            settings differ only in the seed, as a W&B group is), and each group's final and best values
+            are paired by seed (its config.yaml's) with the baseline's; printed per group: the mean
+            difference and its 95% confidence interval (Student's t, from 3 pairs), * where it excludes 0.
 
     Returns the rows printed.
     """
     paths = find_runs([runs] if isinstance(runs, (str, Path)) else list(runs), recursive=False)
     if not paths:
         raise ConfigError("runs", "folders written by `fl-lightning fit` (with metrics.jsonl)", str(runs))
-    expected = _grid_settings(Path(plan), Path(runs_root), paths) if plan is not None else {}
-    rows, curves, read, left_out, selected = [], {}, [], [], {True: [], False: []}
+    baseline_paths = [] if baseline is None else _run_folders("baseline", baseline)
+    expected = _grid_settings(Path(plan), Path(runs_root), paths + baseline_paths) if plan is not None else {}
+    rows, curves, read, left_out, compared = [], {}, [], [], []
+    selected: dict[bool, list[str]] = {True: [], False: []}
     for path, label in zip(paths, run_labels(paths)):
         run = read_run(path)
         read.append(run)
@@ -75,6 +104,7 @@ def compare(runs: Union[list[Path], str], metric: str = TEST_ACCURACY, plot: Opt
                      **(dict.fromkeys(best_keys(metric)) if best is None else best.summary())})
         if best is not None and is_test_metric(metric):
             selected[best.on_validation].append(label)
+        compared.append((run, run_values(run, metric)))
         curves[label] = points
     check_metric(metric, read)
     if left_out:
@@ -85,9 +115,111 @@ def compare(runs: Union[list[Path], str], metric: str = TEST_ACCURACY, plot: Opt
     for on_validation in (True, False):
         if selected[on_validation]:
             print(f"{selection_note(metric, on_validation)}: {', '.join(selected[on_validation])}")
+    if baseline is not None:
+        print_paired(compared, _baseline_runs(baseline_paths, expected, metric), metric)
     if plot is not None:
         _plot(curves, metric, Path(plot))
     return rows
+
+
+def run_values(run: Run, metric: str) -> dict[str, Optional[float]]:
+    """A run's final and best value of `metric` (None before its first), the best by metric_names' rule."""
+    best = best_round(run.history, metric)
+    return {"final": value_at([value for _, value in run.points(metric)], "final"),
+            "best": None if best is None else best.value}
+
+
+def _run_folders(field_name: str, given: Union[list[Path], str]) -> list[Path]:
+    paths = find_runs([given] if isinstance(given, (str, Path)) else list(given), recursive=False)
+    if not paths or not all((path / METRICS_FILE).is_file() for path in paths):
+        raise ConfigError(field_name, "folders written by `fl-lightning fit` (with metrics.jsonl)", str(given))
+    return paths
+
+
+Compared = tuple[Run, dict[str, Optional[float]]]
+"""A run and its final and best values."""
+
+
+def _baseline_runs(paths: list[Path], expected: dict[Path, tuple[str, dict]], metric: str) -> dict[int, Compared]:
+    """Seed -> the baseline's run of that seed: runs of one experiment, each made with its grid
+    point's settings when it is one."""
+    runs = []
+    for path in paths:
+        _, config = expected.get(path.resolve(), (None, None))
+        different = None if config is None else other_experiment(path, config)
+        if different is not None:
+            raise ConfigError("baseline", "runs made with their grid point's settings", f"{path} ({different})")
+        run = read_run(path)
+        runs.append((run, run_values(run, metric)))
+    experiments = experiments_by_seed(runs, "baseline")
+    if len(experiments) > 1:
+        raise ConfigError("baseline", "the runs of one experiment (settings that differ only in the seed), one per "
+                          "seed", "; ".join(_group_label(group) for group in experiments.values()))
+    return next(iter(experiments.values()))
+
+
+def experiments_by_seed(runs: list[Compared], field_name: str) -> dict[str, dict[int, Compared]]:
+    """The runs grouped into experiments (by the digest of their settings but the seed: W&B's default
+    group), each seed -> its run; two runs of one experiment and seed are refused, naming both."""
+    experiments: dict[str, dict[int, Compared]] = {}
+    for compared in runs:
+        run = compared[0]
+        if not isinstance(run.config.get("seed"), int):
+            raise ConfigError(field_name, "runs whose config.yaml records their seed (to pair them by seed)",
+                              str(run.path))
+        group = experiments.setdefault(seedless_digest(run.config), {})
+        if run.config["seed"] in group:
+            raise ConfigError(field_name, "one run per experiment and seed (two runs of one seed are not two "
+                              "seeds)", f"{group[run.config['seed']][0].path} and {run.path}")
+        group[run.config["seed"]] = compared
+    return experiments
+
+
+def print_paired(compared: list[Compared], baseline: dict[int, Compared], metric: str) -> None:
+    """Each experiment among `compared` minus the baseline, seed by seed, at the final and the best value.
+    A seed whose two runs reached different rounds is not paired (their values are of other rounds)."""
+    experiments = experiments_by_seed(compared, "runs")
+    baseline_digest = seedless_digest(next(iter(baseline.values()))[0].config)
+    rows, unequal = [], []
+    for digest, group in experiments.items():
+        if digest == baseline_digest:
+            continue
+        at_rounds = {seed: entry for seed, entry in group.items()
+                     if seed not in baseline or baseline[seed][0].rounds_done == entry[0].rounds_done}
+        unequal += [f"{entry[0].path} (round {entry[0].rounds_done}, the baseline's {baseline[seed][0].rounds_done})"
+                    for seed, entry in group.items() if seed not in at_rounds]
+        row = {"runs": _group_label(group), "seeds": ", ".join(map(str, sorted(group)))}
+        for at in ("final", "best"):
+            versus = paired_difference(_values_by_seed(at_rounds, at), _values_by_seed(baseline, at))
+            row[f"{at}_{metric} - baseline"] = paired_difference_text(versus, lambda value: f"{value:+.4f}")
+        rows.append(row)
+    print(f"\nminus the baseline {_group_label(baseline)} (seeds {', '.join(map(str, sorted(baseline)))}), seed by "
+          "seed:")
+    if rows:
+        _print_table(rows)
+    else:
+        print("(no runs of another experiment than the baseline's)")
+    print("the mean over seeds of each run's value minus that of the baseline's run of its seed, with its 95% "
+          f"confidence interval (Student's t, n - 1 degrees of freedom) from {MIN_PAIRS} pairs on, * where the "
+          "interval excludes 0; with fewer pairs, or seeds without a pair, the mean difference alone and no mark")
+    if unequal:
+        print("not paired, at other rounds than the baseline's run of its seed: " + ", ".join(unequal))
+
+
+def _values_by_seed(runs: dict[int, Compared], at: str) -> dict[int, float]:
+    return {seed: values[at] for seed, (_, values) in runs.items() if values[at] is not None}
+
+
+_SEED_FOLDER = re.compile(r"seed\d+")
+
+
+def _group_label(group: dict[int, Compared]) -> str:
+    """`runs/x/fedavg/seed*` for several runs of one folder laid out `<folder>/seed<k>`, else their folders."""
+    paths = [run.path for run, _ in group.values()]
+    parents = {path.parent for path in paths}
+    if len(paths) > 1 and len(parents) == 1 and all(_SEED_FOLDER.fullmatch(path.name) for path in paths):
+        return str(parents.pop() / "seed*")
+    return ", ".join(map(str, paths))
 
 
 def _grid_settings(plan: Path, runs_root: Path, runs: list[Path]) -> dict[Path, tuple[str, dict]]:

@@ -70,12 +70,12 @@ from fl_lightning.run_dir import (
     RunDirLock,
     check_same_experiment,
     default_out_dir,
-    experiment_digest,
     holds_results,
     is_launching_process,
     recorded_config,
     remove_results,
     report_safe_changes,
+    seedless_digest,
 )
 from fl_lightning.run_logging import (
     MetricsLog,
@@ -263,7 +263,7 @@ def _build_and_train(settings: RunSettings, checked: FitConfig, resume_state: Op
                                              settings.seed)
     # W&B averages the runs of a group, so a default group holds exactly the runs that differ only by
     # seed: it is named by the digest that names the default run folder, taken without the seed.
-    experiment = experiment_digest({name: value for name, value in config.items() if name != "seed"})
+    experiment = seedless_digest(config)
     identity = WandbIdentity(
         run_id=resume_state["run_id"] if resume_state is not None else new_run_id(),
         name=logger.name or f"{method}-seed{seed}-{experiment}",

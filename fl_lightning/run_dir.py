@@ -82,6 +82,12 @@ def experiment_digest(config: dict) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()[:8]
 
 
+def seedless_digest(config: dict) -> str:
+    """The digest of the settings that define the experiment but the seed: the runs of one experiment's
+    seeds share it (a run's default W&B group, and the experiments `compare --baseline` pairs by seed)."""
+    return experiment_digest({name: value for name, value in config.items() if name != "seed"})
+
+
 def default_out_dir(config: dict, name: str) -> Path:
     return Path("runs") / f"{name}-{experiment_digest(config)}"
 

@@ -3,6 +3,7 @@
 import csv
 import io
 import json
+import re
 import shutil
 import statistics
 from pathlib import Path
@@ -555,6 +556,66 @@ def test_compare_leaves_out_a_torn_last_line_and_refuses_a_metric_no_run_logged(
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.endswith("error: metric: expected a metric the runs logged: test_accuracy, "
                                             "train_loss, got 'test_acc'\n")
+
+
+def write_seeded_runs(root: Path, method: str, finals: dict[int, list[float]], rounds: int = ROUNDS) -> None:
+    """root/<method>/seed<k>: runs of one experiment (FedAvg, or FedProx with mu `method`), seed k's evaluations
+    `finals[k]`."""
+    algorithm = ({"class_path": "fl_lightning.algorithms.fedavg.FedAvg", "init_args": {}} if method == "fedavg" else
+                 {"class_path": "fl_lightning.algorithms.fedprox.FedProx", "init_args": {"mu": float(method[2:])}})
+    for seed, accuracies in finals.items():
+        write_run(root / method / f"seed{seed}", accuracies,
+                  config={"algorithm": algorithm, "federation": {"rounds": rounds}, "seed": seed})
+
+
+def test_compare_pairs_each_experiment_with_the_baseline_seed_by_seed(tmp_path, capsys):
+    write_seeded_runs(tmp_path, "fedavg", {0: [0.50, 0.60], 1: [0.55, 0.62], 2: [0.40, 0.58]})
+    write_seeded_runs(tmp_path, "mu0.1", {0: [0.60, 0.66], 1: [0.70, 0.65], 2: [0.50, 0.63]})
+    write_seeded_runs(tmp_path, "mu0.5", {0: [0.50, 0.61], 1: [0.50, 0.60]})  # no seed 2: no interval
+    write_seeded_runs(tmp_path, "mu1.0", {0: [0.50, 0.61], 1: [0.50, 0.60], 2: [0.52]})  # seed 2 at round 2 of 4
+    main(["compare", "--runs", str(tmp_path / "*" / "seed*"), "--baseline", str(tmp_path / "fedavg" / "seed*")])
+    out = capsys.readouterr().out
+    paired = out[out.index("\nminus the baseline "):].splitlines()[2:]
+    assert paired[0].split() == ["runs", "seeds", "final_test_accuracy", "-", "baseline", "best_test_accuracy", "-",
+                                 "baseline"]
+    rows = {line.split()[0]: re.split(r"\s{2,}", line.strip()) for line in paired[1:4]}
+    assert list(rows) == [str(tmp_path / name / "seed*") for name in ("mu0.1", "mu0.5", "mu1.0")]
+    finals = [0.66 - 0.60, 0.65 - 0.62, 0.63 - 0.58]
+    bests = [0.66 - 0.60, 0.70 - 0.62, 0.63 - 0.58]
+    for column, differences in ((2, finals), (3, bests)):
+        low, high = direct_interval(differences)
+        assert rows[str(tmp_path / "mu0.1" / "seed*")][column] == (
+            f"{statistics.fmean(differences):+.4f} [{low:+.4f}, {high:+.4f}]" + (" *" if low > 0 or high < 0 else ""))
+    assert rows[str(tmp_path / "mu0.1" / "seed*")][2].endswith(" *")  # +0.03 to +0.06: above 0
+    assert rows[str(tmp_path / "mu0.5" / "seed*")][1:3] == [
+        "0, 1", f"{statistics.fmean([0.01, -0.02]):+.4f} (2 pairs; seed 2 unpaired)"]
+    # A run at another round than the baseline's of its seed is not paired with it.
+    assert rows[str(tmp_path / "mu1.0" / "seed*")][2].endswith(" (2 pairs; seed 2 unpaired)")
+    assert paired[-1] == ("not paired, at other rounds than the baseline's run of its seed: "
+                          f"{tmp_path / 'mu1.0' / 'seed2'} (round 2, the baseline's 4)")
+    assert f"minus the baseline {tmp_path / 'fedavg' / 'seed*'} (seeds 0, 1, 2), seed by seed:" in out
+
+
+def test_compare_refuses_a_baseline_of_several_experiments_or_two_runs_of_a_seed(tmp_path, capsys):
+    write_seeded_runs(tmp_path, "fedavg", {0: [0.5, 0.6], 1: [0.5, 0.6]})
+    write_seeded_runs(tmp_path, "mu0.1", {0: [0.5, 0.6]})
+    runs = str(tmp_path / "*" / "seed*")
+    for baseline, expected in [
+            (f"[{tmp_path / 'fedavg' / 'seed0'}, {tmp_path / 'mu0.1' / 'seed0'}]",
+             "error: baseline: expected the runs of one experiment (settings that differ only in the seed), one per "
+             f"seed, got '{tmp_path / 'fedavg' / 'seed0'}; {tmp_path / 'mu0.1' / 'seed0'}'\n"),
+            (str(tmp_path / "missing" / "seed*"),
+             f"error: baseline: expected folders written by `fl-lightning fit` (with metrics.jsonl), got "
+             f"'{tmp_path / 'missing' / 'seed*'}'\n")]:
+        with pytest.raises(SystemExit) as exit_info:
+            main(["compare", "--runs", runs, "--baseline", baseline])
+        assert exit_info.value.code == 2
+        assert capsys.readouterr().err == expected
+    shutil.copytree(tmp_path / "fedavg" / "seed1", tmp_path / "copy" / "seed1")  # the same experiment and seed
+    with pytest.raises(SystemExit):
+        main(["compare", "--runs", runs, "--baseline", str(tmp_path / "fedavg" / "seed*")])
+    assert capsys.readouterr().err.startswith("error: runs: expected one run per experiment and seed (two runs of one "
+                                              "seed are not two seeds), got ")
 
 
 def test_compare_with_a_plan_leaves_out_runs_made_with_other_settings(sweep, capsys):
