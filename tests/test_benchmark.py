@@ -182,5 +182,5 @@ def test_resolve_benchmark_prints_its_three_figures(capsys, monkeypatch):
     lines = capsys.readouterr().out.splitlines()
     assert re.fullmatch(r"parse of `fit .*` \(median of 2\): \d+ ms by its command's parser, \d+ ms by the whole "
                         r"parser", lines[0]), lines[0]
-    assert re.fullmatch(r"resolving the 8 points of configs/plans/smoke.yaml: [\d.]+ CPU s", lines[1]), lines[1]
+    assert re.fullmatch(r"resolving the 12 points of configs/plans/smoke.yaml: [\d.]+ CPU s", lines[1]), lines[1]
     assert re.fullmatch(r"table of configs/plans/smoke.yaml without runs: [\d.]+ CPU s", lines[2]), lines[2]

@@ -168,11 +168,11 @@ EXPECTED = {
                                       client_sgd=FEDCONST_SGD)], TABLE_3_ROWS, [0, 1]),
     "smoke": Grid([Column(dataset="digits", alpha=alpha, model="mlp", num_clients=10, clients_per_round=5,
                           rounds=3, batch_size=32, local_steps=2) for alpha in (0.5, 0.1)],
-                  {"FedAvg": Row("fedavg"), "FedAvg + CONST": Row("fedavg", constraint=CONST_BOTH)}, [0, 1]),
+                  {"FedAvg": Row("fedavg"), "FedAvg + CONST": Row("fedavg", constraint=CONST_BOTH)}, [0, 1, 2]),
 }
 SIZES = {"ctpfl_table1": 192, "fedconst_table1_lenet5_cross-device": 60, "fedconst_table1_lenet5_cross-silo": 60,
          "fedconst_table1_resnet18_cross-device": 72, "fedconst_table1_resnet18_cross-silo": 72,
-         "fedconst_table3": 12, "dev_cifar10_const": 8, "smoke": 8}
+         "fedconst_table3": 12, "dev_cifar10_const": 8, "smoke": 12}
 
 
 def shipped_plans() -> list[str]:
@@ -399,8 +399,12 @@ def test_smoke_plan_trains_every_point_and_tabulates(tmp_path):
     plan = load_plan(PLANS / "smoke.yaml", runs_root=runs)
     for point in plan.grid():
         main(point.fit_arguments())
-    result = table(plan=str(PLANS / "smoke.yaml"), runs_root=runs)
+    result = table(plan=str(PLANS / "smoke.yaml"), runs_root=runs, baseline="FedAvg", format="latex")
     assert result.methods == ["FedAvg", "FedAvg + CONST"]
     assert result.settings == ["alpha-0.5", "alpha-0.1"]
-    assert all(cell.n == 2 for cell in result.cells.values()) and not result.notes
-    assert (runs / "smoke" / "table.md").is_file()
+    assert all(cell.n == 3 for cell in result.cells.values()) and not result.notes
+    # Its three seeds pair up: each column of FedAvg + CONST has its interval of the difference to FedAvg.
+    for setting in result.settings:
+        versus = result.cells["FedAvg + CONST", setting].versus
+        assert versus.seeds == [0, 1, 2] and not versus.unpaired and versus.interval is not None
+    assert all((runs / "smoke" / name).is_file() for name in ("table.md", "table.csv", "table.tex", "plot.png"))
