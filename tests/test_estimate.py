@@ -77,7 +77,7 @@ def test_the_smoke_plan_is_timed_once_per_kind_of_step(tmp_path):
     # seed change the steps of a round, not what one costs.
     resolved = resolve_grid(load_plan(SMOKE).grid())
     kinds = [[entry.point.index for entry in kind] for kind in group_by_kind(resolved).values()]
-    assert kinds == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert kinds == [[0, 1, 2, 6, 7, 8], [3, 4, 5, 9, 10, 11]]
     # A hyper-parameter's value adds no pass (FedProx's mu); a switch or a width does (MOON's
     # projection_dim, CONST without its orthogonality).
     plan = write_plan(tmp_path / "plan.yaml", {
@@ -219,6 +219,6 @@ def test_ctrl_c_ends_the_estimate_with_the_points_priced_so_far(capsys, monkeypa
     time_kind = step_costs.time_kind
     monkeypatch.setattr(estimate_module, "time_kind", interrupted_at_the_second)
     status, out, err = run_sweep(capsys, str(SMOKE), "--estimate", *ONE_THREAD)
-    assert status == 130 and timed == [0, 2]
+    assert status == 130 and timed == [0, 3]
     assert err.splitlines() == ["interrupted: 1 of 2 kind(s) timed; not priced: FedAvg + CONST"]
-    assert list(table(out)) == ["FedAvg"] and "total: 4 runs, " in out
+    assert list(table(out)) == ["FedAvg"] and "total: 6 runs, " in out

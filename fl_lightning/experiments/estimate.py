@@ -122,11 +122,11 @@ def _announce(plan: Plan, resolved: list[ResolvedPoint], kinds: int, machine: Re
     """What will be timed, and about how long it will take."""
     stretches = 2 if machine.gpu_slots is None and machine.threads > 1 else 1
     seconds = kinds * (KIND_OVERHEAD_SECONDS + stretches * step_costs.TIMED_SECONDS)
-    also = ", then as long on one thread" if stretches == 2 else ""
+    also = ", then as long on one thread where its runs take more" if stretches == 2 else ""
     print(f"estimate of plan {plan.name} ({len(resolved)} runs, {len({e.point.method for e in resolved})} "
-          f"method(s)): {kinds} kind(s) of local step to time here {machine.describe()}, about {seconds:.0f} s "
-          f"(each: a warm-up round of one step per client, then about {step_costs.TIMED_SECONDS:g} s of steps{also})",
-          flush=True)
+          f"method(s)): {kinds} kind(s) of local step to time here {machine.describe()}, at most about "
+          f"{seconds:.0f} s (each: a warm-up round of one step per client, then up to "
+          f"{step_costs.TIMED_SECONDS:g} s of steps{also})", flush=True)
 
 
 def group_by_kind(resolved: list[ResolvedPoint]) -> dict[str, list[ResolvedPoint]]:
