@@ -138,21 +138,21 @@ def fit(
 
     Returns the final global parameters as one flat tensor, in the module's parameter order.
     """
-    checked = fit_config(
-        algorithm=algorithm, model=model, data=data, federation=federation, client_optimizer=client_optimizer,
-        server_optimizer=server_optimizer, constraint=constraint, fabric=fabric, compute=compute, logger=logger,
-        checkpoint=checkpoint, callbacks=callbacks, seed=seed, out_dir=out_dir, resume=resume, overwrite=overwrite,
-    )
-    fabric.validate()
-    check_slurm_allocation(fabric)
-    if logger.wandb_mode != "disabled":
-        check_wandb_environment()
     settings = RunSettings(
         algorithm=algorithm, model=model, data=data, federation=federation, client_optimizer=client_optimizer,
-        server_optimizer=checked.server_optimizer, constraint=constraint, fabric=fabric, compute=compute,
-        logger=logger, checkpoint=checkpoint, callbacks=list(callbacks or []), seed=seed,
+        server_optimizer=server_optimizer, constraint=constraint, fabric=fabric, compute=compute, logger=logger,
+        checkpoint=checkpoint, callbacks=list(callbacks or []), seed=seed,
     )
-    out_dir = checked.out_dir
+    return train_run(fit_config(settings, out_dir=out_dir, resume=resume, overwrite=overwrite))
+
+
+def train_run(checked: FitConfig) -> torch.Tensor:
+    """Check the machine, take the run folder, resume or start, train; the final global parameters."""
+    settings, out_dir = checked.settings, checked.out_dir
+    settings.fabric.validate()
+    check_slurm_allocation(settings.fabric)
+    if settings.logger.wandb_mode != "disabled":
+        check_wandb_environment()
     _check_writable(out_dir)
     launching = is_launching_process()
     lock = RunDirLock(out_dir)
@@ -162,8 +162,8 @@ def fit(
             print(f"run folder: {out_dir}", flush=True)
             remove_temporary_files(out_dir)
             remove_orphan_shards(out_dir)
-        resume_state = _resume_state(resume, overwrite, out_dir, checked.config, federation.rounds, launching)
-        return _build_and_train(settings, checked, resume_state, launching)
+        resume_state = _resume_state(checked, launching)
+        return _build_and_train(checked, resume_state, launching)
     except RunInterrupted as err:
         err.advice = rerun_advice(out_dir, err.remedy)
         raise
@@ -173,39 +173,45 @@ def fit(
 
 @dataclasses.dataclass
 class FitConfig:
-    """What fit's arguments come to before anything is loaded: the run's settings as config.yaml and its
-    checkpoints record them (what a resume compares), its folder, and its method's name."""
+    """What fit's arguments come to before anything is loaded: the run's settings (its server optimizer
+    a fresh instance of the signature's shared default), as config.yaml and its checkpoints record them
+    (what a resume compares), its folder, how it resumes, and its method's name."""
 
+    settings: RunSettings
     config: dict
     out_dir: Path
+    resume: Optional[Union[Literal["auto"], Path]]
+    overwrite: bool
     method: str
-    server_optimizer: ServerOptimizer
-    """The configured server optimizer (a fresh instance of the signature's default)."""
 
 
-def fit_config(*, algorithm: Algorithm, model: ModelArgs, data: DataArgs, federation: FederationArgs,
-               client_optimizer: ClientOptimizerArgs, server_optimizer: ServerOptimizer,
-               constraint: Optional[Constraint], fabric: FabricArgs, compute: ComputeArgs, logger: LoggerArgs,
-               checkpoint: CheckpointArgs, callbacks: Optional[list[Callback]], seed: int, out_dir: Optional[Path],
-               resume: Optional[Union[Literal["auto"], Path]], overwrite: bool) -> FitConfig:
-    """fit's arguments (see `fit`) checked, as far as neither the data nor this machine's devices are
-    needed, and turned into the run's settings: what `fit` trains, and what a sweep checks each grid
-    point against before any run starts."""
-    configured_server_optimizer = _materialise(server_optimizer)
-    algorithm.server_optimizer_for(configured_server_optimizer)  # refuses one the algorithm cannot step with
-    _validate_settings(federation, client_optimizer, checkpoint, resume, overwrite)
-    method = method_name(algorithm.method_name(), constrained=constraint is not None)
-    config = _as_config({
-        "algorithm": algorithm, "model": model, "data": data, "federation": federation,
-        "client_optimizer": client_optimizer, "server_optimizer": configured_server_optimizer,
-        "constraint": constraint, "fabric": fabric, "compute": compute, "logger": logger, "checkpoint": checkpoint,
-        "callbacks": list(callbacks or []), "seed": seed,
-        "out_dir": None, "resume": None if resume is None else str(resume), "overwrite": overwrite,
-    })
+def fit_config(settings: RunSettings, *, out_dir: Optional[Path], resume: Optional[Union[Literal["auto"], Path]],
+               overwrite: bool) -> FitConfig:
+    """A run's settings and folder (see `fit`) checked, as far as neither the data nor this machine's
+    devices are needed, and turned into the config it records: what `fit` trains, and what a sweep
+    checks each grid point against before any run starts."""
+    settings = dataclasses.replace(settings, server_optimizer=_materialise(settings.server_optimizer))
+    settings.algorithm.server_optimizer_for(settings.server_optimizer)  # refuses one the algorithm cannot step with
+    _validate_settings(settings, resume, overwrite)
+    method = method_name(settings.algorithm.method_name(), constrained=settings.constraint is not None)
+    config = _as_config({**{field.name: getattr(settings, field.name) for field in dataclasses.fields(settings)},
+                         "out_dir": None, "resume": None if resume is None else str(resume), "overwrite": overwrite})
     out_dir = Path(out_dir) if out_dir is not None else default_out_dir(
-        config, f"{method}-{data.name}-{model.name}-seed{seed}")
+        config, f"{method}-{settings.data.name}-{settings.model.name}-seed{settings.seed}")
     config["out_dir"] = str(out_dir)
-    return FitConfig(config=config, out_dir=out_dir, method=method, server_optimizer=configured_server_optimizer)
+    return FitConfig(settings=settings, config=config, out_dir=out_dir, resume=resume, overwrite=overwrite,
+                     method=method)
+
+
+FOLDER_ARGUMENTS = ("out_dir", "resume", "overwrite")
+"""fit's arguments that are its run folder's, not the run's settings."""
+
+
+def fit_config_of(arguments: dict) -> FitConfig:
+    """`fit_config` of fit's keyword arguments as a parsed command line gives them (a grid point's)."""
+    settings = RunSettings(**{name: value for name, value in arguments.items() if name not in FOLDER_ARGUMENTS})
+    settings.callbacks = list(settings.callbacks or [])
+    return fit_config(settings, **{name: arguments[name] for name in FOLDER_ARGUMENTS})
 
 
 def method_name(algorithm: str, constrained: bool) -> str:
@@ -214,21 +220,21 @@ def method_name(algorithm: str, constrained: bool) -> str:
     return algorithm + ("+const" if constrained else "")
 
 
-def _validate_settings(federation: FederationArgs, client_optimizer: ClientOptimizerArgs, checkpoint: CheckpointArgs,
-                       resume, overwrite: bool) -> None:
+def _validate_settings(settings: RunSettings, resume, overwrite: bool) -> None:
     """Every check of the experiment's settings that needs no data, before anything is loaded or written
     (the devices are checked by `fit`, on the machine that trains)."""
-    federation.validate()
-    client_optimizer.validate()
-    check_signal_name(checkpoint.requeue_signal)
+    settings.federation.validate()
+    settings.client_optimizer.validate()
+    check_signal_name(settings.checkpoint.requeue_signal)
     if overwrite and resume is not None and str(resume) != "auto":
         raise ConfigError("overwrite", "false when resume names a checkpoint (overwrite starts the run in out_dir "
                           "afresh; resuming from a checkpoint continues one)", overwrite)
 
 
-def _resume_state(resume, overwrite: bool, out_dir: Path, config: dict, rounds: int, launching: bool
-                  ) -> Optional[dict]:
+def _resume_state(checked: FitConfig, launching: bool) -> Optional[dict]:
     """The checkpoint to continue from, once it is certain to belong to the same experiment."""
+    resume, overwrite, out_dir, config = checked.resume, checked.overwrite, checked.out_dir, checked.config
+    rounds = checked.settings.federation.rounds
     if resume is None or overwrite:
         # Only the launching process judges the folder: other ranks may start after it wrote there.
         if launching and holds_results(out_dir):
@@ -256,9 +262,8 @@ def _resume_state(resume, overwrite: bool, out_dir: Path, config: dict, rounds: 
     return state
 
 
-def _build_and_train(settings: RunSettings, checked: FitConfig, resume_state: Optional[dict], launching: bool
-                     ) -> torch.Tensor:
-    config, out_dir, method = checked.config, checked.out_dir, checked.method
+def _build_and_train(checked: FitConfig, resume_state: Optional[dict], launching: bool) -> torch.Tensor:
+    settings, config, out_dir, method = checked.settings, checked.config, checked.out_dir, checked.method
     model, data, logger, constraint, seed = (settings.model, settings.data, settings.logger, settings.constraint,
                                              settings.seed)
     # W&B averages the runs of a group, so a default group holds exactly the runs that differ only by

@@ -3,7 +3,7 @@
 A point's command line (`GridPoint.fit_arguments`) is parsed by the command line's one parse function
 (through `GridPointParser`: a setting and method's seeds after the first are parsed as that one's
 settings with their own seed, run folder and name), instantiated, and turned into the run's config by
-`fl_lightning.fit.fit_config`: the same checks as `fit` (types and values of every field, the
+`fl_lightning.fit.fit_config_of`: the same checks as `fit` (types and values of every field, the
 algorithm's own arguments, the federation), and the same config dict that `fit` records in
 config.yaml and its checkpoints, so that a run folder can be
 compared with the point it belongs to (`fl_lightning.run_dir.check_same_experiment`). The devices are
@@ -24,7 +24,7 @@ import yaml
 from fl_lightning.cli.parser import CommandParser, GridPointParser, build_parser
 from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.overrides import describe_overrides
-from fl_lightning.fit import fit_config
+from fl_lightning.fit import fit_config_of
 from fl_lightning.run_dir import flatten
 from fl_lightning.yaml_text import load_yaml
 
@@ -74,7 +74,7 @@ class GridResolver:
             settings = self._grid_parser.parse(argv)
             arguments = self._parser.instantiate(settings).fit
             arguments.pop("config", None)
-            return ResolvedPoint(point, fit_config(**arguments).config, settings)
+            return ResolvedPoint(point, fit_config_of(arguments).config, settings)
         except ConfigError as err:
             return ResolvedPoint(point, None, error=err)
 

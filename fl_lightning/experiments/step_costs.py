@@ -45,7 +45,7 @@ from fl_lightning.cpu import choose_threads
 from fl_lightning.experiments.local import Resources, run_environment
 from fl_lightning.experiments.resolve import ResolvedPoint, fit_parser
 from fl_lightning.federation.setup import RunSettings, rank_inputs
-from fl_lightning.fit import fit_config
+from fl_lightning.fit import fit_config_of
 from fl_lightning.run_dir import flatten
 
 TIMED_SECONDS = 2.0
@@ -139,10 +139,8 @@ def time_kind(entry: ResolvedPoint, machine: Resources, out_dir: Path) -> StepCo
 
     arguments = fit_parser().instantiate(entry.settings).fit
     arguments.pop("config", None)
-    checked = fit_config(**arguments)
-    settings = RunSettings(**{field.name: arguments[field.name] for field in dataclasses.fields(RunSettings)
-                              if field.name not in ("server_optimizer", "callbacks")},
-                           server_optimizer=checked.server_optimizer)
+    checked = fit_config_of(arguments)
+    settings = dataclasses.replace(checked.settings, callbacks=[])  # the steps are timed, not what a callback does
     device = torch.device("cuda" if machine.gpu_slots is not None else "cpu")
     algorithm, federation = settings.algorithm, settings.federation
     grouped = uses_grouped_path(settings.compute.client_path, device, algorithm.fuses_clients)
