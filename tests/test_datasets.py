@@ -6,7 +6,7 @@ import pytest
 import torch
 from PIL import Image
 
-from fl_lightning.data import DATASET_NAMES, load_dataset
+from fl_lightning.data import DATASET_NAMES, load_dataset, register_dataset, registered_datasets
 from fl_lightning.data.generate import write_cifar, write_tiny_imagenet
 from fl_lightning.errors import ConfigError
 
@@ -238,3 +238,9 @@ def test_digits_load_offline(tmp_path):
     assert train.std == pytest.approx((pixels.std(unbiased=False).item(),))
     again, _ = load_dataset("digits", tmp_path)
     assert torch.equal(again.labels, train.labels)
+
+
+def test_the_registry_holds_the_built_in_datasets_once_each():
+    assert registered_datasets() == list(DATASET_NAMES)
+    with pytest.raises(ValueError, match="registered twice"):
+        register_dataset("cifar10")(lambda root, download: None)

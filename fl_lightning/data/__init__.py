@@ -1,7 +1,14 @@
 """Datasets as uint8 tensors, their split over clients, and batched on-device augmentation."""
 
 from fl_lightning.data.augment import DeviceTransform
-from fl_lightning.data.datasets import DATASET_NAMES, ImageDataset, check_dataset, load_dataset
+from fl_lightning.data.datasets import (
+    DATASET_NAMES,
+    ImageDataset,
+    check_dataset,
+    load_dataset,
+    register_dataset,
+    registered_datasets,
+)
 from fl_lightning.data.partition import class_histogram, hold_out_validation, partition_indices, plot_partition
 
 __all__ = [
@@ -14,4 +21,6 @@ __all__ = [
     "load_dataset",
     "partition_indices",
     "plot_partition",
+    "register_dataset",
+    "registered_datasets",
 ]

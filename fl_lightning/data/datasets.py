@@ -61,7 +61,31 @@ class ImageDataset:
         return len(self.labels)
 
 
+DatasetLoader = Callable[..., "tuple[ImageDataset, ImageDataset]"]
+_dataset_loaders: dict[str, DatasetLoader] = {}
+
+
+def register_dataset(name: str) -> Callable[[DatasetLoader], DatasetLoader]:
+    """Register a built-in dataset's loader, called as loader(root, download), under `name` (as
+    models register: fl_lightning.models.register_model). A dataset of your own needs no entry: its
+    loader is named by its dotted path (docs/extending.md)."""
+
+    def register(loader: DatasetLoader) -> DatasetLoader:
+        if name in _dataset_loaders:
+            raise ValueError(f"dataset {name!r} is registered twice")
+        _dataset_loaders[name] = loader
+        return loader
+
+    return register
+
+
+def registered_datasets() -> list[str]:
+    """The built-in datasets' names, in registration order."""
+    return list(_dataset_loaders)
+
+
 DATASET_NAMES = get_args(DatasetName)
+"""The built-in datasets, as the settings' type names them (the registry holds the same: tested)."""
 
 # Published per-pixel statistics of the training splits, so every run normalises alike.
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
@@ -109,7 +133,6 @@ LAYOUTS = {
 """The built-in datasets read from data.root (digits is bundled)."""
 
 
-DatasetLoader = Callable[..., "tuple[ImageDataset, ImageDataset]"]
 LOADER_RETURNS = (
     "a loader returning the pair (train, test) of ImageDatasets: uint8 images [N, C, H, H], int64 labels [N] "
     "below num_classes, C means and stds"
@@ -119,14 +142,8 @@ LOADER_RETURNS = (
 def load_dataset(name: str, root: Path, download: bool = False) -> tuple[ImageDataset, ImageDataset]:
     """The (train, test) splits of `name`: a built-in dataset (for tiny_imagenet the test split is the
     labelled val set) or a loader by dotted path (see the module docstring)."""
-    loaders = {
-        "cifar10": _load_cifar10,
-        "cifar100": _load_cifar100,
-        "tiny_imagenet": _load_tiny_imagenet,
-        "digits": _load_digits,
-    }
-    if name in loaders:
-        return loaders[name](Path(root), download)
+    if name in _dataset_loaders:
+        return _dataset_loaders[name](Path(root), download)
     loader = dataset_loader(name)
     return _check_splits(name, loader(root=Path(root), download=download))
 
@@ -307,6 +324,7 @@ def _whole_folder(name: str, root: Path, download: bool) -> Path:
     return _prepared_folder(name, root, download, lambda: not layout.lacking(root / layout.folder))
 
 
+@register_dataset("cifar10")
 def _load_cifar10(root: Path, download: bool) -> tuple[ImageDataset, ImageDataset]:
     folder = _whole_folder("cifar10", root, download)
     return (
@@ -315,6 +333,7 @@ def _load_cifar10(root: Path, download: bool) -> tuple[ImageDataset, ImageDatase
     )
 
 
+@register_dataset("cifar100")
 def _load_cifar100(root: Path, download: bool) -> tuple[ImageDataset, ImageDataset]:
     folder = _whole_folder("cifar100", root, download)
     return (
@@ -323,6 +342,7 @@ def _load_cifar100(root: Path, download: bool) -> tuple[ImageDataset, ImageDatas
     )
 
 
+@register_dataset("tiny_imagenet")
 def _load_tiny_imagenet(root: Path, download: bool) -> tuple[ImageDataset, ImageDataset]:
     """Decodes the JPEGs once, in one process of all those sharing root, and keeps them in a cache
     file; delete it to decode again."""
@@ -393,6 +413,7 @@ def _decode_jpegs(paths: list[Path]) -> torch.Tensor:
 DIGITS_FILE = Path(__file__).with_name("digits.npz")
 
 
+@register_dataset("digits")
 def _load_digits(root: Path, download: bool) -> tuple[ImageDataset, ImageDataset]:
     """The 8x8 handwritten digits bundled with fl-lightning (values 0..16 scaled to 0..255), split
     80/20 by class; root is not used.
