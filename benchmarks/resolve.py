@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 from fl_lightning.cli.arguments import expand_bare_flags, expand_short_names
-from fl_lightning.cli.main import command_parser
 from fl_lightning.cli.parser import parse_command_line
+from fl_lightning.commands.main import command_parser
 from fl_lightning.experiments.plan import load_plan
 from fl_lightning.experiments.resolve import fit_parser, resolve_grid
 from fl_lightning.experiments.table import table

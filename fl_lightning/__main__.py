@@ -17,7 +17,7 @@ def main() -> None:
     STOP_SIGNALS.hold_until_exit()
     passive_wait_by_default()
     try:
-        from fl_lightning.cli.main import main as run_command
+        from fl_lightning.commands.main import main as run_command
 
         run_command()
     finally:

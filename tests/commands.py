@@ -1,6 +1,6 @@
 """The command line run in the test's own process, its output read through pytest's capsys."""
 
-from fl_lightning.cli.main import main as fl_lightning_main
+from fl_lightning.commands.main import main as fl_lightning_main
 
 
 def run_sweep(capsys, *arguments: str) -> tuple[int, str, str]:

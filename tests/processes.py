@@ -46,7 +46,7 @@ from typing import IO, Any, Callable, Optional, Union
 
 # What a `fit` imports, up front or on its way: everything the forkserver imports, no child pays.
 PRELOADED_MODULES = [
-    "fl_lightning.cli.main", "fl_lightning.federation", "fl_lightning.module", "fl_lightning.federation.trainer",
+    "fl_lightning.commands.main", "fl_lightning.federation", "fl_lightning.module", "fl_lightning.federation.trainer",
     "fl_lightning.federation.groups", "fl_lightning.federation.client_paths", "lightning.fabric", "lightning.pytorch",
     "torchmetrics", "torchvision", "torch._dynamo", "torch._inductor", "torch.utils.serialization",
     "matplotlib.pyplot", "matplotlib.backends.backend_agg", "PIL.JpegImagePlugin", "PIL.features",

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from fl_lightning.algorithms import SHORT_NAMES
-from fl_lightning.cli.main import main
+from fl_lightning.commands.main import main
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 QUICKSTART = str(REPOSITORY / "configs" / "quickstart.yaml")

@@ -22,7 +22,7 @@ from fl_lightning.checkpoint import (
     content_digest,
     run_is_over,
 )
-from fl_lightning.cli.main import main
+from fl_lightning.commands.main import main
 from fl_lightning.federation.aggregation import is_final_vote, stop_vote
 from fl_lightning.run_dir import DifferentExperiment, check_same_experiment
 from fl_lightning.run_logging import read_metrics

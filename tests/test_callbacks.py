@@ -14,8 +14,8 @@ from fl_lightning import server_optimizers
 from fl_lightning.algorithms import SHORT_NAMES
 from fl_lightning.callbacks import EarlyStopping, TimeBudget
 from fl_lightning.checkpoint import checkpoint_dir, numbered_checkpoints
-from fl_lightning.cli.main import main
 from fl_lightning.cli.parser import build_parser
+from fl_lightning.commands.main import main
 from fl_lightning.constraints import CONST
 from fl_lightning.federation.aggregation import clients_of_rank, sample_clients
 from fl_lightning.fit import _as_config

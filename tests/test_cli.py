@@ -10,8 +10,8 @@ import yaml
 
 from fl_lightning.algorithms import CTPFL, SHORT_NAMES, FedAvg
 from fl_lightning.cli.arguments import expand_bare_flags, expand_short_names
-from fl_lightning.cli.main import COMMANDS, command_parser, main
 from fl_lightning.cli.parser import build_parser, parse_command_line
+from fl_lightning.commands.main import COMMANDS, command_parser, main
 from fl_lightning.experiments.data_check import fit_line_of
 from fl_lightning.models import registered_models
 from fl_lightning.run_logging import MetricsLog
@@ -298,7 +298,7 @@ def test_help_and_a_refused_config_never_import_lightning(tmp_path):
 
     script = (
         "import sys\n"
-        "from fl_lightning.cli.main import main\n"
+        "from fl_lightning.commands.main import main\n"
         "for argv in (['fit', '--help'], ['fit', '--config', sys.argv[1], '--out_dir', sys.argv[2],\n"
         "                                 '--federation.clients_per_round', '1000']):\n"
         "    try:\n"

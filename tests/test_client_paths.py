@@ -31,7 +31,7 @@ from fl_lightning.algorithms import (
 from fl_lightning.algorithms.base import PSEUDO_GRADIENT
 from fl_lightning.callbacks import Callback
 from fl_lightning.checkpoint import LAST, checkpoint_dir
-from fl_lightning.cli.main import main
+from fl_lightning.commands.main import main
 from fl_lightning.config import ClientOptimizerArgs, ComputeArgs, DataArgs, FederationArgs
 from fl_lightning.constraints import CONST
 from fl_lightning.data import ImageDataset

@@ -17,8 +17,8 @@ import yaml
 
 from fl_lightning.algorithms import SHORT_NAMES
 from fl_lightning.cli.arguments import check_config_files
-from fl_lightning.cli.main import main
 from fl_lightning.cli.parser import build_parser, parse_command_line
+from fl_lightning.commands.main import main
 from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.plan import load_plan
 from fl_lightning.experiments.resolve import fit_parser

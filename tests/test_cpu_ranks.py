@@ -19,8 +19,8 @@ from reference import small_setup
 from fl_lightning import cluster, cpu
 from fl_lightning.algorithms import FedAvg
 from fl_lightning.callbacks import Callback
-from fl_lightning.cli.main import main
 from fl_lightning.cluster import Ranks, check_slurm_allocation, ranks_of, resolve_ranks
+from fl_lightning.commands.main import main
 from fl_lightning.config import ClientOptimizerArgs, FabricArgs
 from fl_lightning.cpu import (
     ThreadChoice,

@@ -10,7 +10,7 @@ import wandb_workspaces.reports.v2 as wr
 import yaml
 from wandb_workspaces import expr
 
-from fl_lightning.cli.main import main
+from fl_lightning.commands.main import main
 from fl_lightning.diagnostics.local_updates import ClientDrift
 from fl_lightning.errors import ConfigError
 from fl_lightning.experiments import dashboard as dashboard_module

@@ -18,7 +18,7 @@ import processes
 import pytest
 from torchvision.datasets.utils import calculate_md5
 
-from fl_lightning.cli.main import main
+from fl_lightning.commands.main import main
 from fl_lightning.data import datasets, download
 from fl_lightning.data.datasets import LAYOUTS, check_dataset, load_dataset
 from fl_lightning.data.generate import write_archive, write_cifar, write_tiny_imagenet

@@ -27,8 +27,8 @@ from test_diagnostics_landscape import (
 from torch import nn
 
 from fl_lightning.algorithms import CTPFL, FedAvg
-from fl_lightning.cli.main import main
 from fl_lightning.clients.run import CLIENT_STREAM, batch_positions, seeded_generator
+from fl_lightning.commands.main import main
 from fl_lightning.diagnostics.ctpfl import DisplacementBias
 from fl_lightning.errors import ConfigError
 from fl_lightning.module import ClassificationModule

@@ -15,8 +15,8 @@ from torch import nn
 
 from fl_lightning.algorithms import CTPFL, FedAvg
 from fl_lightning.checkpoint import checkpoint_dir
-from fl_lightning.cli.main import main
 from fl_lightning.clients.run import seeded_generator
+from fl_lightning.commands.main import main
 from fl_lightning.config import ClientOptimizerArgs, ComputeArgs, DataArgs, FederationArgs
 from fl_lightning.data import ImageDataset
 from fl_lightning.diagnostics.landscape import (

@@ -14,8 +14,8 @@ import yaml
 
 from fl_lightning.algorithms.base import PSEUDO_GRADIENT
 from fl_lightning.checkpoint import checkpoint_dir
-from fl_lightning.cli.main import main
 from fl_lightning.clients.run import seeded_generator
+from fl_lightning.commands.main import main
 from fl_lightning.diagnostics.gsnr import GSNR, GradientVariance, WeightNorms
 from fl_lightning.diagnostics.local_updates import ClientConsistency, ClientDrift, DriftDiversity, UpdateCosine
 from fl_lightning.errors import ConfigError

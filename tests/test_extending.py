@@ -15,7 +15,7 @@ import yaml
 from torch import nn
 
 from fl_lightning.algorithms import SHORT_NAMES, FedAvg
-from fl_lightning.cli.main import main
+from fl_lightning.commands.main import main
 from fl_lightning.config import DataArgs, ModelArgs
 from fl_lightning.data import DATASET_NAMES, load_dataset
 from fl_lightning.errors import ConfigError

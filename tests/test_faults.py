@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from fl_lightning.checkpoint import checkpoint_dir, load_checkpoint, numbered_checkpoints
-from fl_lightning.cli.main import main
+from fl_lightning.commands.main import main
 
 pytestmark = pytest.mark.slow  # every test runs fl-lightning in other processes
 REPOSITORY = Path(__file__).resolve().parents[1]

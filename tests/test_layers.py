@@ -8,11 +8,11 @@ the rule of a run's best value); the data and model registries (which know nothi
 the settings (config.py, which checks dataset and model names against those registries); the run
 folder, checkpoints, logging and the cluster; the pieces of training (the LightningModule, client
 updates, server optimizers, constraints); the algorithms; the callbacks and diagnostics; the
-federation; `fit`; the command line's parser in its three steps (messages, then the rewriting of
-arguments, then the parser), which the experiments use to read their grid points; the experiments
-(plans, sweeps, tables, compare); and last the commands, `fl_lightning.cli.main` and `python -m
-fl_lightning`. A module belongs to the layer of the longest prefix listed for it; within a layer any
-import is allowed that makes no cycle.
+federation; `fit`; the command line's parser (`cli`), which the experiments use to read their grid
+points; the experiments (plans, sweeps, tables, compare); and last the commands (`commands`, and
+`python -m fl_lightning`). Each package is one floor, each module outside a package one entry: a
+module belongs to the layer of the longest prefix listed for it; within a layer any import is
+allowed that makes no cycle.
 
 Imports in `if TYPE_CHECKING:` blocks never run on import, so they make no cycle (they are how a
 module names a type of a module that imports it), but they may not reach above their layer either:
@@ -43,11 +43,9 @@ LAYERS = [
     ("callbacks", ["fl_lightning.callbacks", "fl_lightning.diagnostics"]),
     ("federation", ["fl_lightning.federation"]),
     ("fit", ["fl_lightning.fit"]),
-    ("parse errors", ["fl_lightning.cli", "fl_lightning.cli.messages"]),
-    ("command line rewriting", ["fl_lightning.cli.arguments"]),
-    ("parser", ["fl_lightning.cli.parser"]),
+    ("command line", ["fl_lightning.cli"]),
     ("experiments", ["fl_lightning.experiments", "fl_lightning.compare"]),
-    ("commands", ["fl_lightning.cli.main", "fl_lightning.__main__"]),
+    ("commands", ["fl_lightning.commands", "fl_lightning.__main__"]),
 ]
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from wandb_records import history_rows, records, summary
 
-from fl_lightning.cli.main import main
+from fl_lightning.commands.main import main
 from fl_lightning.run_logging import MetricsLog, read_metrics
 
 QUICKSTART = str(Path(__file__).parent.parent / "configs" / "quickstart.yaml")

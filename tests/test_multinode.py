@@ -17,8 +17,8 @@ import torch
 from test_faults import wait_all
 
 from fl_lightning.checkpoint import checkpoint_dir
-from fl_lightning.cli.main import main
 from fl_lightning.cluster import check_slurm_allocation
+from fl_lightning.commands.main import main
 from fl_lightning.config import FabricArgs
 from fl_lightning.errors import ConfigError
 

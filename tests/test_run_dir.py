@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fl_lightning.checkpoint import checkpoint_dir, load_checkpoint, numbered_checkpoints
-from fl_lightning.cli.main import main
+from fl_lightning.commands.main import main
 from fl_lightning.errors import ConfigError
 from fl_lightning.run_dir import check_same_experiment, default_out_dir
 from fl_lightning.run_logging import read_metrics

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fl_lightning.cli.main import main as fl_lightning_main
+from fl_lightning.commands.main import main as fl_lightning_main
 from fl_lightning.experiments.plan import load_plan
 from fl_lightning.run_dir import is_safe_to_change
 

@@ -17,8 +17,8 @@ from commands import run_sweep
 
 from fl_lightning.checkpoint import FINAL_STOP, checkpoint_dir, save_checkpoint
 from fl_lightning.cli.arguments import expand_short_names
-from fl_lightning.cli.main import main as fl_lightning_main
 from fl_lightning.cli.parser import build_parser
+from fl_lightning.commands.main import main as fl_lightning_main
 from fl_lightning.data import datasets
 from fl_lightning.data.datasets import check_dataset
 from fl_lightning.errors import ConfigError

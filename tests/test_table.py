@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from fl_lightning.checkpoint import FINAL_STOP, save_checkpoint
-from fl_lightning.cli.main import main
+from fl_lightning.commands.main import main
 from fl_lightning.compare import compare
 from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.plan import load_plan

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fl_lightning.cli.main import main
+from fl_lightning.commands.main import main
 from fl_lightning.experiments.table_latex import latex_text
 from tests.test_table import direct_interval, write_run
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fl_lightning.cli.main import main as fl_lightning_main
+from fl_lightning.commands.main import main as fl_lightning_main
 from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.plan import load_plan
 from fl_lightning.experiments.table import table

@@ -19,7 +19,7 @@ from wandb_records import summary
 
 from fl_lightning.algorithms import FedAvg
 from fl_lightning.callbacks import Callback
-from fl_lightning.cli.main import main
+from fl_lightning.commands.main import main
 from fl_lightning.compare import compare
 from fl_lightning.config import DataArgs, FabricArgs
 from fl_lightning.data import hold_out_validation, load_dataset, partition_indices

@@ -8,7 +8,7 @@ import pytest
 import yaml
 from wandb_records import run_config, run_record
 
-from fl_lightning.cli.main import main
+from fl_lightning.commands.main import main
 from fl_lightning.experiments.plan import load_plan
 
 ROOT = Path(__file__).parent.parent

@@ -21,7 +21,7 @@ import wandb
 from fl_lightning import atomic_files, run_logging
 from fl_lightning.callbacks import Callback
 from fl_lightning.checkpoint import checkpoint_dir, load_checkpoint, numbered_checkpoints
-from fl_lightning.cli.main import main
+from fl_lightning.commands.main import main
 from fl_lightning.run_dir import PARTITION_PLOT
 from fl_lightning.run_logging import METRICS_FILE, read_metrics
 
