@@ -110,8 +110,8 @@ def federated_loop(algorithm_name: str, *, batch_norm: bool, client_path: str, l
 def group_sizes(monkeypatch) -> list[int]:
     """The size of every group the grouped path computes together."""
     sizes: list[int] = []
-    original = client_groups._run_group
-    monkeypatch.setattr(client_groups, "_run_group", lambda algorithm, group: sizes.append(len(group)) or
+    original = client_groups._vectorised_updates
+    monkeypatch.setattr(client_groups, "_vectorised_updates", lambda algorithm, group: sizes.append(len(group)) or
                         original(algorithm, group))
     return sizes
 
@@ -121,8 +121,8 @@ def fused_group_sizes(monkeypatch) -> list[int]:
     """The size of every group computed fused; also makes FUSED_CTPFL an algorithm name."""
     monkeypatch.setitem(ALGORITHMS, FUSED_CTPFL, lambda: CTPFL(span=0.2, weight_decay=1e-3))
     sizes: list[int] = []
-    original = client_groups._run_fused
-    monkeypatch.setattr(client_groups, "_run_fused", lambda algorithm, group, weights: sizes.append(len(group)) or
+    original = client_groups._fused_updates
+    monkeypatch.setattr(client_groups, "_fused_updates", lambda algorithm, group, weights: sizes.append(len(group)) or
                         original(algorithm, group, weights))
     return sizes
 
@@ -308,13 +308,14 @@ def test_group_size_bounds_the_groups(group_sizes):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algorithm_name, group_run", [("scaffold", "_run_group"), (FUSED_CTPFL, "_run_fused")])
-def test_a_group_out_of_gpu_memory_is_computed_again_in_halves(algorithm_name, group_run, monkeypatch):
+@pytest.mark.parametrize("algorithm_name, group_rule",
+                         [("scaffold", "_vectorised_updates"), (FUSED_CTPFL, "_fused_updates")])
+def test_a_group_out_of_gpu_memory_is_computed_again_in_halves(algorithm_name, group_rule, monkeypatch):
     """A group that does not fit is split until its halves do; they start from the same state, so
     the round is the loop's."""
     monkeypatch.setitem(ALGORITHMS, FUSED_CTPFL, lambda: CTPFL(span=0.2, weight_decay=1e-3))
     attempted: list[int] = []
-    original = getattr(client_groups, group_run)
+    original = getattr(client_groups, group_rule)
 
     def run_group_fitting_two(algorithm, group, **weights):
         attempted.append(len(group))
@@ -322,7 +323,7 @@ def test_a_group_out_of_gpu_memory_is_computed_again_in_halves(algorithm_name, g
             raise torch.cuda.OutOfMemoryError("CUDA out of memory")
         return original(algorithm, group, **weights)
 
-    monkeypatch.setattr(client_groups, group_run, run_group_fitting_two)
+    monkeypatch.setattr(client_groups, group_rule, run_group_fitting_two)
     settings = dict(algorithm_name=algorithm_name, batch_norm=True, local_steps=2)
     grouped = rounds_of(federated_loop(**settings, client_path="grouped"))
     assert attempted == [5, 2, 3, 2] * 3  # 5 -> 2 + 3, 3 -> 1 (alone) + 2, every round

@@ -39,7 +39,7 @@ from fl_lightning.federation.client_paths import ClientPath, Grouping
 Uploads = Mapping[str, torch.Tensor]
 Update = tuple[ClientRound, Uploads, Uploads]
 Updates = Iterator[Update]
-GroupRun = Callable[[Algorithm, list[ClientRound]], list[Update]]
+GroupRule = Callable[[Algorithm, list[ClientRound]], list[Update]]
 
 
 def client_updates(algorithm: Algorithm, clients: Iterable[ClientRound], path: ClientPath,
@@ -52,9 +52,9 @@ def client_updates(algorithm: Algorithm, clients: Iterable[ClientRound], path: C
             yield _alone(algorithm, client)
         return
     fused = path.grouping is Grouping.FUSED
-    run_group = partial(_run_fused, weights=weights) if fused else _run_group
+    update_group = partial(_fused_updates, weights=weights) if fused else _vectorised_updates
     for group in _groups(list(clients), path.group_size, equal_steps=fused):
-        yield from _group_updates(algorithm, group, run_group)
+        yield from _group_updates(algorithm, group, update_group)
 
 
 def normalise_batches_in_float32(module: nn.Module) -> None:
@@ -98,18 +98,18 @@ def _groups(clients: list[ClientRound], group_size: Optional[int], equal_steps: 
     return groups
 
 
-def _group_updates(algorithm: Algorithm, group: list[ClientRound], run_group: GroupRun) -> Updates:
+def _group_updates(algorithm: Algorithm, group: list[ClientRound], update_group: GroupRule) -> Updates:
     if len(group) == 1:
         yield _alone(algorithm, group[0])
         return
     try:
-        results = run_group(algorithm, group)
+        results = update_group(algorithm, group)
     except torch.cuda.OutOfMemoryError:
         # Nothing was written back yet: the halves start from the same state.
         torch.cuda.empty_cache()
         middle = len(group) // 2
-        yield from _group_updates(algorithm, group[:middle], run_group)
-        yield from _group_updates(algorithm, group[middle:], run_group)
+        yield from _group_updates(algorithm, group[:middle], update_group)
+        yield from _group_updates(algorithm, group[middle:], update_group)
         return
     except RuntimeError as err:
         if "vmap" not in str(err):
@@ -126,7 +126,7 @@ def _alone(algorithm: Algorithm, client: ClientRound) -> Update:
     return client, uploads, uploads
 
 
-def _run_group(algorithm: Algorithm, group: list[ClientRound]) -> list[Update]:
+def _vectorised_updates(algorithm: Algorithm, group: list[ClientRound]) -> list[Update]:
     """Every client of `group` updated together; writes each client's state, buffers and losses
     back as if it had run alone, and returns its uploads."""
     first = group[0]
@@ -160,7 +160,7 @@ def _run_group(algorithm: Algorithm, group: list[ClientRound]) -> list[Update]:
     return results
 
 
-def _run_fused(algorithm: Algorithm, group: list[ClientRound], weights: dict[int, float]) -> list[Update]:
+def _fused_updates(algorithm: Algorithm, group: list[ClientRound], weights: dict[int, float]) -> list[Update]:
     """`group` as one fused client (equal steps, stateless): writes each client's buffers and losses
     back as if it had run alone; each contributes the group's `weights`-weighted mean uploads."""
     first = group[0]
