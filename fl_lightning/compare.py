@@ -35,7 +35,7 @@ from typing import Optional, Union
 from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.plan import GridPoint, load_plan
 from fl_lightning.experiments.plot import save_laid_out
-from fl_lightning.experiments.resolve import GridResolver, accepted_config
+from fl_lightning.experiments.resolve import accepted_config
 from fl_lightning.experiments.runs import (
     Run,
     check_metric,
@@ -47,6 +47,7 @@ from fl_lightning.experiments.runs import (
 )
 from fl_lightning.experiments.statistics import MIN_PAIRS, paired_difference
 from fl_lightning.experiments.table_cells import paired_difference_text
+from fl_lightning.experiments.tuning import TunedGrid
 from fl_lightning.metric_names import TEST_ACCURACY, best_keys, best_round, final_key, is_test_metric, selection_note
 from fl_lightning.run_dir import seedless_digest
 from fl_lightning.run_logging import METRICS_FILE
@@ -227,8 +228,9 @@ def _grid_settings(plan: Path, runs_root: Path, runs: list[Path]) -> dict[Path, 
     builds for the point, for the folders of `runs` that are grid points of the plan."""
     compared = {path.resolve() for path in runs}
     loaded = load_plan(plan, runs_root=runs_root)
-    grid, resolver = loaded.grid(), GridResolver()
-    points = [point for point in grid if point.out_dir.resolve() in compared]
+    tuned = TunedGrid(loaded)  # a run of a tuned method is its setting's choice's; one still waiting is none
+    grid, resolver = tuned.final_points, tuned.resolver
+    points = [point for point in tuned.points if not point.waiting and point.out_dir.resolve() in compared]
     if not points:
         raise ConfigError("runs_root", f"the folder holding the run folders of plan {loaded.name} "
                           f"({runs_root}/{loaded.name}/<setting>/<method>/seed<k>): --plan checks the runs compared "

@@ -40,6 +40,7 @@ from fl_lightning.commands.main import main
 from fl_lightning.experiments.plan import GridPoint, Plan, load_plan
 from fl_lightning.experiments.reference import read_reference
 from fl_lightning.experiments.table import table
+from fl_lightning.experiments.tuning import TunedGrid
 
 ROOT = Path(__file__).parent.parent
 PLANS = ROOT / "configs" / "plans"
@@ -394,15 +395,24 @@ def test_table_3_shares_table_1s_cross_silo_cifar10_numbers():
 
 
 @pytest.mark.slow
-def test_smoke_plan_trains_every_point_and_tabulates(tmp_path):
+def test_smoke_plan_tunes_trains_every_point_and_tabulates(tmp_path):
     runs = tmp_path / "runs"
     plan = load_plan(PLANS / "smoke.yaml", runs_root=runs)
-    for point in plan.grid():
+    for point in plan.tuning_grid():  # FedAvg's three client lrs on seed 100, in each split
+        main(point.fit_arguments())
+    grid = TunedGrid(plan)
+    for cell in grid.cells():
+        grid.choose(cell, ended=False)  # every tuning run finished: none is waited for
+    for point in grid.final_points:
+        assert not point.waiting
         main(point.fit_arguments())
     result = table(plan=str(PLANS / "smoke.yaml"), runs_root=runs, baseline="FedAvg", format="latex")
     assert result.methods == ["FedAvg", "FedAvg + CONST"]
     assert result.settings == ["alpha-0.5", "alpha-0.1"]
-    assert all(cell.n == 3 for cell in result.cells.values()) and not result.notes
+    assert all(cell.n == 3 for cell in result.cells.values())
+    (note,) = result.notes
+    assert note.startswith("tuned FedAvg on seed(s) 100 by the best val_accuracy at the final round (every "
+                           f"candidate's figure in {runs}/smoke/tune/<setting>/fedavg/selection.yaml): ")
     # Its three seeds pair up: each column of FedAvg + CONST has its interval of the difference to FedAvg.
     for setting in result.settings:
         versus = result.cells["FedAvg + CONST", setting].versus

@@ -6,7 +6,9 @@ run would get (--gpus_per_run, --threads_per_run, --jobs): a warm-up round, then
 step_costs.TIMED_SECONDS of local steps. Every grid point is then priced from its kind's cost per
 step and its own rounds' work: the local steps of the clients it samples (its split, federation and
 local budget), averaged over its first SAMPLED_ROUNDS rounds, for one rank of the run (a run of G
-GPUs deals its clients to G ranks). Printed, one line per method of the plan and in total:
+GPUs deals its clients to G ranks). A plan's tuning runs are priced as its others (the runs of a
+tuned method whose choice is not made yet at its first candidate). Printed, one line per method of
+the plan (and per tuned method, `FedAvg (tuning)`) and in total:
 
 - seconds per round, wall and CPU (the CPU time of the timed steps: the work, which a busy
   machine inflates far less than the wall time; a line says how busy the machine was while timing);
@@ -40,6 +42,7 @@ from fl_lightning.cpu import available_cores
 from fl_lightning.errors import ConfigError
 from fl_lightning.experiments import step_costs
 from fl_lightning.experiments.local import Resources, note_unused_gpus, plan_resources
+from fl_lightning.experiments.plan import describe_candidate
 from fl_lightning.experiments.resolve import ResolvedPoint, describe_point
 from fl_lightning.experiments.step_costs import StepCost, Stretch, client_steps, kind_of, time_kind
 
@@ -127,6 +130,10 @@ def _announce(plan: Plan, resolved: list[ResolvedPoint], kinds: int, machine: Re
           f"method(s)): {kinds} kind(s) of local step to time here {machine.describe()}, at most about "
           f"{seconds:.0f} s (each: a warm-up round of one step per client, then up to "
           f"{step_costs.TIMED_SECONDS:g} s of steps{also})", flush=True)
+    waiting = {entry.point.method: entry.point.tuned for entry in resolved if entry.point.waiting}
+    if waiting:
+        print("note: runs whose tuning choice is not made yet are priced at their method's first candidate: "
+              + ", ".join(f"{method} at {describe_candidate(tuned)}" for method, tuned in waiting.items()), flush=True)
 
 
 def group_by_kind(resolved: list[ResolvedPoint]) -> dict[str, list[ResolvedPoint]]:
@@ -211,7 +218,9 @@ def _print_budget(priced: list[PricedPoint], machine: Resources, jobs: int) -> N
               f"peak {memory}", "client state", "checkpoint", "kept", "disk per run")
     by_method: dict[str, list[PricedPoint]] = {}
     for point in priced:
-        by_method.setdefault(point.entry.point.method, []).append(point)
+        grid_point = point.entry.point
+        by_method.setdefault(f"{grid_point.method} (tuning)" if grid_point.tuning else grid_point.method,
+                             []).append(point)
     rows = [_method_row(method, points, on_gpus) for method, points in by_method.items()]
     widths = [max(len(row[column]) for row in [header, *rows]) for column in range(len(header))]
     for row in [header, *rows]:

@@ -188,9 +188,49 @@ def _leave_the_terminal() -> None:
                 setattr(sys, name, devnull)
 
 
+def hold_run_folder(out_dir: Path) -> RunDirLock:
+    """The sweep's lock of a run folder, held; FolderInUse when another sweep holds it or a `fit`
+    runs in it."""
+    lock = RunDirLock(out_dir, SWEEP_LOCK_FILE)
+    try:
+        lock.acquire()
+        # A `fit` started by hand holds the run's own lock; it is released at once here, as no
+        # other sweep can start a run in this folder while this one holds its sweep lock.
+        probe = RunDirLock(out_dir)
+        probe.acquire()
+        probe.release()
+    except FolderInUse:
+        lock.release()
+        raise
+    return lock
+
+
+def held_elsewhere(out_dir: Path) -> Optional[str]:
+    """Who holds the run folder (`pid 1234 on host`: another sweep, or a `fit`), or None."""
+    if not out_dir.is_dir():
+        return None
+    try:
+        hold_run_folder(out_dir).release()
+    except FolderInUse as busy:
+        return busy.holder
+    return None
+
+
+@dataclass
+class Outcome:
+    """What became of a local sweep's runs."""
+
+    status: int
+    """The sweep's exit status."""
+    failed: list[GridPoint]
+    elsewhere: list[GridPoint]
+    """Skipped: another process held their folders."""
+    interrupted: bool = False
+
+
 def run_locally(resolved: list[ResolvedPoint], states: dict[int, RunState], options: SweepOptions,
-                on_terminal: bool) -> int:
-    """Run the unfinished points, `jobs` at a time; the sweep's exit status."""
+                on_terminal: bool) -> Outcome:
+    """Run the unfinished points, `jobs` at a time."""
     jobs = options.jobs or 1
     resources = plan_resources(jobs, options.gpus_per_run, options.threads_per_run)
     points = [entry.point for entry in resolved]
@@ -212,12 +252,13 @@ def run_locally(resolved: list[ResolvedPoint], states: dict[int, RunState], opti
             else:
                 shown = [f"cpus={','.join(map(str, resources.cpu_slots[slot % jobs]))}"]
             print(f"[{point.index}] {' '.join(shown)} {shlex.join(fit_command(point, resources))}")
-        return 0
+        return Outcome(0, [], [])
     rounds = {entry.point.index: entry.rounds for entry in resolved}
     # A run in the foreground shows its own rounds.
     progress = None if on_terminal else ProgressLines(rounds, {i: state.round or 0 for i, state in states.items()},
                                                       jobs, total=len(points))
-    return _Loop(to_run, rounds, len(skipped), resources, jobs, on_terminal, progress).run()
+    loop = _Loop(to_run, rounds, len(skipped), resources, jobs, on_terminal, progress)
+    return Outcome(loop.run(), loop.failed, loop.elsewhere, interrupted=bool(loop.stop.signals))
 
 
 def _finished(state: RunState) -> str:
@@ -266,16 +307,9 @@ class _Loop:
     def _take(self, point: GridPoint) -> None:
         """Start the point's run unless another process holds its folder or has finished it meanwhile."""
         point.out_dir.mkdir(parents=True, exist_ok=True)
-        lock = RunDirLock(point.out_dir, SWEEP_LOCK_FILE)
         try:
-            lock.acquire()
-            # A `fit` started by hand holds the run's own lock; it is released at once here, as no
-            # other sweep can start a run in this folder while this one holds its sweep lock.
-            probe = RunDirLock(point.out_dir)
-            probe.acquire()
-            probe.release()
+            lock = hold_run_folder(point.out_dir)
         except FolderInUse as busy:
-            lock.release()
             self.elsewhere.append(point)
             print(f"[{point.index}] skipped, running elsewhere (held by {busy.holder}): {describe_point(point)} in "
                   f"{point.out_dir}", flush=True)

@@ -17,6 +17,12 @@
                                # a plan asking for GPUs is refused where its runs would get none
       precision: bf16-mixed    # fabric.precision of every run (given before the plan's configs)
       time_per_run: "24:00:00" # SLURM time limit of each array task (sbatch --time), quoted
+    tune:                                       # optional: each method's own values chosen per setting (tuning.py)
+      seeds: [100]                              # the tuning runs' seeds, none of `seeds`
+      select: val_accuracy                      # a validation metric; the lowest wins for a loss
+      at: final                                 # optional: final, best or last:K, as table's --at
+      methods:                                  # a method -> {dotted setting: [values]}, the product its candidates
+        FedAvg: {client_optimizer.lr: [0.01, 0.03, 0.1]}
 
 Each list holds config fragments (paths, relative to the working folder) and mappings of dotted
 settings. A run is `fl-lightning fit` with the plan's configs, then each setting axis's, then the
@@ -24,6 +30,13 @@ method's (so a method always carries its own hyper-parameters, whatever the sett
 seed, then the command line's `--override KEY=VALUE` (overrides.py: an override that changes the
 experiment makes a variant of the plan, `<plan>@<hint>-<digest>`, with runs of its own), its out_dir
 runs/<plan>/<setting>/<method>/seed<k> and its W&B names.
+
+A plan with `tune:` runs a tuning stage first: for every setting and tuned method, each candidate
+(one value of each of its tuned settings) on each tuning seed, in
+runs/<plan>/tune/<setting>/<method>/<candidate>/seed<k> (grid points 0 to T-1; the plan's own
+runs follow them). A tuned method's own runs then take the candidate that tuning.py chose for their
+setting, as a mapping after the method's parts; until it is chosen they are `waiting`. A tuned
+setting that a setting axis's mappings set is refused (the axis's columns would train the candidates).
 """
 
 from __future__ import annotations
@@ -37,9 +50,18 @@ from typing import Any, Optional, Union
 import yaml
 
 from fl_lightning.errors import ConfigError
-from fl_lightning.experiments.overrides import changes_the_experiment, parse_overrides, value_text, variant_name
+from fl_lightning.experiments.overrides import (
+    SET_BY_THE_PLAN,
+    SET_BY_THE_SWEEP,
+    changes_the_experiment,
+    parse_overrides,
+    value_text,
+    variant_name,
+)
 from fl_lightning.experiments.resources import PlanResources, read_resources
+from fl_lightning.experiments.runs import AT_CHOICES, parse_at
 from fl_lightning.metric_names import TEST_ACCURACY
+from fl_lightning.run_dir import flatten
 from fl_lightning.yaml_text import load_yaml
 
 Part = Union[str, dict]
@@ -60,10 +82,28 @@ class GridPoint:
     plan_name: str
     overrides: dict[str, Any] = field(default_factory=dict)
     """Dotted setting -> value, given after the seed (the command line's --override)."""
+    tuning: bool = False
+    """A run of the plan's tuning stage (on a tuning seed), not one of the plan's own runs."""
+    tuned: dict[str, Any] = field(default_factory=dict)
+    """The tuned settings among its parts, after the method's: a tuning point's candidate, a tuned
+    method's chosen values (while `waiting`, its first candidate, which stands in for the checks and
+    the estimate only)."""
+    waiting: bool = False
+    """A run of a tuned method whose setting has no choice yet: never trained nor tabulated."""
 
     @property
     def setting_name(self) -> str:
-        return "_".join(f"{axis}-{value}" for axis, value in self.setting.items()) or "default"
+        return _name_of(self.setting)
+
+    @property
+    def label(self) -> str:
+        """The method, or for a tuning point `<method> (tuning <candidate>)`."""
+        return f"{self.method} (tuning {describe_candidate(self.tuned)})" if self.tuning else self.method
+
+    @property
+    def cell(self) -> tuple[str, str]:
+        """(setting name, method): what a tuning choice is made for."""
+        return self.setting_name, self.method
 
     def fit_arguments(self) -> list[str]:
         """The `fl-lightning fit` command line of this run (without the program name)."""
@@ -77,14 +117,59 @@ class GridPoint:
         arguments += ["--seed", str(self.seed)]
         for key, value in self.overrides.items():
             arguments += [f"--{key}", value_text(value)]
+        group, name, plan_tag = self._wandb_names()
         return arguments + [
-            "--out_dir", str(self.out_dir), "--resume", "auto",
-            # One method per W&B group (W&B averages a group): a group is a cell's seeds.
-            "--logger.group", f"{self.plan_name}-{self.setting_name}-{slug(self.method)}",
-            "--logger.name", f"{slug(self.method)}-seed{self.seed}",
+            "--out_dir", str(self.out_dir), "--resume", "auto", "--logger.group", group,
+            "--logger.name", f"{name}-seed{self.seed}",
             # The plan's method name replaces fit's own `method=` tag; these three are also keys of the W&B config.
-            "--logger.tags", f"[plan={self.plan_name}, method={slug(self.method)}, setting={self.setting_name}]",
+            "--logger.tags", f"[{plan_tag}={self.plan_name}, method={slug(self.method)}, setting={self.setting_name}]",
         ]
+
+    def _wandb_names(self) -> tuple[str, str, str]:
+        """Its W&B group, its name before the seed, and the key of its plan's tag. One method per group
+        (W&B averages a group): a group is a cell's seeds, a tuning candidate's apart. A tuning run is
+        tagged tune=<plan>, not plan=<plan>, so that the plan's dashboard (its runs tagged plan=<plan>)
+        never averages a candidate in."""
+        name = slug(self.method)
+        if not self.tuning:
+            return f"{self.plan_name}-{self.setting_name}-{name}", name, "plan"
+        name = f"{name}-{candidate_name(self.tuned)}"
+        return f"{self.plan_name}-tune-{self.setting_name}-{name}", name, "tune"
+
+
+@dataclass(frozen=True)
+class TuneGrid:
+    """A plan's `tune:`: per tuned method, a small grid of its own settings, whose every candidate (one
+    value of each) runs on the tuning seeds; tuning.py chooses one per setting by `select` at `at`."""
+
+    seeds: list[int]
+    select: str
+    at: str
+    methods: dict[str, dict[str, list]]
+    """Method -> dotted setting -> its values, in the plan's order."""
+
+    def candidates(self, method: str) -> list[dict[str, Any]]:
+        """The method's candidates in the plan's order (the product of its settings' values, the last
+        setting varying fastest); [] for a method not tuned."""
+        return _product(self.methods.get(method) or {})
+
+
+def _product(grid: dict[str, list]) -> list[dict[str, Any]]:
+    """{a: [1, 2], b: [3]} -> [{a: 1, b: 3}, {a: 2, b: 3}]; [] for {}."""
+    return [dict(zip(grid, values)) for values in itertools.product(*grid.values())] if grid else []
+
+
+def candidate_name(candidate: dict[str, Any]) -> str:
+    """A candidate's folder name: `lr=0.03`, `lr=0.03+momentum=0.9`; a setting's full dotted name
+    where two of its settings end alike (`client_optimizer.lr=0.1+server_optimizer.lr=0.5`)."""
+    ends = [key.rsplit(".", 1)[-1] for key in candidate]
+    names = ends if len(set(ends)) == len(ends) else [key.replace(".init_args.", ".") for key in candidate]
+    return "+".join(f"{name}={value_text(value)}" for name, value in zip(names, candidate.values()))
+
+
+def describe_candidate(candidate: dict[str, Any]) -> str:
+    """`client_optimizer.lr=0.03, client_optimizer.momentum=0.9`."""
+    return ", ".join(f"{key}={value_text(value)}" for key, value in candidate.items())
 
 
 @dataclass
@@ -105,6 +190,7 @@ class Plan:
     """The plan file's own name (`name` without the variant)."""
     restated: frozenset[str] = frozenset()
     """Overrides that restate what every point already has (resolve.resolve_variant): they name no variant."""
+    tune: Optional[TuneGrid] = None
 
     @property
     def variant_overrides(self) -> dict[str, Any]:
@@ -120,24 +206,65 @@ class Plan:
         renamed, self.name = name != self.name, name
         return renamed
 
-    def grid(self) -> list[GridPoint]:
-        """Every run, settings outermost, then methods, then seeds (seeds of a cell are neighbours)."""
-        axes = list(self.settings.items())
-        points = []
-        for values in itertools.product(*[list(choices) for _, choices in axes]):
-            setting = {axis: value for (axis, _), value in zip(axes, values)}
-            setting_parts = [part for (axis, choices), value in zip(axes, values) for part in choices[value]]
-            for method, method_parts in self.methods.items():
+    def grid(self, choices: Optional[dict[tuple[str, str], dict[str, Any]]] = None) -> list[GridPoint]:
+        """The plan's own runs, after the tuning points: settings outermost, then methods, then seeds
+        (seeds of a cell are neighbours). A tuned method's run takes its cell's values in `choices`
+        ((setting name, method) -> the values chosen: tuning.py reads them from the selections); a
+        run without them is `waiting`."""
+        points, first = [], len(self.tuning_grid())
+        for setting, setting_parts in self._settings():
+            for method in self.methods:
+                candidates = self.tune.candidates(method) if self.tune is not None else []
+                chosen = (choices or {}).get((_name_of(setting), method))
+                tuned = chosen if chosen is not None else (candidates[0] if candidates else {})
                 for seed in self.seeds:
-                    point = GridPoint(index=len(points), method=method, setting=setting, seed=seed,
-                                      parts=[*self._resource_parts(), *self.configs, *setting_parts, *method_parts],
-                                      out_dir=Path(), plan_name=self.name, overrides=dict(self.overrides))
-                    point.out_dir = self.runs_root / self.name / point.setting_name / slug(method) / f"seed{seed}"
-                    points.append(point)
+                    out_dir = self.runs_root / self.name / _name_of(setting) / slug(method) / f"seed{seed}"
+                    points.append(self._point(first + len(points), method, setting, seed,
+                                              setting_parts, tuned, out_dir, waiting=bool(candidates) and not chosen))
         return points
+
+    def tuning_grid(self) -> list[GridPoint]:
+        """The tuning stage's runs (grid points 0 to T-1): settings outermost, then the tuned methods,
+        then their candidates in the plan's order, then the tuning seeds."""
+        if self.tune is None:
+            return []
+        points = []
+        for setting, setting_parts in self._settings():
+            for method in [method for method in self.methods if method in self.tune.methods]:
+                for candidate in self.tune.candidates(method):
+                    for seed in self.tune.seeds:
+                        out_dir = self.tune_folder(_name_of(setting), method) / candidate_name(candidate) / \
+                            f"seed{seed}"
+                        points.append(self._point(len(points), method, setting, seed, setting_parts, candidate,
+                                                  out_dir, tuning=True))
+        return points
+
+    def tune_folder(self, setting_name: str, method: str) -> Path:
+        """Where a cell's tuning runs and its selection go: runs/<plan>/tune/<setting>/<method>."""
+        return self.runs_root / self.name / "tune" / setting_name / slug(method)
+
+    def _settings(self) -> list[tuple[dict[str, str], list[Part]]]:
+        """Every column: its axis values and their parts."""
+        axes = list(self.settings.items())
+        return [({axis: value for (axis, _), value in zip(axes, values)},
+                 [part for (axis, choices), value in zip(axes, values) for part in choices[value]])
+                for values in itertools.product(*[list(choices) for _, choices in axes])]
+
+    def _point(self, index: int, method: str, setting: dict[str, str], seed: int, setting_parts: list[Part],
+               tuned: dict[str, Any], out_dir: Path, tuning: bool = False, waiting: bool = False) -> GridPoint:
+        parts = [*self._resource_parts(), *self.configs, *setting_parts, *self.methods[method],
+                 *([dict(tuned)] if tuned else [])]
+        return GridPoint(index=index, method=method, setting=setting, seed=seed, parts=parts, out_dir=out_dir,
+                         plan_name=self.name, overrides=dict(self.overrides), tuning=tuning, tuned=dict(tuned),
+                         waiting=waiting)
 
     def _resource_parts(self) -> list[Part]:
         return [] if self.resources.precision is None else [{"fabric.precision": self.resources.precision}]
+
+
+def _name_of(setting: dict[str, str]) -> str:
+    """A setting's folder name: `<axis>-<value>_<axis>-<value>...`, or `default` without axes."""
+    return "_".join(f"{axis}-{value}" for axis, value in setting.items()) or "default"
 
 
 def slug(name: str) -> str:
@@ -155,10 +282,11 @@ def load_plan(path: Path, runs_root: Path = Path("runs"), overrides: Optional[li
         raise ConfigError("plan", "a readable YAML plan file", f"{path} ({err})") from err
     if not isinstance(raw, dict):
         raise ConfigError("plan", "a mapping with name, methods, settings and seeds", str(path))
-    unknown = set(raw) - {"name", "configs", "methods", "settings", "seeds", "reference", "metric", "resources"}
+    unknown = set(raw) - {"name", "configs", "methods", "settings", "seeds", "reference", "metric", "resources",
+                          "tune"}
     if unknown:
         raise ConfigError("plan", "only the keys name, configs, methods, settings, seeds, reference, metric, "
-                          "resources", sorted(unknown))
+                          "resources, tune", sorted(unknown))
     name = raw.get("name") or path.stem
     if not isinstance(name, str) or slug(name) != name:
         raise ConfigError("plan.name", "a name of lower-case letters, digits and - _ . +", name)
@@ -176,11 +304,7 @@ def load_plan(path: Path, runs_root: Path = Path("runs"), overrides: Optional[li
         _check_distinct_folders(f"plan.settings.{axis}", {str(value): str(value) for value in choices},
                                 given=len(choices))
     seeds = raw.get("seeds", [0])
-    if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) and s >= 0 for s in seeds):
-        raise ConfigError("plan.seeds", "a non-empty list of integers >= 0", seeds)
-    if len(set(seeds)) != len(seeds):
-        raise ConfigError("plan.seeds", "distinct seeds (a seed given twice is one run folder, counted twice in "
-                          "the table)", seeds)
+    _check_seeds("plan.seeds", seeds)
     parts = {"plan.configs": raw.get("configs") or [],
              **{f"plan.methods.{m}": p for m, p in methods.items()},
              **{f"plan.settings.{a}.{v}": p for a, c in settings.items() for v, p in c.items()}}
@@ -188,7 +312,7 @@ def load_plan(path: Path, runs_root: Path = Path("runs"), overrides: Optional[li
         _check_parts(key, value)
     reference = raw.get("reference")
     parsed_overrides = parse_overrides(overrides)
-    return Plan(name=variant_name(name, parsed_overrides), base_name=name,
+    return Plan(name=variant_name(name, parsed_overrides), base_name=name, tune=read_tune(raw.get("tune"), raw),
                 resources=read_resources(raw.get("resources")), overrides=parsed_overrides,
                 configs=raw.get("configs") or [], methods=methods,
                 settings={a: {str(v): p for v, p in c.items()} for a, c in settings.items()}, seeds=seeds, path=path,
@@ -196,6 +320,71 @@ def load_plan(path: Path, runs_root: Path = Path("runs"), overrides: Optional[li
                 runs_root=runs_root)
 
 
+def _check_seeds(key: str, seeds) -> None:
+    if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) and s >= 0 for s in seeds):
+        raise ConfigError(key, "a non-empty list of integers >= 0", seeds)
+    if len(set(seeds)) != len(seeds):
+        raise ConfigError(key, "distinct seeds (a seed given twice is one run folder, counted twice in the table)",
+                          seeds)
+
+
+def read_tune(tune, raw: dict) -> Optional[TuneGrid]:
+    """A plan's `tune:` checked (its methods' grids against `raw`, the plan read so far); None without one."""
+    if tune is None:
+        return None
+    if not isinstance(tune, dict) or set(tune) - {"seeds", "select", "at", "methods"}:
+        raise ConfigError("plan.tune", "a mapping of seeds, select, methods and optionally at", tune)
+    seeds, plan_seeds = tune.get("seeds"), raw.get("seeds", [0])
+    _check_seeds("plan.tune.seeds", seeds)
+    if set(seeds) & set(plan_seeds):
+        raise ConfigError("plan.tune.seeds", f"seeds apart from the plan's seeds {plan_seeds} (a run the choice was "
+                          "made on would be reported as one of the plan's runs)", seeds)
+    select, at = tune.get("select"), tune.get("at", "final")
+    if not isinstance(select, str) or not select:
+        raise ConfigError("plan.tune.select", "the validation metric the choice is made by (val_accuracy, val_loss)",
+                          select)
+    try:
+        parse_at(at)
+    except ConfigError as err:
+        raise ConfigError("plan.tune.at", AT_CHOICES, at) from err
+    methods = tune.get("methods")
+    if not isinstance(methods, dict) or not methods:
+        raise ConfigError("plan.tune.methods", "a mapping of method -> {dotted setting: [values]}", methods)
+    for method, grid in methods.items():
+        _check_tuned(f"plan.tune.methods.{method}", method, grid, raw)
+    return TuneGrid(seeds=seeds, select=select, at=at, methods=methods)
+
+
+def _check_tuned(key: str, method, grid, raw: dict) -> None:
+    if method not in raw["methods"]:
+        raise ConfigError("plan.tune.methods", f"methods of the plan ({', '.join(map(str, raw['methods']))})", method)
+    if not isinstance(grid, dict) or not grid or not all(isinstance(values, list) and values
+                                                         for values in grid.values()):
+        raise ConfigError(key, "a mapping of dotted setting -> a non-empty list of its values", grid)
+    for setting in grid:
+        if not isinstance(setting, str) or setting in SET_BY_THE_PLAN or setting in SET_BY_THE_SWEEP:
+            raise ConfigError(key, f"dotted fit settings other than {', '.join(SET_BY_THE_PLAN + SET_BY_THE_SWEEP)}",
+                              setting)
+        for axis, choices in (raw.get("settings") or {}).items():
+            if any(isinstance(part, dict) and same_setting(setting, name)
+                   for parts in choices.values() for part in parts for name in flatten(part)):
+                raise ConfigError(key, f"settings that no setting axis sets ({setting} is set by settings.{axis}: "
+                                  "its columns would each train the candidates instead)", setting)
+    candidates = _product(grid)
+    names = {candidate_name(candidate) for candidate in candidates}
+    if len(names) != len(candidates) or not all(map(_CANDIDATE_NAME.fullmatch, names)):
+        raise ConfigError(key, "values that name distinct folders (numbers, names: letters, digits and + = . _ -)",
+                          grid)
+
+
+def same_setting(a: str, b: str) -> bool:
+    """Whether dotted settings `a` and `b` are one, or one is part of the other; `init_args.` is left
+    out, as the command line lets it be."""
+    a, b = (name.replace(".init_args.", ".") for name in (a, b))
+    return a == b or a.startswith(f"{b}.") or b.startswith(f"{a}.")
+
+
+_CANDIDATE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9+=._-]*")
 _FOLDER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9+=.-]*")
 """A method's folder (its slug) or a setting value: one folder name, never `.`, `..` or a path."""
 _AXIS_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9+=.]*")

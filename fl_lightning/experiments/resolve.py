@@ -24,6 +24,7 @@ import yaml
 from fl_lightning.cli.parser import CommandParser, GridPointParser, build_parser
 from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.overrides import describe_overrides
+from fl_lightning.experiments.runs import RunState, other_experiment, run_state
 from fl_lightning.fit import fit_config_of
 from fl_lightning.run_dir import flatten
 from fl_lightning.yaml_text import load_yaml
@@ -95,7 +96,7 @@ class PlanRefused(ConfigError):
 
 
 def describe_point(point: GridPoint) -> str:
-    return f"{point.method} | {point.setting_name} | seed {point.seed}"
+    return f"{point.label} | {point.setting_name} | seed {point.seed}"
 
 
 def check_grid(plan: Path, resolved: list[ResolvedPoint]) -> None:
@@ -105,6 +106,25 @@ def check_grid(plan: Path, resolved: list[ResolvedPoint]) -> None:
         raise PlanRefused("plan", f"grid points whose settings fit accepts (every point is checked before any "
                           f"run starts; {len(broken)} of {len(resolved)} are refused)", plan,
                           [refusal(entry) for entry in broken])
+
+
+def read_states(resolved: list[ResolvedPoint]) -> dict[int, RunState]:
+    """index -> what the point's run folder holds (trains nothing)."""
+    return {entry.point.index: run_state(entry.point.out_dir, entry.rounds) for entry in resolved}
+
+
+def check_folders(plan: Path, resolved: list[ResolvedPoint], states: dict[int, RunState]) -> None:
+    """Refuse to run a plan any of whose run folders holds another experiment than its point's, listing each."""
+    problems = []
+    for entry in resolved:
+        point = entry.point
+        different = other_experiment(point.out_dir, entry.config, states[point.index])
+        if different is not None:
+            problems.append(f"[{point.index}] {describe_point(point)} in {point.out_dir}: {different}")
+    if problems:
+        raise PlanRefused("out_dir", f"run folders that hold this plan's experiments or nothing ({len(problems)} hold "
+                          "runs made with other settings: move each away, or give the plan its settings back, "
+                          "then run the same command again)", plan, problems)
 
 
 def resolve_variant(plan: Plan, resolver: Optional[GridResolver] = None) -> list[ResolvedPoint]:
@@ -141,7 +161,8 @@ def check_overrides(plan: Plan, resolved: list[ResolvedPoint], own: Optional[Gri
     - an override of a setting that a setting axis or a method sets: every column (or row) would
       train the override's value under the label of its own. An axis or a method sets it when its
       mappings name it, or when the points' own settings (every config fragment resolved) differ in
-      it between the axis's values or between the methods;
+      it between the axis's values or between the methods; so is one of a tuned setting (the plan's
+      `tune.methods`), whose every candidate would train the override's value;
     - an override that `fit` refuses (an unknown key, a bad value) at a point whose own settings it
       accepts: the variant's runs could never be trained, and a table of them would show none."""
     if not plan.overrides:
@@ -168,8 +189,9 @@ def check_overrides(plan: Plan, resolved: list[ResolvedPoint], own: Optional[Gri
 
 
 def _set_by(plan: Plan, key: str, points: list[ResolvedPoint]) -> list[str]:
-    """What in the plan sets `key`: `settings.<axis>`, or `methods <names>`; `points` hold one seed
-    of every setting and method, resolved without the overrides."""
+    """What in the plan sets `key`: `settings.<axis>`, `methods <names>`, or `tune.methods <names>`
+    (a tuned setting, or a group holding one); `points` hold one seed of every setting and method,
+    resolved without the overrides."""
     setters = []
     for axis, choices in plan.settings.items():
         def rest_of_point(point: GridPoint, axis=axis) -> Hashable:
@@ -182,6 +204,10 @@ def _set_by(plan: Plan, key: str, points: list[ResolvedPoint]) -> list[str]:
         if _value(entry.config, key)]
     if methods:
         setters.append(f"method{'s' if len(methods) > 1 else ''} {', '.join(methods)}")
+    tuned = [method for method, grid in (plan.tune.methods if plan.tune else {}).items()
+             if any(_under(name, key) or _under(key, name) for name in grid)]
+    if tuned:
+        setters.append(f"tune.methods {', '.join(tuned)}")
     return setters
 
 

@@ -4,21 +4,22 @@ Task I asks `fl-lightning sweep --index I --fit_config` for the point's settings
 config file in its run folder, then launches `srun fl-lightning fit --config <that file>` with the
 allocation's devices, as slurm/fit.sbatch does (slurm/lib.sh: requeue on SIGUSR1, signal forwarding,
 resume). The whole plan is checked before anything is submitted (see sweep.py), so a typo in one
-method is an error at submission, not failing array tasks hours later.
+method is an error at submission, not failing array tasks hours later. A plan with a tuning stage
+is two array jobs, the second starting after the first (tuning.submit_stages).
 """
 
 from __future__ import annotations
 
+import re
 import shlex
 import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from fl_lightning.atomic_files import write_text_atomically
 from fl_lightning.errors import ConfigError
-from fl_lightning.experiments.plan import GridPoint
 from fl_lightning.experiments.resolve import ResolvedPoint, describe_point, fit_settings_text
 
 if TYPE_CHECKING:
@@ -43,23 +44,27 @@ def write_fit_config(resolved: ResolvedPoint) -> Path:
     return path
 
 
-def submit(plan_path: Path, points: list[GridPoint], options: SweepOptions) -> None:
-    """sbatch --array=0-(N-1)[%jobs] [resources] slurm/sweep.sbatch PLAN --runs_root ROOT [--override=KEY=VALUE ...]"""
+def submit(plan_path: Path, indices: list[int], options: SweepOptions, what: str = "grid points",
+           after: Optional[str] = None, tuning_ended: bool = False) -> Optional[str]:
+    """sbatch --array=INDICES[%jobs] [--dependency=afterany:AFTER] [resources] slurm/sweep.sbatch PLAN
+    --runs_root ROOT [--override=KEY=VALUE ...] [--tuning_ended true]: the array job's id (None in a dry run)."""
     if not SWEEP_SCRIPT.is_file():
         raise ConfigError("slurm", f"{SWEEP_SCRIPT} in the working folder: submit from the repository root",
                           str(Path.cwd()))
-    array = f"0-{len(points) - 1}" + (f"%{options.jobs}" if options.jobs else "")
-    command = ["sbatch", f"--array={array}"]
+    array = array_of(indices) + (f"%{options.jobs}" if options.jobs else "")
+    command = ["sbatch", f"--array={array}", *([f"--dependency=afterany:{after}"] if after else [])]
     ranks = max(options.gpus_per_run, 1)
     if options.gpus_per_run:
         command += [f"--ntasks-per-node={ranks}", f"--gpus-per-node={options.gpus_per_run}"]
     if options.threads_per_run:
         command.append(f"--cpus-per-task={max(1, options.threads_per_run // ranks)}")
     command += [*options.sbatch_options, str(SWEEP_SCRIPT), str(plan_path), "--runs_root", str(options.runs_root),
-                *[f"--override={override}" for override in options.overrides]]
-    print(f"{len(points)} grid points as one array job: {shlex.join(command)}", flush=True)
+                *[f"--override={override}" for override in options.overrides],
+                *(["--tuning_ended", "true"] if tuning_ended else [])]
+    after_it = " after it (afterany: each task makes its setting's tuning choice first)" if after else ""
+    print(f"{len(indices)} {what} as one array job{after_it}: {shlex.join(command)}", flush=True)
     if options.dry_run:
-        return
+        return None
     if shutil.which("sbatch") is None:
         raise ConfigError("slurm", "SLURM's sbatch on PATH (run on the cluster's login node)", "no sbatch")
     Path("logs").mkdir(exist_ok=True)  # sbatch does not create the folder of its --output
@@ -72,3 +77,19 @@ def submit(plan_path: Path, points: list[GridPoint], options: SweepOptions) -> N
                   'with GPUs (--sbatch_options "[--partition=NAME]"; sinfo -o "%P %G" lists them), or give '
                   "--gpus_per_run 0 to train the runs on the CPU", file=sys.stderr)
         raise SystemExit(1)
+    job = re.search(r"(?:Submitted batch job )?(\d+)(;\S*)?\s*$", completed.stdout)
+    if job is None:
+        raise ConfigError("slurm", "sbatch's line `Submitted batch job <id>` (the id of the job the next depends on)",
+                          completed.stdout.strip())
+    return job.group(1)
+
+
+def array_of(indices: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> "0-2,5-5,7-8": sbatch's --array of these tasks."""
+    ranges: list[list[int]] = []
+    for index in indices:
+        if ranges and index == ranges[-1][1] + 1:
+            ranges[-1][1] = index
+        else:
+            ranges.append([index, index])
+    return ",".join(f"{first}-{last}" for first, last in ranges)

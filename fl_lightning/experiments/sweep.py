@@ -17,6 +17,10 @@ Before anything runs or is submitted, the whole plan is checked:
   resumes: a folder holding another experiment (the plan was edited after its run: another alpha, a
   fixed learning rate) would otherwise be skipped as finished or resumed, and its numbers tabulated
   as the plan's. Every such folder is listed with the fields that differ, and the sweep refuses to start.
+
+A plan with `tune:` runs its tuning stage first (tuning.py): locally every tuning run, then each
+setting's choice, then the plan's own runs with it; with --slurm two array jobs, the second after
+the first. Its grid points are the tuning runs (0 to T-1), then the plan's own.
 """
 
 from __future__ import annotations
@@ -36,14 +40,14 @@ from fl_lightning.experiments.overrides import describe_overrides, write_variant
 from fl_lightning.experiments.plan import GridPoint, Plan, load_plan
 from fl_lightning.experiments.progress import RunLeft, duration, seconds_left
 from fl_lightning.experiments.resolve import (
-    PlanRefused,
     ResolvedPoint,
+    check_folders,
     check_grid,
-    describe_point,
-    resolve_variant,
+    read_states,
 )
 from fl_lightning.experiments.runs import RunState, other_experiment, run_state
-from fl_lightning.experiments.slurm import submit, write_fit_config
+from fl_lightning.experiments.slurm import write_fit_config
+from fl_lightning.experiments.tuning import TunedGrid, run_tuning_stage, submit_stages, tuned_grid
 
 
 def sweep(
@@ -60,6 +64,7 @@ def sweep(
     dry_run: bool = False,
     override: Optional[list[str]] = None,
     estimate: bool = False,
+    tuning_ended: bool = False,
 ) -> None:
     """Run every grid point of a sweep plan (methods x settings x seeds) that has not finished yet, here or on SLURM.
 
@@ -94,20 +99,21 @@ def sweep(
             and a temporary folder, and print per method and in total the wall and CPU seconds per round,
             CPU core-hours (and GPU-hours), peak memory, client state and checkpoint disk (see
             fl_lightning/experiments/estimate.py); trains nothing of the grid.
+        tuning_ended: the tuning stage has ended (the second array job of --slurm is told so): a choice still to
+            make counts a tuning run left unfinished as failed, not waited for (fl_lightning/experiments/tuning.py).
     """
     options = SweepOptions(jobs=jobs, gpus_per_run=gpus_per_run, threads_per_run=threads_per_run, index=index,
                            sbatch_options=sbatch_options or [], runs_root=Path(runs_root), dry_run=dry_run)
     loaded = load_plan(Path(plan), runs_root=options.runs_root, overrides=override)
     options.overrides = [*(override or [])]  # `list` is the option here
-    points = loaded.grid()
-    check_options(Path(plan), len(points), list=list, index=index, slurm=slurm, fit_config=fit_config,
-                  estimate=estimate)
-    resolved = resolve_variant(loaded)
-    points = [entry.point for entry in resolved]  # in the variant's folders, named once its overrides are settled
+    check_options(Path(plan), len(loaded.tuning_grid()) + len(loaded.grid()), list=list, index=index, slurm=slurm,
+                  fit_config=fit_config, estimate=estimate)
+    grid = tuned_grid(loaded)  # its tuning points, then its own with the choices made, in the variant's folders
+    resolved = grid.resolved
     if not fit_config:  # its output is the config's path alone, read by slurm/sweep.sbatch
         describe_variant(loaded, options.runs_root)
     if list:
-        list_points(resolved)
+        list_points(resolved, grid.describe_cells())
         return
     check_grid(Path(plan), resolved)
     resources.check_precision(loaded, resolved)
@@ -117,20 +123,17 @@ def sweep(
     if estimate:
         estimate_plan(loaded, resolved, options)
         return
-    # An array task (--index) reads its own run folder only: reading every checkpoint of the grid in
-    # every task would cost far more than the task's start.
-    chosen = resolved if index is None else [resolved[index]]
-    states = read_states(chosen)
-    check_folders(Path(plan), chosen, states)
+    chosen = grid.to_run(index, tuning_ended)
+    states = checked_folders(Path(plan), chosen)
     if loaded.variant_overrides and not (fit_config or dry_run):
         write_variant_file(options.runs_root / loaded.name, loaded.name, [Path(plan)], loaded.variant_overrides)
     if fit_config:
-        print(write_fit_config(resolved[index]))
+        print(write_fit_config(chosen[0]))
     elif slurm:
         resources.array_job(loaded, options)
-        submit(Path(plan), points, options)
+        submit_stages(Path(plan), grid, options)
     else:
-        status = run_locally(chosen, states, options, on_terminal=index is not None)
+        status = run_here(Path(plan), grid, chosen, states, options)
         if status != 0:
             raise SystemExit(status)
 
@@ -177,34 +180,42 @@ def describe_variant(plan: Plan, runs_root: Path) -> None:
     print(f"overrides {describe_overrides(plan.overrides)}: the plan's own runs ({'; '.join(why)})", flush=True)
 
 
-def read_states(resolved: list[ResolvedPoint]) -> dict[int, RunState]:
-    """index -> what the point's run folder holds (trains nothing)."""
-    return {entry.point.index: run_state(entry.point.out_dir, entry.rounds) for entry in resolved}
+def run_here(plan: Path, grid: TunedGrid, chosen: list[ResolvedPoint], states: dict[int, RunState],
+             options: SweepOptions) -> int:
+    """On this machine: the point of --index alone; else the tuning stage first, then the plan's own
+    runs, those of a cell without a choice left waiting. The sweep's exit status."""
+    if options.index is not None or grid.plan.tune is None:
+        return run_locally(chosen, states, options, on_terminal=options.index is not None).status
+    status = run_tuning_stage(grid, options)
+    if status > 1:  # stopped by a signal
+        return status
+    final = [entry for entry in grid.final() if not entry.point.waiting]
+    if len(final) < len(grid.final_points):
+        print(f"{len(grid.final_points) - len(final)} run(s) of the plan wait for their tuning choice", flush=True)
+    return run_locally(final, checked_folders(plan, final), options, on_terminal=False).status or status
 
 
-def check_folders(plan: Path, resolved: list[ResolvedPoint], states: dict[int, RunState]) -> None:
-    """Refuse to run a plan any of whose run folders holds another experiment than its point's, listing each."""
-    problems = []
-    for entry in resolved:
-        point = entry.point
-        different = other_experiment(point.out_dir, entry.config, states[point.index])
-        if different is not None:
-            problems.append(f"[{point.index}] {describe_point(point)} in {point.out_dir}: {different}")
-    if problems:
-        raise PlanRefused("out_dir", f"run folders that hold this plan's experiments or nothing ({len(problems)} hold "
-                          "runs made with other settings: move each away, or give the plan its settings back, "
-                          "then run the same command again)", plan, problems)
+def checked_folders(plan: Path, resolved: list[ResolvedPoint]) -> dict[int, RunState]:
+    """What the points' run folders hold, each checked to hold the point's experiment or nothing."""
+    states = read_states(resolved)
+    check_folders(plan, resolved, states)
+    return states
 
 
-def list_points(resolved: list[ResolvedPoint]) -> None:
+def list_points(resolved: list[ResolvedPoint], cells: list[str]) -> None:
     header = ("index", "method", "setting", "seed", "state", "run folder", "round", "left")
-    rows, finished, partial, left = [], 0, 0, []
+    rows, finished, partial, waiting, left = [], 0, 0, 0, []
     for entry in resolved:
         point = entry.point
         state = run_state(point.out_dir, entry.rounds)
-        different = None if entry.config is None else other_experiment(point.out_dir, entry.config, state)
+        different = None if entry.config is None or point.waiting else other_experiment(point.out_dir, entry.config,
+                                                                                        state)
         if entry.error is not None:
             described = f"settings refused: {entry.error}"
+        elif point.waiting:
+            described = "waiting for tuning"
+            waiting += 1
+            left.append(RunLeft(point.method, state.rounds or 0, None))
         elif different is not None:
             described = f"another experiment: {different}"
         else:
@@ -213,13 +224,16 @@ def list_points(resolved: list[ResolvedPoint]) -> None:
             partial += not state.finished and state.round is not None
             left.append(_run_left(point, state))
         reached = "-" if state.round_logged is None else f"{state.round_logged}/{entry.rounds or '?'}"
-        rows.append((str(point.index), point.method, point.setting_name, str(point.seed), described,
+        rows.append((str(point.index), point.label, point.setting_name, str(point.seed), described,
                      str(point.out_dir), reached, duration(state.seconds_left)))
     widths = [max(len(row[column]) for row in [header, *rows]) for column in range(len(header))]
     for row in [header, *rows]:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
-    print(f"{len(resolved)} runs: {finished} finished, {partial} partial, {len(resolved) - finished - partial} "
-          "without a checkpoint")
+    print(f"{len(resolved)} runs: {finished} finished, {partial} partial, "
+          f"{len(resolved) - finished - partial - waiting} without a checkpoint"
+          + (f", {waiting} waiting for their tuning choice" if waiting else ""))
+    for line in cells:
+        print(line)
     total = seconds_left(left)
     if total is not None and any(run.rounds_left for run in left):
         timed = sum(run.seconds_per_round is not None for run in left)

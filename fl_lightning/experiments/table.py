@@ -164,6 +164,9 @@ def table(plan: Union[str, list[str]], metric: Optional[str] = None, at: str = "
     curves: dict[tuple[str, str], list] = {key: [] for key in cells}
     outcomes, read = Outcomes(), []
     for entry in loaded.entries:
+        if entry.point is not None and entry.point.waiting:  # neither resolved nor read: it has no settings yet
+            outcomes.waiting.append(entry)
+            continue
         run = read_run(entry.path)
         read.append(run)
         if run.torn_line:
@@ -208,7 +211,7 @@ def table(plan: Union[str, list[str]], metric: Optional[str] = None, at: str = "
     pair_with_baseline(cells, baseline_of, loaded.settings)
     for key in outcomes.cells_under_way():
         cells[key].pending = True
-    notes = outcomes.notes(metric)
+    notes = outcomes.notes(metric) + loaded.notes
 
     result = Table(metric=metric, at=at, methods=methods, settings=loaded.settings, labels=loaded.labels,
                    cells=cells, curves=curves, percent=percent, decimals=decimals, reference=has_reference,
@@ -283,6 +286,8 @@ class Outcomes:
     pending: list[Entry] = field(default_factory=list)
     """Counted although unfinished, but with no value of the metric yet: its evaluations are to come."""
     empty: list[Entry] = field(default_factory=list)
+    waiting: list[Entry] = field(default_factory=list)
+    """Runs of a tuned method whose setting has no tuning choice yet (tuning.py)."""
 
     def add_without_rows(self, entry: Entry) -> None:
         checkpoint = run_state(entry.path, None).round
@@ -293,7 +298,8 @@ class Outcomes:
 
     def cells_under_way(self) -> set[tuple[str, str]]:
         """The cells with runs still training that a value of theirs may yet fill."""
-        return {(entry.method, entry.setting) for entry in [*self.pending, *(e for e, _ in self.excluded)]}
+        return {(entry.method, entry.setting) for entry in [*self.pending, *(e for e, _ in self.excluded),
+                                                            *self.waiting]}
 
     def notes(self, metric: str) -> list[str]:
         notes = []
@@ -325,6 +331,9 @@ class Outcomes:
                          + _listing([_where(e) for e in self.pending]))
         if self.empty:
             notes.append(f"no {metric} logged: " + _listing([_where(e) for e in self.empty]))
+        if self.waiting:
+            notes.append("not counted, waiting for the tuning stage to choose their values (fl-lightning sweep runs "
+                         "it, then them): " + _listing([_where(e) for e in self.waiting]))
         return notes
 
 

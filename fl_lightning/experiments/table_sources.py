@@ -15,10 +15,11 @@ from typing import Any, Optional, Union
 
 from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.overrides import SET_BY_THE_PLAN, value_text
-from fl_lightning.experiments.plan import GridPoint, load_plan
+from fl_lightning.experiments.plan import GridPoint, load_plan, same_setting
 from fl_lightning.experiments.reference import paper_numbers
 from fl_lightning.experiments.resolve import GridResolver, accepted_config, resolve_variant
 from fl_lightning.experiments.runs import find_runs, read_run
+from fl_lightning.experiments.tuning import TunedGrid
 from fl_lightning.metric_names import TEST_ACCURACY
 from fl_lightning.run_dir import defining_settings
 from fl_lightning.run_logging import METRICS_FILE
@@ -70,6 +71,10 @@ class Loaded:
     plan_files: list[Path] = field(default_factory=list)
     blocks: dict[str, str] = field(default_factory=dict)
     """Row -> its block in a table of several plans (`lenet5` of `lenet5: FedAvg`); rows not named have none."""
+    notes: list[str] = field(default_factory=list)
+    """What the plans' tuning stages chose (tuning.TunedGrid.table_notes)."""
+    tuned: list[str] = field(default_factory=list)
+    """The settings the plans tune (they differ between a plan's cells, never telling plans apart)."""
 
     def baselines(self, method: str) -> dict[str, str]:
         """Row -> the row its cells are compared with by `--baseline method`: the row of that name, or
@@ -110,7 +115,8 @@ def _from_plan(path: Path, runs_root: Path, overrides: Optional[list[str]] = Non
     resolver = GridResolver()
     if plan.overrides:  # checked at every point, those without runs too, as a sweep of them checks them
         resolve_variant(plan, resolver)
-    grid = plan.grid()
+    tuned = TunedGrid(plan, resolver)  # a tuned method's runs with their setting's choice, or waiting
+    grid = tuned.final_points
     settings = list(dict.fromkeys(point.setting_name for point in grid))
     axis_values = {axis: list(choices) for axis, choices in plan.settings.items()}
     labels = {point.setting_name: setting_label(point.setting, axis_values) for point in grid}
@@ -121,7 +127,8 @@ def _from_plan(path: Path, runs_root: Path, overrides: Optional[list[str]] = Non
                             for point in grid],
                    methods=list(plan.methods), settings=settings, labels=labels, metric=plan.metric,
                    reference=reference, out=plan.runs_root / plan.name, plan_file=path, name=plan.name,
-                   overrides=plan.variant_overrides, plan_files=[path])
+                   overrides=plan.variant_overrides, plan_files=[path], notes=tuned.table_notes(),
+                   tuned=[key for grid in (plan.tune.methods.values() if plan.tune else []) for key in grid])
 
 
 def _from_plans(paths: list[Path], runs_root: Path, overrides: Optional[list[str]]) -> Loaded:
@@ -167,7 +174,8 @@ def _from_plans(paths: list[Path], runs_root: Path, overrides: Optional[list[str
     return Loaded(entries=entries, methods=methods, settings=settings, labels=labels, metric=parts[0].metric,
                    reference=None, out=Path(runs_root) / name, name=name, blocks=row_blocks,
                    overrides={key: value for part in parts for key, value in part.overrides.items()},
-                   plan_files=paths, papers=papers if any(part.reference is not None for part in parts) else None)
+                   plan_files=paths, papers=papers if any(part.reference is not None for part in parts) else None,
+                   notes=[note for part in parts for note in part.notes])
 
 
 def _row_blocks(parts: list[Loaded]) -> list[str]:
@@ -175,8 +183,10 @@ def _row_blocks(parts: list[Loaded]) -> list[str]:
     values of the settings that differ between such plans (every run of a plan sharing them), or "".
     A point's seed is never one: plans that differ in their seeds alone fill the same cells."""
     shared_by_all = []
+    tuned = [key for part in parts for key in part.tuned]
     for part in parts:
-        flat = [{name: value for name, value in defining_settings(entry.config).items() if name not in SET_BY_THE_PLAN}
+        flat = [{name: value for name, value in defining_settings(entry.config).items()
+                 if name not in SET_BY_THE_PLAN and not any(same_setting(name, key) for key in tuned)}
                 for entry in part.entries]
         shared_by_all.append({name: value for name, value in flat[0].items()
                               if all(name in other and other[name] == value for other in flat[1:])})
