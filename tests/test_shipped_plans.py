@@ -26,6 +26,7 @@ the rows that name it. The smoke plan is trained end to end and tabulated.
 from __future__ import annotations
 
 import inspect
+import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -79,6 +80,8 @@ class Row:
     constraint: Optional[dict] = None
     """None: no constraint; else CONST with these switches."""
     server_lr: float = 1.0
+    tuned: dict = field(default_factory=dict)
+    """Dotted setting -> the values the plan's tuning stage chooses from, per column (the plan's design)."""
 
 
 @dataclass(frozen=True)
@@ -98,12 +101,13 @@ CTPFL_COLUMNS = [
            local_steps=50)
     for model in ("resnet18", "vit_tiny") for dataset in ("cifar100", "tiny_imagenet") for alpha in (0.1, 0.05)
 ]
+CLIENT_LRS = {"client_optimizer.lr": [0.01, 0.03, 0.1]}
 CTPFL_ROWS = {
-    "FedAvg": Row("fedavg"),
-    "SCAFFOLD": Row("scaffold"),
-    "FedCM": Row("fedcm", {"alpha": 0.1}),
-    # h = gamma (span null) as in Theorem 4.3; gamma itself is the plan's choice (the paper gives none).
-    "CTP-FL": Row("ctpfl", {"span": None}, server_lr=0.5),
+    "FedAvg": Row("fedavg", tuned=CLIENT_LRS),
+    "SCAFFOLD": Row("scaffold", tuned=CLIENT_LRS),
+    "FedCM": Row("fedcm", {"alpha": 0.1}, tuned=CLIENT_LRS),
+    # h = gamma (span null) as in Theorem 4.3; gamma itself is tuned per column (the paper gives none).
+    "CTP-FL": Row("ctpfl", {"span": None}, tuned={"server_optimizer.init_args.lr": [0.1, 0.3, 0.5]}),
     "CTP-FL h=0": Row("ctpfl", {"span": 0.0}, server_lr=0.5),
     "CTP-FL gamma=0.1": Row("ctpfl", {"span": None}, server_lr=0.1),
     "CTP-FL gamma=0.3": Row("ctpfl", {"span": None}, server_lr=0.3),
@@ -169,7 +173,8 @@ EXPECTED = {
                                       client_sgd=FEDCONST_SGD)], TABLE_3_ROWS, [0, 1]),
     "smoke": Grid([Column(dataset="digits", alpha=alpha, model="mlp", num_clients=10, clients_per_round=5,
                           rounds=3, batch_size=32, local_steps=2) for alpha in (0.5, 0.1)],
-                  {"FedAvg": Row("fedavg"), "FedAvg + CONST": Row("fedavg", constraint=CONST_BOTH)}, [0, 1, 2]),
+                  {"FedAvg": Row("fedavg", tuned={"client_optimizer.lr": [0.05, 0.2, 0.5]}),
+                   "FedAvg + CONST": Row("fedavg", constraint=CONST_BOTH)}, [0, 1, 2]),
 }
 SIZES = {"ctpfl_table1": 192, "fedconst_table1_lenet5_cross-device": 60, "fedconst_table1_lenet5_cross-silo": 60,
          "fedconst_table1_resnet18_cross-device": 72, "fedconst_table1_resnet18_cross-silo": 72,
@@ -258,7 +263,11 @@ def check_row(parsed, row: Row, method_parts: list) -> None:
     # Exactly the class's defaults and what this method's own parts write: nothing from another method.
     assert chosen == {**class_defaults(cls), **written_init_args(method_parts)}
     assert row.init_args.items() <= chosen.items()
-    assert parsed.server_optimizer.init_args.lr == row.server_lr
+    tuned = {"client_optimizer.lr": parsed.client_optimizer.lr, "server_optimizer.init_args.lr":
+             parsed.server_optimizer.init_args.lr}
+    assert all(tuned[key] in values for key, values in row.tuned.items())
+    if "server_optimizer.init_args.lr" not in row.tuned:
+        assert parsed.server_optimizer.init_args.lr == row.server_lr
     if row.constraint is None:
         assert parsed.constraint is None
     else:
@@ -279,13 +288,22 @@ def test_every_point_parses_to_its_column_and_its_row(name, parser):
     # whatever the setting. Parsed as a sweep parses them (the first seed of each: in full), with the
     # parser that every plan of this module is parsed with.
     grid_parser = GridPointParser(parser)
-    for point in grid:
-        if point.seed != plan.seeds[0]:
+    # A tuned method's own runs wait for their column's choice: its tuning runs show every candidate.
+    assert {method: grid for method, grid in (plan.tune.methods if plan.tune else {}).items()} == {
+        method: row.tuned for method, row in expected.rows.items() if row.tuned}
+    tuning = [point for point in plan.tuning_grid() if point.setting_name == settings[0]]
+    for point in [*tuning, *grid]:
+        if point.seed != (plan.tune.seeds[0] if point.tuning else plan.seeds[0]):
             continue
         parsed = grid_parser.parse(point.fit_arguments()).fit
         check_column(parsed, expected.columns[settings.index(point.setting_name)])
         check_row(parsed, expected.rows[point.method], plan.methods[point.method])
         assert parsed.seed == point.seed and parsed.out_dir == point.out_dir
+        assert point.tuned.items() <= {key: value for key, value in (
+            ("client_optimizer.lr", parsed.client_optimizer.lr),
+            ("server_optimizer.init_args.lr", parsed.server_optimizer.init_args.lr))}.items()
+    assert len(plan.tuning_grid()) == len(settings) * sum(len(list(itertools.product(*row.tuned.values())))
+                                                          for row in expected.rows.values() if row.tuned)
     # The other seeds differ in the seed (and the run folder) only.
     first = grid[0]
     for point in grid[1:len(plan.seeds)]:
