@@ -76,10 +76,10 @@ def write_plan(path: Path, methods: dict, model=None, federation=None, seeds=(0,
 
 def test_the_smoke_plan_is_timed_once_per_kind_of_step(tmp_path):
     # FedAvg + CONST trains another network (no biases) with a projection; the split (alpha), the seed
-    # and FedAvg's tuned lr (its tuning runs, 0 to 5) change the steps of a round, not what one costs.
+    # and the tuned lr (the tuning runs, 0 to 11) change the steps of a round, not what one costs.
     resolved = TunedGrid(load_plan(SMOKE)).resolved
     kinds = [[entry.point.index for entry in kind] for kind in group_by_kind(resolved).values()]
-    assert kinds == [[0, 1, 2, 3, 4, 5, 6, 7, 8, 12, 13, 14], [9, 10, 11, 15, 16, 17]]
+    assert kinds == [[0, 1, 2, 6, 7, 8, 12, 13, 14, 18, 19, 20], [3, 4, 5, 9, 10, 11, 15, 16, 17, 21, 22, 23]]
     # A hyper-parameter's value adds no pass (FedProx's mu); a switch or a width does (MOON's
     # projection_dim, CONST without its orthogonality).
     plan = write_plan(tmp_path / "plan.yaml", {
@@ -221,7 +221,7 @@ def test_ctrl_c_ends_the_estimate_with_the_points_priced_so_far(capsys, monkeypa
     time_kind = step_costs.time_kind
     monkeypatch.setattr(estimate_module, "time_kind", interrupted_at_the_second)
     status, out, err = run_sweep(capsys, str(SMOKE), "--estimate", *ONE_THREAD)
-    assert status == 130 and timed == [0, 9]
+    assert status == 130 and timed == [0, 3]
     assert err.splitlines() == ["interrupted: 1 of 2 kind(s) timed; not priced: FedAvg + CONST"]
     # FedAvg's tuning runs are priced on a line of their own.
     assert list(table(out)) == ["FedAvg (tuning)", "FedAvg"] and "total: 12 runs, " in out

@@ -157,6 +157,7 @@ TABLE_3_ROWS = {
 }
 SEEDS = [0, 1, 2]  # neither paper says how many seeds
 
+SMOKE_LRS = {"client_optimizer.lr": [0.05, 0.2, 0.5]}
 EXPECTED = {
     "ctpfl_table1": Grid(CTPFL_COLUMNS, CTPFL_ROWS, SEEDS, "configs/references/ctpfl_table1.csv"),
     **{f"fedconst_table1_{model}_{federation}": Grid(
@@ -173,8 +174,8 @@ EXPECTED = {
                                       client_sgd=FEDCONST_SGD)], TABLE_3_ROWS, [0, 1]),
     "smoke": Grid([Column(dataset="digits", alpha=alpha, model="mlp", num_clients=10, clients_per_round=5,
                           rounds=3, batch_size=32, local_steps=2) for alpha in (0.5, 0.1)],
-                  {"FedAvg": Row("fedavg", tuned={"client_optimizer.lr": [0.05, 0.2, 0.5]}),
-                   "FedAvg + CONST": Row("fedavg", constraint=CONST_BOTH)}, [0, 1, 2]),
+                  {"FedAvg": Row("fedavg", tuned=SMOKE_LRS),
+                   "FedAvg + CONST": Row("fedavg", constraint=CONST_BOTH, tuned=SMOKE_LRS)}, [0, 1, 2]),
 }
 SIZES = {"ctpfl_table1": 192, "fedconst_table1_lenet5_cross-device": 60, "fedconst_table1_lenet5_cross-silo": 60,
          "fedconst_table1_resnet18_cross-device": 72, "fedconst_table1_resnet18_cross-silo": 72,
@@ -416,7 +417,7 @@ def test_table_3_shares_table_1s_cross_silo_cifar10_numbers():
 def test_smoke_plan_tunes_trains_every_point_and_tabulates(tmp_path):
     runs = tmp_path / "runs"
     plan = load_plan(PLANS / "smoke.yaml", runs_root=runs)
-    for point in plan.tuning_grid():  # FedAvg's three client lrs on seed 100, in each split
+    for point in plan.tuning_grid():  # each method's three client lrs on seed 100, in each split
         main(point.fit_arguments())
     grid = TunedGrid(plan)
     for cell in grid.cells():
@@ -428,9 +429,9 @@ def test_smoke_plan_tunes_trains_every_point_and_tabulates(tmp_path):
     assert result.methods == ["FedAvg", "FedAvg + CONST"]
     assert result.settings == ["alpha-0.5", "alpha-0.1"]
     assert all(cell.n == 3 for cell in result.cells.values())
-    (note,) = result.notes
-    assert note.startswith("tuned FedAvg on seed(s) 100 by the best val_accuracy at the final round (every "
-                           f"candidate's figure in {runs}/smoke/tune/<setting>/fedavg/selection.yaml): ")
+    assert [note.split(" (every candidate's figure in ")[0] for note in result.notes] == [
+        f"tuned {method} on seed(s) 100 by the best val_accuracy at the final round"
+        for method in ("FedAvg", "FedAvg + CONST")]
     # Its three seeds pair up: each column of FedAvg + CONST has its interval of the difference to FedAvg.
     for setting in result.settings:
         versus = result.cells["FedAvg + CONST", setting].versus

@@ -233,31 +233,42 @@ def test_a_stale_selection_is_never_used_and_is_made_again(change, reason, tmp_p
 
 # --- the smoke plan, end to end ----------------------------------------------------------------------
 
-def smoke_table_note(runs: Path) -> str:
-    result = table(plan=str(SMOKE), runs_root=runs)
-    assert all(cell.n == 3 for cell in result.cells.values()), result.notes
-    (note,) = result.notes
-    return note
+SMOKE_METHODS = {"FedAvg": "fedavg", "FedAvg + CONST": "fedavg+const"}
+"""The smoke plan's methods, both tuned, and their folders."""
 
 
 def check_smoke_choices(runs: Path) -> dict:
-    """Each split's choice, the runs of FedAvg made with it, FedAvg + CONST's with its own lr."""
-    chosen = {}
-    for setting in ("alpha-0.5", "alpha-0.1"):
-        written = selection_of(runs / "smoke" / "tune" / setting / "fedavg")
-        assert [c["values"] for c in written["candidates"]] == [{"client_optimizer.lr": lr} for lr in (0.05, 0.2, 0.5)]
-        assert all(c["figure"] == c["runs"][0]["value"] for c in written["candidates"])  # one tuning seed
-        best = max(written["candidates"], key=lambda c: c["figure"])
-        assert written["chosen"] == best["values"]
-        chosen[setting] = best["values"]["client_optimizer.lr"]
-        for seed in (0, 1, 2):
-            config = yaml.safe_load((runs / "smoke" / setting / "fedavg" / f"seed{seed}" / "config.yaml").read_text())
-            assert config["client_optimizer"]["lr"] == chosen[setting]
-            assert [row["round"] for row in read_metrics(runs / "smoke" / setting / "fedavg" / f"seed{seed}")] == [1, 2,
-                                                                                                                 3]
-            constrained = runs / "smoke" / setting / "fedavg+const" / f"seed{seed}" / "config.yaml"
-            assert yaml.safe_load(constrained.read_text())["client_optimizer"]["lr"] == 0.05
+    """Each method's choice in each split, from its selection.yaml (the best of its candidates' figures),
+    and its runs made with it; method -> setting -> the lr chosen."""
+    chosen: dict = {}
+    for method, folder in SMOKE_METHODS.items():
+        for setting in ("alpha-0.5", "alpha-0.1"):
+            written = selection_of(runs / "smoke" / "tune" / setting / folder)
+            assert [c["values"] for c in written["candidates"]] == [{"client_optimizer.lr": lr}
+                                                                   for lr in (0.05, 0.2, 0.5)]
+            assert all(c["figure"] == c["runs"][0]["value"] for c in written["candidates"])  # one tuning seed
+            best = max(written["candidates"], key=lambda c: c["figure"])
+            assert written["chosen"] == best["values"]
+            lr = chosen.setdefault(method, {})[setting] = best["values"]["client_optimizer.lr"]
+            for seed in (0, 1, 2):
+                run = runs / "smoke" / setting / folder / f"seed{seed}"
+                assert yaml.safe_load((run / "config.yaml").read_text())["client_optimizer"]["lr"] == lr
+                assert [row["round"] for row in read_metrics(run)] == [1, 2, 3]
     return chosen
+
+
+def check_smoke_table(runs: Path, chosen: dict) -> None:
+    """The smoke plan's table counts every seed and names each method's choices under it."""
+    result = table(plan=str(SMOKE), runs_root=runs)
+    assert all(cell.n == 3 for cell in result.cells.values()), result.notes
+    expected = []
+    for method, folder in SMOKE_METHODS.items():
+        first, second = chosen[method]["alpha-0.5"], chosen[method]["alpha-0.1"]
+        values = (f"client_optimizer.lr={first} in every setting" if first == second else
+                  f"client_optimizer.lr={first} (alpha-0.5), client_optimizer.lr={second} (alpha-0.1)")
+        expected.append(f"tuned {method} on seed(s) 100 by the best val_accuracy at the final round (every candidate's "
+                        f"figure in {runs}/smoke/tune/<setting>/{folder}/selection.yaml): {values}")
+    assert result.notes == expected
 
 
 @pytest.mark.slow
@@ -267,26 +278,24 @@ def test_the_smoke_plan_tunes_then_trains_its_seeds_at_the_values_chosen(tmp_pat
     status, out, err = run_sweep(capsys, str(SMOKE), "--runs_root", str(runs))
     assert status == 0, err
     lines = out.splitlines()
-    stage = lines.index("tuning stage: 6 tuning run(s) of 2 cell(s)")
-    chose = [number for number, line in enumerate(lines) if line.startswith("tuning of FedAvg | alpha-0.")]
+    stage = lines.index("tuning stage: 12 tuning run(s) of 4 cell(s)")
+    chose = [number for number, line in enumerate(lines) if line.startswith("tuning of FedAvg")]
     finals = [number for number, line in enumerate(lines) if re.match(r"\[(\d+)\] started", line)
-              and int(re.match(r"\[(\d+)\]", line).group(1)) >= 6]
-    assert stage < min(chose) and max(chose) < min(finals)  # the whole stage, the choices, then the seeds
+              and int(re.match(r"\[(\d+)\]", line).group(1)) >= 12]
+    assert len(chose) == 4 and stage < min(chose) and max(chose) < min(finals)  # the stage, the choices, the seeds
     assert lines[-1] == "12 finished, 0 failed, 0 skipped"
     chosen = check_smoke_choices(runs)
-    assert smoke_table_note(runs) == (
-        "tuned FedAvg on seed(s) 100 by the best val_accuracy at the final round (every candidate's figure in "
-        f"{runs}/smoke/tune/<setting>/fedavg/selection.yaml): client_optimizer.lr={chosen['alpha-0.5']} (alpha-0.5), "
-        f"client_optimizer.lr={chosen['alpha-0.1']} (alpha-0.1)")
+    check_smoke_table(runs, chosen)
     status, out, err = run_sweep(capsys, str(SMOKE), "--runs_root", str(runs), "--list")
     assert status == 0, err
-    assert "18 runs: 18 finished, 0 partial, 0 without a checkpoint" in out
-    assert f"tuning of FedAvg | alpha-0.5: chose client_optimizer.lr={chosen['alpha-0.5']} (val_accuracy " in out
+    assert "24 runs: 24 finished, 0 partial, 0 without a checkpoint" in out
+    assert (f"tuning of FedAvg + CONST | alpha-0.1: chose client_optimizer.lr={chosen['FedAvg + CONST']['alpha-0.1']} "
+            "(val_accuracy ") in out
     # Run again: nothing trains, and the tuning runs of a cell with its choice are not even looked at.
     before = files_of(runs)
     status, out, err = run_sweep(capsys, str(SMOKE), "--runs_root", str(runs))
     assert status == 0, err
-    assert out.count("tuning runs are not run again") == 2
+    assert out.count("tuning runs are not run again") == 4
     assert out.splitlines()[-1] == "0 finished, 0 failed, 12 skipped"
     assert files_of(runs) == before
 
@@ -319,30 +328,28 @@ def test_the_smoke_plan_tunes_on_slurm_as_two_array_jobs_the_second_after_the_fi
     status, out, err = run_sweep(capsys, str(SMOKE), "--runs_root", runs, "--slurm")
     assert status == 0, err
     tuning, final = (line.split() for line in record.read_text().splitlines())
-    assert tuning == ["--array=0-5", "slurm/sweep.sbatch", str(SMOKE), "--runs_root", runs]
-    assert final == ["--array=6-17", "--dependency=afterany:41", "slurm/sweep.sbatch", str(SMOKE), "--runs_root", runs,
-                     "--tuning_ended", "true"]
-    assert "6 tuning runs as one array job: sbatch --array=0-5 " in out
+    assert tuning == ["--array=0-11", "slurm/sweep.sbatch", str(SMOKE), "--runs_root", runs]
+    assert final == ["--array=12-23", "--dependency=afterany:41", "slurm/sweep.sbatch", str(SMOKE), "--runs_root",
+                     runs, "--tuning_ended", "true"]
+    assert "12 tuning runs as one array job: sbatch --array=0-11 " in out
     assert ("12 grid points as one array job after it (afterany: each task makes its setting's tuning choice "
             "first)") in out
     # A task of the second job before the tuning job ran: no choice to make, nothing resolved.
-    status, out, err = run_sweep(capsys, str(SMOKE), "--runs_root", runs, "--index", "6", "--fit_config", "true",
+    status, out, err = run_sweep(capsys, str(SMOKE), "--runs_root", runs, "--index", "12", "--fit_config", "true",
                                  "--tuning_ended", "true")
     assert status == 2 and out == "" and "got 'no candidate has a figure: client_optimizer.lr=0.05: seed 100: not " \
         "started, ended unfinished (failed, stopped or never run)" in err
     assert not (tmp_path / "runs" / "smoke" / "tune" / "alpha-0.5" / "fedavg" / SELECTION_FILE).exists()
     # The tuning job's tasks, then the second's, each as slurm/sweep.sbatch runs it.
-    for index in range(6):
+    for index in range(12):
         run_array_task(capsys, [str(SMOKE), "--runs_root", runs], index)
-    for index in range(6, 18):
+    for index in range(12, 24):
         run_array_task(capsys, [str(SMOKE), "--runs_root", runs, "--tuning_ended", "true"], index)
-    chosen = check_smoke_choices(tmp_path / "runs")
-    assert smoke_table_note(tmp_path / "runs").endswith(
-        f"client_optimizer.lr={chosen['alpha-0.5']} (alpha-0.5), client_optimizer.lr={chosen['alpha-0.1']} (alpha-0.1)")
+    check_smoke_table(tmp_path / "runs", check_smoke_choices(tmp_path / "runs"))
     # Submitted again with every choice made: no tuning job, the second one alone.
     status, out, err = run_sweep(capsys, str(SMOKE), "--runs_root", runs, "--slurm")
     assert status == 0, err
-    assert record.read_text().splitlines()[-1].split()[:2] == ["--array=6-17", "slurm/sweep.sbatch"]
+    assert record.read_text().splitlines()[-1].split()[:2] == ["--array=12-23", "slurm/sweep.sbatch"]
 
 
 # --- stopped, resumed, shared, failed ----------------------------------------------------------------
