@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import re
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Union
 
@@ -36,21 +37,16 @@ from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.plan import GridPoint, load_plan
 from fl_lightning.experiments.plot import save_laid_out
 from fl_lightning.experiments.resolve import accepted_config
-from fl_lightning.experiments.runs import (
-    Run,
-    check_metric,
-    find_runs,
-    other_experiment,
-    read_run,
-    run_labels,
-    value_at,
-)
+from fl_lightning.experiments.runs import RunFolder, check_metric, find_runs, run_labels, value_at
 from fl_lightning.experiments.statistics import MIN_PAIRS, paired_difference
 from fl_lightning.experiments.table_cells import paired_difference_text
 from fl_lightning.experiments.tuning import TunedGrid
 from fl_lightning.metric_names import TEST_ACCURACY, best_keys, best_round, final_key, is_test_metric, selection_note
 from fl_lightning.run_dir import seedless_digest
 from fl_lightning.run_logging import METRICS_FILE
+
+Compared = tuple[RunFolder, dict[str, Optional[float]]]
+"""A run and its final and best values."""
 
 
 def compare(runs: Union[list[Path], str], metric: str = TEST_ACCURACY, plot: Optional[Path] = None,
@@ -84,46 +80,63 @@ def compare(runs: Union[list[Path], str], metric: str = TEST_ACCURACY, plot: Opt
         raise ConfigError("runs", "folders written by `fl-lightning fit` (with metrics.jsonl)", str(runs))
     baseline_paths = [] if baseline is None else _run_folders("baseline", baseline)
     expected = _grid_settings(Path(plan), Path(runs_root), paths + baseline_paths) if plan is not None else {}
-    rows, curves, read, left_out, compared = [], {}, [], [], []
-    selected: dict[bool, list[str]] = {True: [], False: []}
+    comparison = _Comparison()
     for path, label in zip(paths, run_labels(paths)):
-        run = read_run(path)
-        read.append(run)
+        comparison.add(path, label, expected.get(path.resolve()), metric)
+    check_metric(metric, comparison.read)
+    if comparison.left_out:
+        print("left out, made with other settings than their grid point's: " + ", ".join(comparison.left_out),
+              file=sys.stderr)
+    if not comparison.rows:
+        raise ConfigError("runs", "runs made with their grid point's settings", str(runs))
+    _print_table(comparison.rows)
+    for on_validation in (True, False):
+        if comparison.selected[on_validation]:
+            print(f"{selection_note(metric, on_validation)}: {', '.join(comparison.selected[on_validation])}")
+    if baseline is not None:
+        print_paired(comparison.compared, _baseline_runs(baseline_paths, expected, metric), metric)
+    if plot is not None:
+        _plot(comparison.curves, metric, Path(plot))
+    return comparison.rows
+
+
+@dataclass
+class _Comparison:
+    """The runs compared: their rows, curves and values, those read, those left out, and which runs'
+    best the validation split selected (True) or the test set (False)."""
+
+    rows: list[dict] = field(default_factory=list)
+    curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    read: list[RunFolder] = field(default_factory=list)
+    left_out: list[str] = field(default_factory=list)
+    compared: list[Compared] = field(default_factory=list)
+    selected: dict[bool, list[str]] = field(default_factory=lambda: {True: [], False: []})
+
+    def add(self, path: Path, label: str, grid_point: Optional[tuple[str, dict]], metric: str) -> None:
+        """The run in `path`, checked against its grid point's settings when it is one (its method and config)."""
+        run = RunFolder(path)
+        self.read.append(run)
         if run.torn_line:
             print(f"note: {path}: a torn last line of metrics.jsonl left out (a killed run; resuming it rewrites "
                   "the line)", file=sys.stderr)
         if not run.history:
             raise ConfigError("runs", "folders written by `fl-lightning fit` (with metrics.jsonl)", str(path))
-        method, config = expected.get(path.resolve(), (run.method, None))
-        different = None if config is None else other_experiment(path, config)
+        method, config = grid_point or (run.method, None)
+        different = None if config is None else run.difference(config)
         if different is not None:
-            left_out.append(f"{path} ({different})")
-            continue
+            self.left_out.append(f"{path} ({different})")
+            return
         points, best = run.points(metric), best_round(run.history, metric)
-        rows.append({"run": str(path), "method": method, "rounds": run.rounds_done,
-                     final_key(metric): value_at([value for _, value in points], "final"),
-                     **(dict.fromkeys(best_keys(metric)) if best is None else best.summary())})
+        self.rows.append({"run": str(path), "method": method, "rounds": run.rounds_done,
+                          final_key(metric): value_at([value for _, value in points], "final"),
+                          **(dict.fromkeys(best_keys(metric)) if best is None else best.summary())})
         if best is not None and is_test_metric(metric):
-            selected[best.on_validation].append(label)
-        compared.append((run, run_values(run, metric)))
-        curves[label] = points
-    check_metric(metric, read)
-    if left_out:
-        print("left out, made with other settings than their grid point's: " + ", ".join(left_out), file=sys.stderr)
-    if not rows:
-        raise ConfigError("runs", "runs made with their grid point's settings", str(runs))
-    _print_table(rows)
-    for on_validation in (True, False):
-        if selected[on_validation]:
-            print(f"{selection_note(metric, on_validation)}: {', '.join(selected[on_validation])}")
-    if baseline is not None:
-        print_paired(compared, _baseline_runs(baseline_paths, expected, metric), metric)
-    if plot is not None:
-        _plot(curves, metric, Path(plot))
-    return rows
+            self.selected[best.on_validation].append(label)
+        self.compared.append((run, run_values(run, metric)))
+        self.curves[label] = points
 
 
-def run_values(run: Run, metric: str) -> dict[str, Optional[float]]:
+def run_values(run: RunFolder, metric: str) -> dict[str, Optional[float]]:
     """A run's final and best value of `metric` (None before its first), the best by metric_names' rule."""
     best = best_round(run.history, metric)
     return {"final": value_at([value for _, value in run.points(metric)], "final"),
@@ -137,20 +150,16 @@ def _run_folders(field_name: str, given: Union[list[Path], str]) -> list[Path]:
     return paths
 
 
-Compared = tuple[Run, dict[str, Optional[float]]]
-"""A run and its final and best values."""
-
-
 def _baseline_runs(paths: list[Path], expected: dict[Path, tuple[str, dict]], metric: str) -> dict[int, Compared]:
     """Seed -> the baseline's run of that seed: runs of one experiment, each made with its grid
     point's settings when it is one."""
     runs = []
     for path in paths:
         _, config = expected.get(path.resolve(), (None, None))
-        different = None if config is None else other_experiment(path, config)
+        different = None if config is None else RunFolder(path).difference(config)
         if different is not None:
             raise ConfigError("baseline", "runs made with their grid point's settings", f"{path} ({different})")
-        run = read_run(path)
+        run = RunFolder(path)
         runs.append((run, run_values(run, metric)))
     experiments = experiments_by_seed(runs, "baseline")
     if len(experiments) > 1:

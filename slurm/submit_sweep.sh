@@ -1,6 +1,6 @@
 #!/bin/bash
 # Submit a sweep plan as one SLURM array job (one task per grid point of slurm/sweep.sbatch); the
-# same as `fl-lightning sweep --plan PLAN --slurm true [options]`. Run it from the repository root
+# same as `fl-lightning sweep --plan PLAN --mode submit [options]`. Run it from the repository root
 # with fl-lightning on PATH (activate its environment first):
 #
 #   bash slurm/submit_sweep.sh PLAN [--jobs N] [--gpus_per_run G] [--threads_per_run T] \
@@ -13,4 +13,4 @@ if (( $# == 0 )) || [[ $1 == -* ]]; then
 fi
 PLAN=$1
 shift
-exec fl-lightning sweep --plan "$PLAN" --slurm true "$@"
+exec fl-lightning sweep --plan "$PLAN" --mode submit "$@"

@@ -19,7 +19,7 @@ from fl_lightning.clients.run import CLIENT_STREAM, batch_positions, seeded_gene
 from fl_lightning.experiments import estimate as estimate_module
 from fl_lightning.experiments import step_costs
 from fl_lightning.experiments.estimate import PricedPoint, group_by_kind, machine_note
-from fl_lightning.experiments.local import Resources
+from fl_lightning.experiments.machine import Resources
 from fl_lightning.experiments.plan import load_plan
 from fl_lightning.experiments.resolve import resolve_grid
 from fl_lightning.experiments.step_costs import StepCost, Stretch

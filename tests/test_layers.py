@@ -14,8 +14,9 @@ points; the experiments (plans, sweeps, tables, compare); and last the commands 
 module belongs to the layer of the longest prefix listed for it; within a layer any import is
 allowed that makes no cycle.
 
-Imports in `if TYPE_CHECKING:` blocks never run on import, so they make no cycle (they are how a
-module names a type of a module that imports it), but they may not reach above their layer either:
+Imports in `if TYPE_CHECKING:` blocks never run on import, but they may close no cycle either (a
+module that needs a type of a module importing it is one module in two files) nor reach above
+their layer:
 jsonargparse runs them for every module whose signatures it reads (fit.py's import of the federation
 there once made parsing a command line import Lightning).
 """
@@ -147,6 +148,14 @@ def test_cycles_are_found():
 def test_no_import_cycle_between_files():
     cycle = find_cycle(import_graph())
     assert not cycle, "import cycle: " + " -> ".join(cycle)
+
+
+def test_no_import_for_type_checkers_closes_a_cycle():
+    """A module that names a type of a module importing it has the two halves of one module: they
+    belong together, or the type below them both."""
+    runtime, typing_only = import_graph(), import_graph(typing_only=True)
+    cycle = find_cycle({module: runtime[module] | typing_only[module] for module in runtime})
+    assert not cycle, "import cycle through `if TYPE_CHECKING:` imports: " + " -> ".join(cycle)
 
 
 @pytest.mark.parametrize("typing_only", [False, True], ids=["imports", "imports for type checkers"])

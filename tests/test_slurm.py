@@ -469,7 +469,7 @@ def test_extra_arguments_reach_fit_last(script, tmp_path):
 # --- the sweep ---------------------------------------------------------------------------------
 
 def test_the_sweep_array_is_sized_at_submission():
-    """`fl-lightning sweep --slurm true` passes --array=0-(grid size - 1) (tests/test_sweep.py): the
+    """`fl-lightning sweep --mode submit` passes --array=0-(grid size - 1) (tests/test_sweep.py): the
     header has no array of its own to get out of step with a plan."""
     assert "array" not in sbatch_options(SWEEP_SCRIPT)
 
@@ -479,7 +479,7 @@ def test_a_sweep_task_asks_fl_lightning_sweep_for_its_grid_point(tmp_path):
     job = run_script(SWEEP_SCRIPT, tmp_path, environment, args=["--runs_root", "elsewhere"])
     assert job.status == 0, job.stderr
     assert (tmp_path / "sweep_args.txt").read_text().splitlines() == [
-        "sweep", "--plan", PLAN, "--index", "1", "--fit_config", "true", "--runs_root", "elsewhere"]
+        "sweep", "--plan", PLAN, "--mode", "fit_config", "--index", "1", "--runs_root", "elsewhere"]
     # fit on the config it printed, then the allocation's devices and the launch options, as fit.sbatch.
     assert job.srun_args[:5] == ["--kill-on-bad-exit=1", "fl-lightning", "fit", "--config", "configs/quickstart.yaml"]
     assert job.srun_args[5:][::2] == list(SCRIPT_OPTIONS)
@@ -487,9 +487,9 @@ def test_a_sweep_task_asks_fl_lightning_sweep_for_its_grid_point(tmp_path):
 
 
 @pytest.mark.parametrize("environment, arguments, message", [
-    ({"SLURM_ARRAY_TASK_ID": "0"}, [], "no plan given: submit with fl-lightning sweep --plan PLAN --slurm true"),
+    ({"SLURM_ARRAY_TASK_ID": "0"}, [], "no plan given: submit with fl-lightning sweep --plan PLAN --mode submit"),
     ({"SLURM_ARRAY_TASK_ID": "0"}, ["nowhere.yaml"], "plan 'nowhere.yaml' not found"),
-    ({}, [PLAN], "not an array task: submit with fl-lightning sweep --plan plan.yaml --slurm true"),
+    ({}, [PLAN], "not an array task: submit with fl-lightning sweep --plan plan.yaml --mode submit"),
 ], ids=["no plan", "missing plan", "not an array"])
 def test_a_sweep_task_without_its_plan_or_index_stops_before_srun(environment, arguments, message, tmp_path):
     env = job_environment(tmp_path, allocation_environment(**environment))
@@ -502,7 +502,7 @@ def test_a_sweep_task_without_its_plan_or_index_stops_before_srun(environment, a
 
 @pytest.mark.slow
 def test_each_sweep_task_launches_its_grid_point(tmp_path, capsys, monkeypatch):
-    """With the real `fl-lightning sweep --fit_config`: task I launches fit on point I's settings,
+    """With the real `fl-lightning sweep --mode fit_config`: task I launches fit on point I's settings,
     resolved into its run folder, and the allocation's devices win over the plan's (the quickstart
     config it starts from says cpu and 1 device)."""
     points = load_plan(submit_dir(tmp_path) / PLAN).grid()
@@ -547,7 +547,7 @@ def test_submit_sweep_is_fl_lightning_sweep_slurm(tmp_path):
                                cwd=submit_dir(tmp_path), capture_output=True, text=True)
     assert completed.returncode == 0, completed.stderr
     assert (tmp_path / "sweep_args.txt").read_text().splitlines() == [
-        "sweep", "--plan", PLAN, "--slurm", "true", "--jobs", "4"]
+        "sweep", "--plan", PLAN, "--mode", "submit", "--jobs", "4"]
     completed = subprocess.run(["bash", "slurm/submit_sweep.sh"], env=env, cwd=submit_dir(tmp_path),
                                capture_output=True, text=True)
     assert completed.returncode == 2 and "usage: bash slurm/submit_sweep.sh PLAN" in completed.stderr

@@ -24,8 +24,10 @@ from fl_lightning.data.datasets import check_dataset
 from fl_lightning.errors import ConfigError
 from fl_lightning.experiments import data_check
 from fl_lightning.experiments import local as local_module
+from fl_lightning.experiments import machine as machine_module
 from fl_lightning.experiments import progress as progress_module
-from fl_lightning.experiments.local import LOG_FILE, plan_resources, run_environment
+from fl_lightning.experiments.local import LOG_FILE, run_environment
+from fl_lightning.experiments.machine import plan_resources
 from fl_lightning.experiments.plan import load_plan
 from fl_lightning.experiments.progress import ProgressLines
 from fl_lightning.experiments.resolve import resolve_grid
@@ -228,7 +230,7 @@ def test_a_failing_method_is_reported_and_the_others_finish(tmp_path, capsys, mo
     plan = write_plan(tmp_path / "plan.yaml", {"FedAvg": [], "Broken": [{"federation.batch_size": 100000}]},
                       seeds=[0], settings={})
     runs = tmp_path / "runs"
-    monkeypatch.setattr(local_module, "available_cores", lambda: 2)  # two runs at once, on any machine
+    monkeypatch.setattr(machine_module, "available_cores", lambda: 2)  # two runs at once, on any machine
     status, out, err = run_sweep(capsys, "--plan", str(plan), "--jobs", "2", "--runs_root", str(runs))
     assert status == 1
     broken = runs / "smoke" / "default" / "broken" / "seed0"
@@ -244,8 +246,15 @@ def test_bad_sweep_options_are_refused(tmp_path, capsys):
     plan = write_plan(tmp_path / "plan.yaml", {"FedAvg": []})
     for arguments, message in [
         (["--index", "2"], "error: index: expected a grid point of"),
-        (["--fit_config", "true"], "error: fit_config: expected true only with --index"),
-        (["--slurm", "true", "--index", "0"], "error: slurm: expected false with --index"),
+        (["--mode", "fit_config"], "error: index: expected the grid point whose settings --mode fit_config writes"),
+        (["--fit_config", "true"], "error: index: expected the grid point whose settings --mode fit_config writes"),
+        (["--mode", "submit", "--index", "0"], "error: index: expected unset with --mode submit, which takes "
+                                               "--jobs, --gpus_per_run, --threads_per_run, --sbatch_options, --dry_run"),
+        (["--slurm", "true", "--index", "0"], "error: index: expected unset with --mode submit"),
+        (["--mode", "list", "--jobs", "2"], "error: jobs: expected unset with --mode list, which takes no option"),
+        (["--list", "true", "--estimate", "true"], "error: mode: expected one mode (--mode, or one of --list, "
+                                                   "--estimate, --slurm, --fit_config), got ['estimate', 'list']"),
+        (["--mode", "walk"], "error: mode: expected one of run, list, estimate, submit, fit_config"),
     ]:
         status, _, err = run_sweep(capsys, "--plan", str(plan), *arguments)
         assert status == 2 and message in err, err
@@ -489,7 +498,7 @@ def test_list_shows_each_runs_round_and_time_left_from_its_folder(tmp_path, caps
 # --- sharing the machine -------------------------------------------------------------------------
 
 def test_cpu_runs_share_the_cores(monkeypatch):
-    monkeypatch.setattr(local_module, "available_cores", lambda: 8)
+    monkeypatch.setattr(machine_module, "available_cores", lambda: 8)
     assert plan_resources(jobs=2, gpus_per_run=0, threads_per_run=None).threads == 4
     assert plan_resources(jobs=3, gpus_per_run=0, threads_per_run=None).threads == 2
     assert plan_resources(jobs=1, gpus_per_run=0, threads_per_run=3).threads == 3
@@ -518,14 +527,14 @@ def test_cpu_runs_are_bound_to_cpus_of_their_own(tmp_path, monkeypatch):
         assert process.wait(timeout=60) == 0
     assert (tmp_path / "log").read_text().strip() == str([cpus[-1]])
 
-    monkeypatch.setattr(local_module, "available_cores", lambda: 2 * len(cpus))
+    monkeypatch.setattr(machine_module, "available_cores", lambda: 2 * len(cpus))
     resources = plan_resources(jobs=2, gpus_per_run=0, threads_per_run=None)
     assert resources.cpu_slots is None
     assert run_environment(resources, 0)["OMP_NUM_THREADS"] == str(len(cpus))
 
 
 def test_gpu_runs_get_gpus_of_their_own(monkeypatch):
-    monkeypatch.setattr(local_module, "available_cores", lambda: 16)
+    monkeypatch.setattr(machine_module, "available_cores", lambda: 16)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,6,7")
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     monkeypatch.setenv("LOCAL_RANK", "2")

@@ -18,7 +18,7 @@ from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.plan import load_plan
 from fl_lightning.experiments.plot import mean_curve
 from fl_lightning.experiments.resolve import resolve_grid
-from fl_lightning.experiments.runs import read_run, value_at
+from fl_lightning.experiments.runs import RunFolder, value_at
 from fl_lightning.experiments.table import table, table_files
 from fl_lightning.experiments.table_cells import order_methods
 from fl_lightning.experiments.table_sources import setting_label
@@ -726,10 +726,11 @@ def test_the_metrics_to_come_are_what_an_evaluation_logs(tmp_path):
           "--federation.rounds", "1", "--federation.local_steps", "1", "--data.validation", "0.2",
           "--data.per_client_eval", "true", "--out_dir", str(out)])
     (row,) = read_metrics(out)
-    before_it = read_run(out)
-    before_it.history = []
-    assert set(row) - {"round", "train_loss", "round_seconds"} == before_it.metrics_to_come()
-    assert read_run(out).metrics_to_come() == set()  # finished: nothing is to come
+    assert RunFolder(out).metrics_to_come() == set()  # finished: nothing is to come
+    (out / "metrics.jsonl").write_text("")  # as before its first round
+    assert set(row) - {"round", "train_loss", "round_seconds"} == RunFolder(out).metrics_to_come()
+
+
 def test_compare_names_a_run_by_its_method_or_by_its_plans_method(sweep, capsys):
     runs = str(sweep.parent / "runs" / "demo" / "alpha-0.5" / "*" / "seed0")
     # As fit names them (their W&B tag method=): the algorithm's short name, "+const" with the constraint.

@@ -144,11 +144,20 @@ def dashboard(
                           diagnostics=runs.diagnostics, selected_on=runs.selected_on,
                           per_client_eval=runs.per_client_eval)
     path = Path(out) if out is not None else Path(runs_root) / loaded.name / SPEC_FILE
+    _write_spec(spec, path, loaded, project, runs, Path(runs_root))
+    later = shlex.join(["fl-lightning", "dashboard", str(plan), *_options(entity, project, title, band, runs),
+                        *[f"--override={setting}" for setting in override or []]])
+    _create(spec, path, later, offline)
+    return spec
+
+
+def _write_spec(spec: dict, path: Path, plan: Plan, project: str, runs: _RunsSettings, runs_root: Path) -> None:
+    """The report's spec written, said, and with it how its runs reach W&B."""
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomically(path, json.dumps(spec, indent=2, ensure_ascii=False) + "\n")
     sections = spec["sections"]
-    print(f"W&B report of plan {loaded.name}: {len(sections)} section(s) ({', '.join(s['name'] for s in sections)}), "
-          f"{len(sections[0]['panels'])} panels each; runs tagged plan={loaded.name} in W&B project {project}, "
+    print(f"W&B report of plan {plan.name}: {len(sections)} section(s) ({', '.join(s['name'] for s in sections)}), "
+          f"{len(sections[0]['panels'])} panels each; runs tagged plan={plan.name} in W&B project {project}, "
           f"grouped by config.{METHOD_KEY}")
     print(f"spec: {path}")
     if runs.modes == {"disabled"}:
@@ -156,14 +165,16 @@ def dashboard(
               "swept with --slurm (whose runs log online) or with {logger.wandb_mode: online} in the plan's configs")
     elif "offline" in runs.modes:
         print(f"note: runs logged offline reach W&B once synced: wandb sync "
-              f"{Path(runs_root) / loaded.name}/*/*/seed*/wandb/offline-run-*")
-    later = shlex.join(["fl-lightning", "dashboard", str(plan), *_options(entity, project, title, band, runs),
-                        *[f"--override={setting}" for setting in override or []]])
+              f"{runs_root / plan.name}/*/*/seed*/wandb/offline-run-*")
+
+
+def _create(spec: dict, path: Path, later: str, offline: bool) -> None:
+    """The report created in W&B where it can be reached, else the command (`later`) that creates it."""
     why_offline = _why_offline(offline)
     if why_offline is not None:
         print(f"not created in W&B ({why_offline}); to create it, where W&B can be reached with an API key "
               f"(`wandb login`):\n  {later}")
-        return spec
+        return
     try:
         url = create_report(spec)
     except Exception as err:  # wandb and its HTTP client raise many types when the server is unreachable or refuses
@@ -171,7 +182,6 @@ def dashboard(
               f"to try again:\n  {later}", file=sys.stderr)
         raise SystemExit(1) from err
     print(f"W&B report: {url}")
-    return spec
 
 
 def dashboard_spec(plan: Plan, project: str, entity: Optional[str], title: Optional[str],

@@ -35,20 +35,16 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from fl_lightning.config import DataArgs, FederationArgs
 from fl_lightning.cpu import available_cores
 from fl_lightning.errors import ConfigError
 from fl_lightning.experiments import step_costs
-from fl_lightning.experiments.local import Resources, note_unused_gpus, plan_resources
-from fl_lightning.experiments.plan import describe_candidate
+from fl_lightning.experiments.local import note_unused_gpus
+from fl_lightning.experiments.machine import Resources, SweepOptions, plan_resources
+from fl_lightning.experiments.plan import Plan, describe_candidate
 from fl_lightning.experiments.resolve import ResolvedPoint, describe_point
 from fl_lightning.experiments.step_costs import StepCost, Stretch, client_steps, kind_of, time_kind
-
-if TYPE_CHECKING:
-    from fl_lightning.experiments.plan import Plan
-    from fl_lightning.experiments.sweep import SweepOptions
 
 SAMPLED_ROUNDS = 100
 """Rounds whose clients are drawn to count a point's local steps per round."""

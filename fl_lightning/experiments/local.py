@@ -27,15 +27,13 @@ import time
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Optional
+from typing import IO, Optional
 
-from fl_lightning.cpu import available_cores
-from fl_lightning.errors import ConfigError
+from fl_lightning.experiments.machine import Resources, SweepOptions, plan_resources
 from fl_lightning.experiments.plan import GridPoint
 from fl_lightning.experiments.progress import ProgressLines
 from fl_lightning.experiments.resolve import ResolvedPoint, describe_point
-from fl_lightning.experiments.resources import visible_gpus
-from fl_lightning.experiments.runs import RunState, run_state
+from fl_lightning.experiments.runs import RunFolder, RunState
 from fl_lightning.run_dir import FolderInUse, RunDirLock
 
 LOG_FILE = "sweep.log"
@@ -51,65 +49,6 @@ LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "WORLD_SI
                       "MASTER_ADDR", "MASTER_PORT")
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
-if TYPE_CHECKING:
-    from fl_lightning.experiments.sweep import SweepOptions
-
-
-@dataclass
-class Resources:
-    """What each local run gets."""
-
-    accelerator: str
-    devices: int
-    threads: int
-    """On the CPU the CPUs of each run, on GPUs the OMP_NUM_THREADS of each rank."""
-    gpu_slots: Optional[list[list[str]]]
-    """Per slot (one run at a time each), the GPUs of CUDA_VISIBLE_DEVICES; None on the CPU."""
-    cpu_slots: Optional[list[list[int]]] = None
-    """Per slot, on the CPU, the CPUs its run is bound to (its affinity), from which the run chooses
-    its threads as any CPU run does (fl_lightning.cpu); None where the platform binds no process to
-    CPUs: its runs then get OMP_NUM_THREADS = threads."""
-
-    def describe(self) -> str:
-        if self.gpu_slots is None:
-            return f"on the CPU, {self.threads} CPU(s) each"
-        return f"on {self.devices} GPU(s) each ({self.threads} CPU thread(s) per rank)"
-
-
-def plan_resources(jobs: int, gpus_per_run: int, threads_per_run: Optional[int]) -> Resources:
-    """Share the machine between `jobs` runs without oversubscribing it; refuse what it cannot give."""
-    cores = available_cores()
-    if gpus_per_run == 0:
-        if jobs > cores:
-            raise ConfigError("jobs", f"at most the {cores} CPU cores of this machine for runs on the CPU "
-                              "(or --gpus_per_run)", jobs)
-        threads = threads_per_run or max(1, cores // jobs)
-        if threads * jobs > cores:
-            raise ConfigError("threads_per_run", f"at most {cores // jobs} with {jobs} runs at a time on {cores} "
-                              "cores", threads)
-        return Resources(accelerator="cpu", devices=1, threads=threads, gpu_slots=None,
-                         cpu_slots=cpu_slots(jobs, threads))
-    gpus = visible_gpus()
-    if gpus_per_run > len(gpus):
-        raise ConfigError("gpus_per_run", f"at most the {len(gpus)} GPU(s) visible here", gpus_per_run)
-    if jobs * gpus_per_run > len(gpus):
-        raise ConfigError("jobs", f"at most {len(gpus) // gpus_per_run} runs of {gpus_per_run} GPU(s) at a time "
-                          f"({len(gpus)} GPU(s) visible: {','.join(gpus)})", jobs)
-    threads = max(1, (threads_per_run or max(1, cores // jobs)) // gpus_per_run)
-    slots = [gpus[slot * gpus_per_run:(slot + 1) * gpus_per_run] for slot in range(jobs)]
-    return Resources(accelerator="gpu", devices=gpus_per_run, threads=threads, gpu_slots=slots)
-
-
-def cpu_slots(jobs: int, cpus_per_run: int) -> Optional[list[list[int]]]:
-    """`jobs` disjoint sets of `cpus_per_run` of the CPUs this process may use, where the platform binds
-    processes to CPUs (Linux); else None. A run bound to its own CPUs neither takes more than its share
-    nor has its threads wait on another run's: the rule of its threads (fl_lightning.cpu) sees them."""
-    if not hasattr(os, "sched_getaffinity"):
-        return None
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < jobs * cpus_per_run:  # fewer CPUs than the cores counted
-        return None
-    return [cpus[slot * cpus_per_run:(slot + 1) * cpus_per_run] for slot in range(jobs)]
 
 
 def fit_command(point: GridPoint, resources: Resources) -> list[str]:
@@ -314,7 +253,7 @@ class _Loop:
             print(f"[{point.index}] skipped, running elsewhere (held by {busy.holder}): {describe_point(point)} in "
                   f"{point.out_dir}", flush=True)
             return
-        state = run_state(point.out_dir, self.rounds[point.index])
+        state = RunFolder(point.out_dir).state(self.rounds[point.index])
         if state.finished:
             lock.release()
             self.skipped += 1
@@ -376,7 +315,7 @@ class _Loop:
     def _report(self, run: Running, status: int) -> None:
         point, seconds = run.point, time.monotonic() - run.started
         if status == 0:
-            state = run_state(point.out_dir, self.rounds[point.index])
+            state = RunFolder(point.out_dir).state(self.rounds[point.index])
             if run.signalled and not state.finished:
                 self.stopped.append(point)
                 print(f"[{point.index}] stopped at round {state.round}: {describe_point(point)} in {point.out_dir} "

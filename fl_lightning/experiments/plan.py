@@ -43,13 +43,14 @@ from __future__ import annotations
 
 import itertools
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import yaml
 
 from fl_lightning.errors import ConfigError
+from fl_lightning.experiments.machine import PlanResources, read_resources
 from fl_lightning.experiments.overrides import (
     SET_BY_THE_PLAN,
     SET_BY_THE_SWEEP,
@@ -58,7 +59,6 @@ from fl_lightning.experiments.overrides import (
     value_text,
     variant_name,
 )
-from fl_lightning.experiments.resources import PlanResources, read_resources
 from fl_lightning.experiments.runs import AT_CHOICES, parse_at
 from fl_lightning.metric_names import TEST_ACCURACY
 from fl_lightning.run_dir import flatten
@@ -280,21 +280,32 @@ def load_plan(path: Path, runs_root: Path = Path("runs"), overrides: Optional[li
         raw = load_yaml(path.read_text())
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
         raise ConfigError("plan", "a readable YAML plan file", f"{path} ({err})") from err
-    if not isinstance(raw, dict):
-        raise ConfigError("plan", "a mapping with name, methods, settings and seeds", str(path))
-    unknown = set(raw) - {"name", "configs", "methods", "settings", "seeds", "reference", "metric", "resources",
-                          "tune"}
-    if unknown:
-        raise ConfigError("plan", "only the keys name, configs, methods, settings, seeds, reference, metric, "
-                          "resources, tune", sorted(unknown))
-    name = raw.get("name") or path.stem
+    read = PlanFile.read(raw, default_name=path.stem)
+    parsed_overrides = parse_overrides(overrides)
+    return Plan(name=variant_name(read.name, parsed_overrides), base_name=read.name, tune=read.tune,
+                resources=read.resources, overrides=parsed_overrides, configs=read.configs, methods=read.methods,
+                settings={a: {str(v): p for v, p in c.items()} for a, c in read.settings.items()}, seeds=read.seeds,
+                path=path, reference=None if read.reference is None else Path(read.reference), metric=read.metric,
+                runs_root=runs_root)
+
+
+def _read_name(name, plan: dict) -> str:
     if not isinstance(name, str) or slug(name) != name:
         raise ConfigError("plan.name", "a name of lower-case letters, digits and - _ . +", name)
-    methods = raw.get("methods")
+    return name
+
+
+def _read_methods(methods, plan: dict) -> dict:
     if not isinstance(methods, dict) or not methods:
         raise ConfigError("plan.methods", "a mapping of method name -> list of config fragments", methods)
     _check_distinct_folders("plan.methods", {str(method): slug(str(method)) for method in methods})
-    settings = raw.get("settings") or {}
+    for method, parts in methods.items():
+        _check_parts(f"plan.methods.{method}", parts)
+    return methods
+
+
+def _read_settings(settings, plan: dict) -> dict:
+    settings = settings or {}
     if not isinstance(settings, dict) or not all(isinstance(c, dict) and c for c in settings.values()):
         raise ConfigError("plan.settings", "a mapping of axis -> {value name: list of config fragments}", settings)
     for axis, choices in settings.items():
@@ -303,21 +314,69 @@ def load_plan(path: Path, runs_root: Path = Path("runs"), overrides: Optional[li
                               "<axis>-<value>_<axis>-<value>...)", axis)
         _check_distinct_folders(f"plan.settings.{axis}", {str(value): str(value) for value in choices},
                                 given=len(choices))
-    seeds = raw.get("seeds", [0])
+        for value, parts in choices.items():
+            _check_parts(f"plan.settings.{axis}.{value}", parts)
+    return settings
+
+
+def _read_configs(configs, plan: dict) -> list:
+    configs = configs or []
+    _check_parts("plan.configs", configs)
+    return configs
+
+
+def _read_seeds(seeds, plan: dict) -> list:
     _check_seeds("plan.seeds", seeds)
-    parts = {"plan.configs": raw.get("configs") or [],
-             **{f"plan.methods.{m}": p for m, p in methods.items()},
-             **{f"plan.settings.{a}.{v}": p for a, c in settings.items() for v, p in c.items()}}
-    for key, value in parts.items():
-        _check_parts(key, value)
-    reference = raw.get("reference")
-    parsed_overrides = parse_overrides(overrides)
-    return Plan(name=variant_name(name, parsed_overrides), base_name=name, tune=read_tune(raw.get("tune"), raw),
-                resources=read_resources(raw.get("resources")), overrides=parsed_overrides,
-                configs=raw.get("configs") or [], methods=methods,
-                settings={a: {str(v): p for v, p in c.items()} for a, c in settings.items()}, seeds=seeds, path=path,
-                reference=None if reference is None else Path(reference), metric=raw.get("metric", TEST_ACCURACY),
-                runs_root=runs_root)
+    return seeds
+
+
+def _read_text(key: str) -> Callable[[Any, dict], Any]:
+    def read(value, plan: dict):
+        if value is not None and not isinstance(value, str):
+            raise ConfigError(f"plan.{key}", "a string", value)
+        return value
+    return read
+
+
+def _key(read: Callable[[Any, dict], Any], default: Any = None, required: bool = False):
+    """A plan file's key: how its value is read and checked (given the plan read so far), its default."""
+    return field(default=None, metadata={"read": read, "default": default, "required": required})
+
+
+@dataclass
+class PlanFile:
+    """A plan file's keys, one field each, in the order the plan's docstring gives them: a field's
+    `read` checks the key's value (naming `plan.<key>` when it is wrong) and gives what the plan holds.
+    A new key is one field here."""
+
+    name: Any = _key(_read_name)
+    """Default: the file's name without its suffix."""
+    configs: Any = _key(_read_configs, default=[])
+    methods: Any = _key(_read_methods, required=True)
+    settings: Any = _key(_read_settings, default={})
+    seeds: Any = _key(_read_seeds, default=[0])
+    reference: Any = _key(_read_text("reference"))
+    metric: Any = _key(_read_text("metric"), default=TEST_ACCURACY)
+    resources: Any = _key(lambda value, plan: read_resources(value))
+    tune: Any = _key(lambda value, plan: read_tune(value, plan))
+
+    @classmethod
+    def read(cls, raw, default_name: str) -> "PlanFile":
+        keys = [key.name for key in fields(cls)]
+        if not isinstance(raw, dict):
+            raise ConfigError("plan", "a mapping with name, methods, settings and seeds", raw)
+        unknown = set(raw) - set(keys)
+        if unknown:
+            raise ConfigError("plan", f"only the keys {', '.join(keys)}", sorted(unknown))
+        raw = {key: value for key, value in raw.items() if value is not None}
+        raw["name"] = raw.get("name") or default_name
+        plan = {}
+        for key in fields(cls):
+            given = raw.get(key.name, key.metadata["default"])
+            if key.metadata["required"] and given is None:
+                raise ConfigError(f"plan.{key.name}", "a value: the key is required", None)
+            plan[key.name] = key.metadata["read"](given, {**raw, **plan})
+        return cls(**plan)
 
 
 def _check_seeds(key: str, seeds) -> None:

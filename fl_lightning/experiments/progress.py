@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from fl_lightning.experiments.plan import GridPoint
-from fl_lightning.experiments.runs import Pace, read_pace
+from fl_lightning.experiments.runs import Pace, RunFolder
 from fl_lightning.run_logging import METRICS_FILE
 
 PROGRESS_SECONDS = 15.0
@@ -123,7 +123,7 @@ class ProgressLines:
             return None
         if self.sizes.get(point.index) != size:
             self.sizes[point.index] = size
-            pace = read_pace(point.out_dir)
+            pace = RunFolder(point.out_dir).pace
             if pace is not None:
                 self.paces[point.index], self.methods[point.index] = pace, point.method
         return self.paces.get(point.index)

@@ -24,7 +24,7 @@ import yaml
 from fl_lightning.cli.parser import CommandParser, GridPointParser, build_parser
 from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.overrides import describe_overrides
-from fl_lightning.experiments.runs import RunState, other_experiment, run_state
+from fl_lightning.experiments.runs import RunFolder, RunState
 from fl_lightning.fit import fit_config_of
 from fl_lightning.run_dir import flatten
 from fl_lightning.yaml_text import load_yaml
@@ -110,7 +110,7 @@ def check_grid(plan: Path, resolved: list[ResolvedPoint]) -> None:
 
 def read_states(resolved: list[ResolvedPoint]) -> dict[int, RunState]:
     """index -> what the point's run folder holds (trains nothing)."""
-    return {entry.point.index: run_state(entry.point.out_dir, entry.rounds) for entry in resolved}
+    return {entry.point.index: RunFolder(entry.point.out_dir).state(entry.rounds) for entry in resolved}
 
 
 def check_folders(plan: Path, resolved: list[ResolvedPoint], states: dict[int, RunState]) -> None:
@@ -118,7 +118,7 @@ def check_folders(plan: Path, resolved: list[ResolvedPoint], states: dict[int, R
     problems = []
     for entry in resolved:
         point = entry.point
-        different = other_experiment(point.out_dir, entry.config, states[point.index])
+        different = RunFolder(point.out_dir).difference(entry.config, states[point.index])
         if different is not None:
             problems.append(f"[{point.index}] {describe_point(point)} in {point.out_dir}: {different}")
     if problems:

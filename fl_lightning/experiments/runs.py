@@ -4,7 +4,7 @@ holds the experiment asked for. One reader for `fl-lightning sweep` (what to ski
 
 - metrics.jsonl may end in a torn line: a run killed while appending leaves one until it resumes
   (the resume rewrites the file from its checkpoint). That line is left out and reported
-  (`Run.torn_line`); an unreadable line before the last is no kill's doing and is refused, naming
+  (`RunFolder.torn_line`); an unreadable line before the last is no kill's doing and is refused, naming
   the file and the line.
 - A run is over when its newest good checkpoint reached the rounds asked for or records a final
   stop (an early stop that a rerun keeps): `fl_lightning.checkpoint.run_is_over`.
@@ -15,6 +15,7 @@ holds the experiment asked for. One reader for `fl-lightning sweep` (what to ski
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import re
@@ -42,15 +43,34 @@ from fl_lightning.run_dir import CONFIG_FILE, DifferentExperiment, check_same_ex
 from fl_lightning.run_logging import METRICS_FILE
 
 
-@dataclass
-class Run:
-    """A folder written by `fl-lightning fit`, as its config.yaml and metrics.jsonl tell it."""
+class RunFolder:
+    """A folder written by `fl-lightning fit`, read as it is asked for: its config.yaml (`config`),
+    the rows of its metrics.jsonl (`history`, `torn_line`), its pace, its state as `fit --resume auto`
+    would find it (`state`), and what makes it another experiment than a config (`difference`). The
+    one reader of run folders, for `sweep`, `table`, `compare` and the tuning stage."""
 
-    path: Path
-    config: dict
-    history: list[dict]
-    torn_line: bool = False
-    """metrics.jsonl ended in a partial line (left out of `history`)."""
+    def __init__(self, path: Path):
+        self.path = Path(path)
+
+    @functools.cached_property
+    def config(self) -> dict:
+        """config.yaml, or {} where there is none."""
+        config = recorded_config(self.path)
+        return config if isinstance(config, dict) else {}
+
+    @functools.cached_property
+    def _rows(self) -> tuple[list[dict], bool]:
+        return read_metric_rows(self.path)
+
+    @property
+    def history(self) -> list[dict]:
+        """metrics.jsonl's rows, one per round (a torn last line left out)."""
+        return self._rows[0]
+
+    @property
+    def torn_line(self) -> bool:
+        """metrics.jsonl ended in a partial line (left out of `history`)."""
+        return self._rows[1]
 
     @property
     def rounds_done(self) -> int:
@@ -92,6 +112,57 @@ class Run:
         validation = VALIDATION_METRICS + (PER_CLIENT_METRICS if data.get("per_client_eval") else ())
         return {*EVALUATION_METRICS, *(validation if data.get("validation") else ())}
 
+    @property
+    def pace(self) -> Optional[Pace]:
+        """How far metrics.jsonl got and how fast its rounds went; None without a row, or with an
+        unreadable line before the last (which `table` refuses)."""
+        try:
+            rows = self.history
+        except ConfigError:
+            return None
+        if not rows:
+            return None
+        timed = [row["round_seconds"] + (row.get("eval_seconds") or 0) for row in rows
+                 if isinstance(row.get("round_seconds"), (int, float))]
+        return Pace(round=rows[-1]["round"],
+                    seconds_per_round=statistics.fmean(timed[1:] or timed) if timed else None)
+
+    def state(self, rounds: Optional[int]) -> RunState:
+        """Its checkpoints read newest first, as `--resume auto` reads them, for a run of `rounds`
+        rounds (None: unknown); trains nothing."""
+        candidates = resume_candidates(self.path)
+        started = (self.path / CONFIG_FILE).is_file()
+        pace = self.pace if started else None
+        for path in candidates:
+            try:
+                state = load_checkpoint(path)
+            except ValueError:
+                continue
+            return RunState(round=state["round"], rounds=rounds, started=started,
+                            finished=rounds is not None and state["round"] <= rounds and run_is_over(state, rounds),
+                            hyperparameters=state["hyperparameters"], pace=pace)
+        problem = "unusable: every checkpoint fails its checks" if candidates else None
+        return RunState(round=None, rounds=rounds, started=started, problem=problem, pace=pace)
+
+    def difference(self, config: dict, state: Optional[RunState] = None) -> Optional[str]:
+        """What makes the run another experiment than `config` (the settings `fit` builds), as `fit`
+        would refuse it (`data.alpha 0.5 -> 0.1 (config.yaml)`); None when it is the same one (or there
+        is no run yet). Compared: the newest checkpoint's settings when `state` holds them, and config.yaml."""
+        rounds = config["federation"]["rounds"]
+        if state is not None and state.round is not None and state.round > rounds:
+            return f"federation.rounds: the checkpoint reached round {state.round}, past the {rounds} asked for"
+        records = [(recorded_config(self.path), CONFIG_FILE)]
+        if state is not None and state.hyperparameters is not None:
+            records.insert(0, (state.hyperparameters, f"the checkpoint of round {state.round}"))
+        for recorded, source in records:
+            if recorded is None:
+                continue
+            try:
+                check_same_experiment(recorded, config, source, self.path)
+            except DifferentExperiment as different:
+                return f"{different.fields()} ({source})"
+        return None
+
 
 EVALUATION_METRICS = (TEST_ACCURACY, TEST_LOSS, "eval_seconds")
 """What every evaluation logs (fl_lightning.callbacks.Evaluate: each eval_every rounds, and after the last)."""
@@ -102,7 +173,7 @@ PER_CLIENT_METRICS = (CLIENT_VAL_ACCURACY_MEAN, CLIENT_VAL_ACCURACY_STD, CLIENT_
 """What it adds with data.per_client_eval."""
 
 
-def check_metric(metric: str, runs: list[Run]) -> None:
+def check_metric(metric: str, runs: list[RunFolder]) -> None:
     """Refuse a metric that none of `runs` logged, nor will log at an evaluation to come (while a sweep
     runs, before the first evaluation, the metrics to come are all there is); nothing is refused
     while no run has logged a round."""
@@ -111,14 +182,6 @@ def check_metric(metric: str, runs: list[Run]) -> None:
     if logged and metric not in logged | to_come:
         runs_log = "the runs logged" + (" or will log at their evaluations to come" if to_come else "")
         raise ConfigError("metric", f"a metric {runs_log}: {', '.join(sorted(logged | to_come))}", metric)
-
-
-def read_run(path: Path) -> Run:
-    """The run in `path`: config.yaml (empty if absent) and the rows of metrics.jsonl."""
-    path = Path(path)
-    config = recorded_config(path)
-    history, torn = read_metric_rows(path)
-    return Run(path=path, config=config if isinstance(config, dict) else {}, history=history, torn_line=torn)
 
 
 def read_metric_rows(out_dir: Path) -> tuple[list[dict], bool]:
@@ -157,20 +220,6 @@ class Pace:
         if self.seconds_per_round is None:
             return None
         return max(rounds - self.round, 0) * self.seconds_per_round
-
-
-def read_pace(out_dir: Path) -> Optional[Pace]:
-    """The run's pace from its metrics.jsonl; None without a row, or with an unreadable line before the
-    last (which `table` refuses)."""
-    try:
-        rows, _ = read_metric_rows(out_dir)
-    except ConfigError:
-        return None
-    if not rows:
-        return None
-    timed = [row["round_seconds"] + (row.get("eval_seconds") or 0) for row in rows
-             if isinstance(row.get("round_seconds"), (int, float))]
-    return Pace(round=rows[-1]["round"], seconds_per_round=statistics.fmean(timed[1:] or timed) if timed else None)
 
 
 @dataclass
@@ -218,43 +267,6 @@ class RunState:
         if self.round is not None:
             return f"partial at round {self.round}" + (f"/{self.rounds}" if self.rounds is not None else "")
         return "started, no checkpoint yet" if self.started else "not started"
-
-
-def run_state(out_dir: Path, rounds: Optional[int]) -> RunState:
-    """Read a run folder's checkpoints (newest first, as `--resume auto` does) and config.yaml; trains nothing."""
-    candidates = resume_candidates(out_dir)
-    started = (Path(out_dir) / CONFIG_FILE).is_file()
-    pace = read_pace(out_dir) if started else None
-    for path in candidates:
-        try:
-            state = load_checkpoint(path)
-        except ValueError:
-            continue
-        return RunState(round=state["round"], rounds=rounds, started=started,
-                        finished=rounds is not None and state["round"] <= rounds and run_is_over(state, rounds),
-                        hyperparameters=state["hyperparameters"], pace=pace)
-    problem = "unusable: every checkpoint fails its checks" if candidates else None
-    return RunState(round=None, rounds=rounds, started=started, problem=problem, pace=pace)
-
-
-def other_experiment(out_dir: Path, config: dict, state: Optional[RunState] = None) -> Optional[str]:
-    """What makes the run in `out_dir` another experiment than `config` (the settings `fit` builds),
-    as `fit` would refuse it (`data.alpha 0.5 -> 0.1 (config.yaml)`); None when it is the same one (or
-    there is no run yet). Compared: the newest checkpoint's settings when `state` holds them, and config.yaml."""
-    rounds = config["federation"]["rounds"]
-    if state is not None and state.round is not None and state.round > rounds:
-        return f"federation.rounds: the checkpoint reached round {state.round}, past the {rounds} asked for"
-    records = [(recorded_config(out_dir), CONFIG_FILE)]
-    if state is not None and state.hyperparameters is not None:
-        records.insert(0, (state.hyperparameters, f"the checkpoint of round {state.round}"))
-    for recorded, source in records:
-        if recorded is None:
-            continue
-        try:
-            check_same_experiment(recorded, config, source, out_dir)
-        except DifferentExperiment as different:
-            return f"{different.fields()} ({source})"
-    return None
 
 
 # A run's final / last-k value, for `table` and `compare`; its best is fl_lightning.metric_names.best_round's.

@@ -1,6 +1,6 @@
 """A sweep as one SLURM array job of slurm/sweep.sbatch, one task per grid point.
 
-Task I asks `fl-lightning sweep --index I --fit_config` for the point's settings resolved into one
+Task I asks `fl-lightning sweep --mode fit_config --index I` for the point's settings resolved into one
 config file in its run folder, then launches `srun fl-lightning fit --config <that file>` with the
 allocation's devices, as slurm/fit.sbatch does (slurm/lib.sh: requeue on SIGUSR1, signal forwarding,
 resume). The whole plan is checked before anything is submitted (see sweep.py), so a typo in one
@@ -16,14 +16,12 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from fl_lightning.atomic_files import write_text_atomically
 from fl_lightning.errors import ConfigError
+from fl_lightning.experiments.machine import SweepOptions
 from fl_lightning.experiments.resolve import ResolvedPoint, describe_point, fit_settings_text
-
-if TYPE_CHECKING:
-    from fl_lightning.experiments.sweep import SweepOptions
 
 FIT_CONFIG_FILE = "sweep_fit.yaml"
 """A grid point's resolved `fit` settings, written into its run folder for a SLURM array task."""
@@ -39,7 +37,7 @@ def write_fit_config(resolved: ResolvedPoint) -> Path:
     point.out_dir.mkdir(parents=True, exist_ok=True)
     path = point.out_dir / FIT_CONFIG_FILE
     header = (f"# Grid point {point.index} of plan {point.plan_name} ({describe_point(point)}), resolved by\n"
-              f"# `fl-lightning sweep --index {point.index} --fit_config true` for a SLURM array task.\n")
+              f"# `fl-lightning sweep --mode fit_config --index {point.index}` for a SLURM array task.\n")
     write_text_atomically(path, header + fit_settings_text(resolved))
     return path
 

@@ -42,7 +42,8 @@ import torch
 from fl_lightning.checkpoint import checkpoint_dir, numbered_checkpoints
 from fl_lightning.config import FederationArgs
 from fl_lightning.cpu import choose_threads
-from fl_lightning.experiments.local import Resources, run_environment
+from fl_lightning.experiments.local import run_environment
+from fl_lightning.experiments.machine import Resources
 from fl_lightning.experiments.resolve import ResolvedPoint, fit_parser
 from fl_lightning.federation.setup import RunSettings, rank_inputs
 from fl_lightning.fit import fit_config_of

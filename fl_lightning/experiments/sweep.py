@@ -25,9 +25,8 @@ the first. Its grid points are the tuning runs (0 to T-1), then the plan's own.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional
 
 from jsonargparse.typing import NonNegativeInt, PositiveInt
 
@@ -36,6 +35,7 @@ from fl_lightning.experiments import resources
 from fl_lightning.experiments.data_check import check_datasets
 from fl_lightning.experiments.estimate import estimate_plan
 from fl_lightning.experiments.local import run_locally
+from fl_lightning.experiments.machine import SweepOptions
 from fl_lightning.experiments.overrides import describe_overrides, write_variant_file
 from fl_lightning.experiments.plan import GridPoint, Plan, load_plan
 from fl_lightning.experiments.progress import RunLeft, duration, seconds_left
@@ -45,125 +45,163 @@ from fl_lightning.experiments.resolve import (
     check_grid,
     read_states,
 )
-from fl_lightning.experiments.runs import RunState, other_experiment, run_state
+from fl_lightning.experiments.runs import RunFolder, RunState
 from fl_lightning.experiments.slurm import write_fit_config
 from fl_lightning.experiments.tuning import TunedGrid, run_tuning_stage, submit_stages, tuned_grid
+
+SweepMode = Literal["run", "list", "estimate", "submit", "fit_config"]
+MODE_OPTIONS: dict[str, tuple[str, ...]] = {
+    "run": ("jobs", "gpus_per_run", "threads_per_run", "index", "dry_run", "tuning_ended"),
+    "list": (),
+    "estimate": ("jobs", "gpus_per_run", "threads_per_run"),
+    "submit": ("jobs", "gpus_per_run", "threads_per_run", "sbatch_options", "dry_run"),
+    "fit_config": ("index", "tuning_ended"),
+}
+"""Each mode's own options (plan, runs_root and override are every mode's): a mode is one entry here
+and one function of MODES."""
+MODE_FLAGS = {"list": "list", "estimate": "estimate", "slurm": "submit", "fit_config": "fit_config"}
+"""The flags that chose a mode before --mode (`--list`, `--slurm`, ...), kept for the scripts that give them."""
 
 
 def sweep(
     plan: Path,
-    list: bool = False,
+    mode: SweepMode = "run",
     jobs: Optional[PositiveInt] = None,
     gpus_per_run: Optional[NonNegativeInt] = None,
     threads_per_run: Optional[PositiveInt] = None,
     index: Optional[NonNegativeInt] = None,
-    slurm: bool = False,
     sbatch_options: Optional[list[str]] = None,
-    fit_config: bool = False,
     runs_root: Path = Path("runs"),
     dry_run: bool = False,
     override: Optional[list[str]] = None,
-    estimate: bool = False,
     tuning_ended: bool = False,
+    list: bool = False,
+    estimate: bool = False,
+    slurm: bool = False,
+    fit_config: bool = False,
 ) -> None:
     """Run every grid point of a sweep plan (methods x settings x seeds) that has not finished yet, here or on SLURM.
 
     Args:
         plan: the plan file (YAML: name, configs, methods, settings, seeds; see fl_lightning/experiments/plan.py).
-        list: print every grid point (index, method, setting, seed, state, run folder) and exit; the state
-            (finished, partial at round R, not started, another experiment, settings refused) is read from
-            the run folder and the plan, nothing is trained.
-        jobs: runs at a time. Locally (default 1), processes on this machine; with --slurm, array tasks at
+        mode: run (train here the points not finished), list (every grid point's state, round, time left and
+            folder), estimate (time the grid's kinds of local step here and price the plan: estimate.py),
+            submit (one SLURM array job of slurm/sweep.sbatch, task I point I; two with tune:) or fit_config
+            (write point --index's resolved `fit` settings, what an array task launches). Each mode takes only
+            its own options (MODE_OPTIONS).
+        jobs: runs at a time. Locally (default 1), processes on this machine; submitted, array tasks at
             once (sbatch --array=...%jobs; default: as many as SLURM allows).
         gpus_per_run: GPUs (and ranks) of each run; default the plan's resources.gpus_per_run, else 0. A
             plan that asks for GPUs is refused where its runs would get none, unless this is given (0
             trains them on the CPU on purpose). 0 runs on the CPU with one rank. Locally each run gets
-            CUDA_VISIBLE_DEVICES of its own: jobs x gpus_per_run must not exceed the GPUs visible. With
-            --slurm, each array task asks for --gpus-per-node and --ntasks-per-node of this many.
+            CUDA_VISIBLE_DEVICES of its own: jobs x gpus_per_run must not exceed the GPUs visible.
+            Submitted, each array task asks for --gpus-per-node and --ntasks-per-node of this many.
         threads_per_run: CPUs of each run: on the CPU locally the CPUs it is bound to, from which it chooses
             its threads; on GPUs OMP_NUM_THREADS, split over its ranks. Locally by default the cores divided by
-            jobs. With --slurm, each task asks for these CPUs (--cpus-per-task per rank).
-        index: run grid point INDEX only, in the foreground (its output on the terminal).
-        slurm: submit the grid as one SLURM array job of slurm/sweep.sbatch, task I training point I
-            (from the repository root, where logs/ receives the tasks' logs).
-        sbatch_options: more sbatch options for --slurm, e.g. [--time=06:00:00, --partition=gpu]; a --time
-            here overrides the plan's resources.time_per_run.
-        fit_config: with --index, write the point's resolved `fit` settings to <run folder>/sweep_fit.yaml,
-            print that path and exit without training (what each array task of slurm/sweep.sbatch launches).
+            jobs. Submitted, each task asks for these CPUs (--cpus-per-task per rank).
+        index: the grid point of fit_config, or run's only point, in the foreground (its output on the terminal).
+        sbatch_options: more sbatch options to submit with ([--time=06:00:00, --partition=gpu]; a --time
+            overrides the plan's resources.time_per_run).
         runs_root: folder under which run folders go: <runs_root>/<plan>/<setting>/<method>/seed<k>.
         dry_run: print what would be run or submitted, without doing it.
         override: KEY=VALUE settings applied last to every grid point (repeat --override for several),
             e.g. federation.rounds=20 or data.root=/scratch/data. One that changes the experiment makes a
             variant of the plan, <plan>@<hint>-<digest>, with run folders of its own (printed).
-        estimate: time every kind of local step of the grid here (model, data, method), in this process
-            and a temporary folder, and print per method and in total the wall and CPU seconds per round,
-            CPU core-hours (and GPU-hours), peak memory, client state and checkpoint disk (see
-            fl_lightning/experiments/estimate.py); trains nothing of the grid.
-        tuning_ended: the tuning stage has ended (the second array job of --slurm is told so): a choice still to
-            make counts a tuning run left unfinished as failed, not waited for (fl_lightning/experiments/tuning.py).
+        tuning_ended: the tuning stage has ended (the second array job of a submitted plan is told so): a choice
+            still to make counts a tuning run left unfinished as failed, not waited for (tuning.py).
+        list, estimate, slurm, fit_config: --mode list, estimate, submit and fit_config as they were given.
     """
+    mode = chosen_mode(mode, list=list, estimate=estimate, slurm=slurm, fit_config=fit_config)
+    check_mode_options(mode, jobs=jobs, gpus_per_run=gpus_per_run, threads_per_run=threads_per_run, index=index,
+                       sbatch_options=sbatch_options, dry_run=dry_run, tuning_ended=tuning_ended)
     options = SweepOptions(jobs=jobs, gpus_per_run=gpus_per_run, threads_per_run=threads_per_run, index=index,
-                           sbatch_options=sbatch_options or [], runs_root=Path(runs_root), dry_run=dry_run)
+                           sbatch_options=sbatch_options or [], runs_root=Path(runs_root), dry_run=dry_run,
+                           overrides=[*(override or [])], tuning_ended=tuning_ended)
     loaded = load_plan(Path(plan), runs_root=options.runs_root, overrides=override)
-    options.overrides = [*(override or [])]  # `list` is the option here
-    check_options(Path(plan), len(loaded.tuning_grid()) + len(loaded.grid()), list=list, index=index, slurm=slurm,
-                  fit_config=fit_config, estimate=estimate)
+    check_index(Path(plan), index, len(loaded.tuning_grid()) + len(loaded.grid()))
     grid = tuned_grid(loaded)  # its tuning points, then its own with the choices made, in the variant's folders
-    resolved = grid.resolved
-    if not fit_config:  # its output is the config's path alone, read by slurm/sweep.sbatch
+    if mode != "fit_config":  # its output is the config's path alone, read by slurm/sweep.sbatch
         describe_variant(loaded, options.runs_root)
-    if list:
-        list_points(resolved, grid.describe_cells())
-        return
-    check_grid(Path(plan), resolved)
-    resources.check_precision(loaded, resolved)
-    if not fit_config:
-        options.gpus_per_run = resources.gpus_per_run(loaded, resolved, gpus_per_run, slurm)
-        check_datasets(Path(plan), resolved if index is None else [resolved[index]])
-    if estimate:
-        estimate_plan(loaded, resolved, options)
-        return
-    chosen = grid.to_run(index, tuning_ended)
-    states = checked_folders(Path(plan), chosen)
-    if loaded.variant_overrides and not (fit_config or dry_run):
-        write_variant_file(options.runs_root / loaded.name, loaded.name, [Path(plan)], loaded.variant_overrides)
-    if fit_config:
-        print(write_fit_config(chosen[0]))
-    elif slurm:
-        resources.array_job(loaded, options)
-        submit_stages(Path(plan), grid, options)
-    else:
-        status = run_here(Path(plan), grid, chosen, states, options)
-        if status != 0:
-            raise SystemExit(status)
+    MODES[mode](Path(plan), grid, options)
 
 
-@dataclass
-class SweepOptions:
-    jobs: Optional[int] = None
-    gpus_per_run: int = 0
-    threads_per_run: Optional[int] = None
-    index: Optional[int] = None
-    sbatch_options: list[str] = field(default_factory=list)
-    runs_root: Path = Path("runs")
-    dry_run: bool = False
-    overrides: list[str] = field(default_factory=list)
-    """The command line's --override, as given (passed on to each SLURM array task)."""
+def chosen_mode(mode: str, **flags: bool) -> str:
+    """--mode, or the mode that one of its old flags (MODE_FLAGS) chose; two that differ are refused."""
+    chosen = {MODE_FLAGS[flag] for flag, given in flags.items() if given} | ({mode} if mode != "run" else set())
+    if len(chosen) > 1:
+        raise ConfigError("mode", "one mode (--mode, or one of --list, --estimate, --slurm, --fit_config)",
+                          sorted(chosen))
+    return chosen.pop() if chosen else "run"
 
 
-def check_options(plan: Path, size: int, *, list: bool, index: Optional[int], slurm: bool, fit_config: bool,
-                  estimate: bool) -> None:
-    """Refuse options that do not go together, or an index outside the grid of `size` points."""
+def check_index(plan: Path, index: Optional[int], size: int) -> None:
     if index is not None and index >= size:
         raise ConfigError("index", f"a grid point of {plan}: 0-{size - 1}", index)
-    if fit_config and index is None:
-        raise ConfigError("fit_config", "true only with --index (the grid point whose settings to write)", fit_config)
-    if slurm and (index is not None or fit_config):
-        raise ConfigError("slurm", "false with --index or --fit_config (an array job runs every grid point; "
-                          "`sbatch --array=I slurm/sweep.sbatch PLAN` reruns task I)", slurm)
-    if estimate and (list or slurm or index is not None or fit_config):
-        raise ConfigError("estimate", "true without --list, --slurm, --index or --fit_config (it times the plan's "
-                          "kinds of local step here: run it on a machine like the cluster's)", estimate)
+
+
+def check_mode_options(mode: str, **given) -> None:
+    """Refuse an option that `mode` does not take (MODE_OPTIONS), and fit_config without --index."""
+    for name, value in given.items():
+        unset = value is None or value is False or value == []  # index 0 is given
+        if not unset and name not in MODE_OPTIONS[mode]:
+            takes = ", ".join(f"--{option}" for option in MODE_OPTIONS[mode]) or "no option of its own"
+            raise ConfigError(name, f"unset with --mode {mode}, which takes {takes}", value)
+    if mode == "fit_config" and given.get("index") is None:
+        raise ConfigError("index", "the grid point whose settings --mode fit_config writes", None)
+
+
+def _checked(plan: Path, grid: TunedGrid, options: SweepOptions, submitted: bool = False) -> list[ResolvedPoint]:
+    """The grid refused if any point is, its precision and data checked, and the GPUs of its runs set
+    (options.gpus_per_run); what every mode but list does first."""
+    resolved, loaded = grid.resolved, grid.plan
+    check_grid(plan, resolved)
+    resources.check_precision(loaded, resolved)
+    options.gpus_per_run = resources.gpus_per_run(loaded, resolved, options.gpus_per_run, submitted)
+    check_datasets(plan, resolved if options.index is None else [resolved[options.index]])
+    return resolved
+
+
+def _list_mode(plan: Path, grid: TunedGrid, options: SweepOptions) -> None:
+    list_points(grid.resolved, grid.describe_cells())
+
+
+def _estimate_mode(plan: Path, grid: TunedGrid, options: SweepOptions) -> None:
+    estimate_plan(grid.plan, _checked(plan, grid, options), options)
+
+
+def _fit_config_mode(plan: Path, grid: TunedGrid, options: SweepOptions) -> None:
+    check_grid(plan, grid.resolved)
+    resources.check_precision(grid.plan, grid.resolved)
+    chosen = grid.to_run(options.index, options.tuning_ended)
+    checked_folders(plan, chosen)
+    print(write_fit_config(chosen[0]))
+
+
+def _submit_mode(plan: Path, grid: TunedGrid, options: SweepOptions) -> None:
+    _checked(plan, grid, options, submitted=True)
+    checked_folders(plan, grid.to_run(None, options.tuning_ended))
+    _write_variant_file(grid.plan, options)
+    resources.array_job(grid.plan, options)
+    submit_stages(plan, grid, options)
+
+
+def _run_mode(plan: Path, grid: TunedGrid, options: SweepOptions) -> None:
+    _checked(plan, grid, options)
+    chosen = grid.to_run(options.index, options.tuning_ended)
+    states = checked_folders(plan, chosen)
+    _write_variant_file(grid.plan, options)
+    status = run_here(plan, grid, chosen, states, options)
+    if status != 0:
+        raise SystemExit(status)
+
+
+def _write_variant_file(loaded: Plan, options: SweepOptions) -> None:
+    if loaded.variant_overrides and not options.dry_run:
+        write_variant_file(options.runs_root / loaded.name, loaded.name, [loaded.path], loaded.variant_overrides)
+
+
+MODES = {"run": _run_mode, "list": _list_mode, "estimate": _estimate_mode, "submit": _submit_mode,
+         "fit_config": _fit_config_mode}
 
 
 def describe_variant(plan: Plan, runs_root: Path) -> None:
@@ -207,8 +245,8 @@ def list_points(resolved: list[ResolvedPoint], cells: list[str]) -> None:
     rows, finished, partial, waiting, left = [], 0, 0, 0, []
     for entry in resolved:
         point = entry.point
-        state = run_state(point.out_dir, entry.rounds)
-        different = None if entry.config is None or point.waiting else other_experiment(point.out_dir, entry.config,
+        state = RunFolder(point.out_dir).state(entry.rounds)
+        different = None if entry.config is None or point.waiting else RunFolder(point.out_dir).difference(entry.config,
                                                                                         state)
         if entry.error is not None:
             described = f"settings refused: {entry.error}"

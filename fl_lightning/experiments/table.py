@@ -82,7 +82,7 @@ single column; every run found is expected, so nothing is reported as not starte
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional, Union
 
@@ -91,20 +91,11 @@ from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.overrides import write_variant_file
 from fl_lightning.experiments.plot import plot_curves
 from fl_lightning.experiments.reference import paper_numbers
-from fl_lightning.experiments.runs import (
-    Run,
-    check_metric,
-    other_experiment,
-    parse_at,
-    read_run,
-    run_state,
-    value_at,
-)
+from fl_lightning.experiments.runs import check_metric, parse_at
 from fl_lightning.experiments.table_cells import Cell, Table, mark_best, order_methods, pair_with_baseline
 from fl_lightning.experiments.table_latex import latex_table
-from fl_lightning.experiments.table_sources import Entry, Loaded, load_entries
-from fl_lightning.metric_names import best_round, is_test_metric, selection_note
-from fl_lightning.run_dir import CONFIG_FILE
+from fl_lightning.experiments.table_outcomes import COUNTED, Outcomes, Verdict, judge
+from fl_lightning.experiments.table_sources import Loaded, load_entries
 
 
 def table(plan: Union[str, list[str]], metric: Optional[str] = None, at: str = "final",
@@ -148,77 +139,68 @@ def table(plan: Union[str, list[str]], metric: Optional[str] = None, at: str = "
     """
     parse_at(at)
     loaded = load_entries(plan, runs_root, override)
-    baseline_of = loaded.baselines(baseline) if baseline is not None else {}
     metric = metric or loaded.metric
-    percent = "accuracy" in metric.lower() if percent is None else percent
-    if decimals is None:
-        decimals = 2 if percent else 4
-    if decimals < 0:
-        raise ConfigError("decimals", "an integer >= 0", decimals)
-    scale = 100.0 if percent else 1.0
-    if reference is None and metric == loaded.metric:  # the plan's numbers are of the plan's metric
-        reference = loaded.reference
-
-    methods = order_methods(loaded.methods)
-    cells = {(m, s): Cell() for m in methods for s in loaded.settings}
-    curves: dict[tuple[str, str], list] = {key: [] for key in cells}
-    outcomes, read = Outcomes(), []
-    for entry in loaded.entries:
-        if entry.point is not None and entry.point.waiting:  # neither resolved nor read: it has no settings yet
-            outcomes.waiting.append(entry)
-            continue
-        run = read_run(entry.path)
-        read.append(run)
-        if run.torn_line:
-            outcomes.torn.append(entry)
-        if not run.history:
-            outcomes.add_without_rows(entry)
-            continue
-        different = None if entry.config is None else other_experiment(entry.path, entry.config)
-        if different is None and entry.rounds is not None and run.rounds_done > entry.rounds:
-            different = f"federation.rounds: it logged round {run.rounds_done}, past the {entry.rounds} of the plan"
-        if different is not None:
-            outcomes.other.append(f"{_where(entry)} ({different})")
-            continue
-        rounds = entry.rounds or run.rounds_planned
-        under_way = rounds is None or run.rounds_done < rounds
-        # An early stop is final only by its checkpoint's word: a row count cannot tell it from a kill.
-        if under_way and rounds is not None and run_state(entry.path, rounds).finished:
-            outcomes.early.append((entry, run))
-            under_way = False
-        elif under_way:
-            (outcomes.partial if include_partial else outcomes.excluded).append((entry, run))
-            if not include_partial:
-                continue
-        points = run.points(metric)
-        if at == "best":
-            best = best_round(run.history, metric)
-            value = None if best is None else best.value
-            if best is not None and is_test_metric(metric):
-                (outcomes.chosen_on_validation if best.on_validation else outcomes.chosen_on_test).append(entry)
-        else:
-            value = value_at([v for _, v in points], at)
-        if value is None:
-            (outcomes.pending if under_way else outcomes.empty).append(entry)
-            continue
-        cells[entry.method, entry.setting].by_seed[entry.seed] = value * scale
-        curves[entry.method, entry.setting].append([(r, v * scale) for r, v in points])
-
-    check_metric(metric, read)
-    has_reference = _add_paper_numbers(cells, loaded, reference, metric, methods, percent)
-    for setting in loaded.settings:
-        mark_best([cells[m, setting] for m in methods], metric, decimals)
-    pair_with_baseline(cells, baseline_of, loaded.settings)
-    for key in outcomes.cells_under_way():
-        cells[key].pending = True
-    notes = outcomes.notes(metric) + loaded.notes
-
-    result = Table(metric=metric, at=at, methods=methods, settings=loaded.settings, labels=loaded.labels,
-                   cells=cells, curves=curves, percent=percent, decimals=decimals, reference=has_reference,
-                   notes=notes, baseline=baseline, baseline_of=baseline_of, plan=loaded.name,
-                   overrides=loaded.overrides)
+    shown = _shown(metric, percent, decimals)
+    verdicts = [judge(entry, metric, at, include_partial) for entry in loaded.entries]
+    check_metric(metric, [verdict.run for verdict in verdicts if verdict.run is not None])
+    result = _laid_out(loaded, verdicts, metric, at, shown, reference, baseline)
     write_table(result, loaded, Path(out) if out is not None else loaded.out, band, format)
     return result
+
+
+@dataclass(frozen=True)
+class Shown:
+    """How the table shows the metric."""
+
+    percent: bool
+    decimals: int
+
+    @property
+    def scale(self) -> float:
+        return 100.0 if self.percent else 1.0
+
+
+def _shown(metric: str, percent: Optional[bool], decimals: Optional[int]) -> Shown:
+    percent = "accuracy" in metric.lower() if percent is None else percent
+    decimals = (2 if percent else 4) if decimals is None else decimals
+    if decimals < 0:
+        raise ConfigError("decimals", "an integer >= 0", decimals)
+    return Shown(percent, decimals)
+
+
+def _laid_out(loaded: Loaded, verdicts: list[Verdict], metric: str, at: str, shown: Shown,
+              reference: Optional[Path], baseline: Optional[str]) -> Table:
+    """The table of the verdicts' values: cells and curves, the papers' numbers, the best of each
+    column, the pairs with the baseline, the notes."""
+    baseline_of = loaded.baselines(baseline) if baseline is not None else {}
+    if reference is None and metric == loaded.metric:  # the plan's numbers are of the plan's metric
+        reference = loaded.reference
+    methods = order_methods(loaded.methods)
+    cells, curves = _cells(verdicts, methods, loaded.settings, shown.scale)
+    has_reference = _add_paper_numbers(cells, loaded, reference, metric, methods, shown.percent)
+    for setting in loaded.settings:
+        mark_best([cells[m, setting] for m in methods], metric, shown.decimals)
+    pair_with_baseline(cells, baseline_of, loaded.settings)
+    outcomes = Outcomes.of(verdicts)
+    for key in outcomes.cells_under_way():
+        cells[key].pending = True
+    return Table(metric=metric, at=at, methods=methods, settings=loaded.settings, labels=loaded.labels,
+                 cells=cells, curves=curves, percent=shown.percent, decimals=shown.decimals,
+                 reference=has_reference, notes=outcomes.notes(metric) + loaded.notes, baseline=baseline,
+                 baseline_of=baseline_of, plan=loaded.name, overrides=loaded.overrides)
+
+
+def _cells(verdicts: list[Verdict], methods: list[str], settings: list[str], scale: float
+           ) -> tuple[dict[tuple[str, str], Cell], dict[tuple[str, str], list]]:
+    """(method, setting) -> its cell of the values counted, by seed, and the curves of its runs."""
+    cells = {(m, s): Cell() for m in methods for s in settings}
+    curves: dict[tuple[str, str], list] = {key: [] for key in cells}
+    for verdict in verdicts:
+        if verdict.outcome == COUNTED and verdict.value is not None:
+            entry = verdict.entry
+            cells[entry.method, entry.setting].by_seed[entry.seed] = verdict.value * scale
+            curves[entry.method, entry.setting].append([(r, v * scale) for r, v in verdict.points])
+    return cells, curves
 
 
 def _add_paper_numbers(cells: dict[tuple[str, str], Cell], loaded: Loaded, reference: Optional[Path], metric: str,
@@ -267,84 +249,3 @@ def table_files(out: Path, metric: str, at: str, plan_metric: str) -> dict[str, 
             "png": out / f"plot{suffix}.png"}
 
 
-@dataclass
-class Outcomes:
-    """What became of the runs a table expects, besides the values counted: the notes under it."""
-
-    not_started: list[Entry] = field(default_factory=list)
-    without_rows: list[tuple[Entry, int]] = field(default_factory=list)
-    """No metrics rows, and a checkpoint of that round (rows lost to a kill between checkpoint and log)."""
-    excluded: list[tuple[Entry, Run]] = field(default_factory=list)
-    """Unfinished, left out (no --include_partial)."""
-    partial: list[tuple[Entry, Run]] = field(default_factory=list)
-    early: list[tuple[Entry, Run]] = field(default_factory=list)
-    other: list[str] = field(default_factory=list)
-    """Runs made with other settings than their point's, each with the fields that differ."""
-    torn: list[Entry] = field(default_factory=list)
-    chosen_on_validation: list[Entry] = field(default_factory=list)
-    chosen_on_test: list[Entry] = field(default_factory=list)
-    pending: list[Entry] = field(default_factory=list)
-    """Counted although unfinished, but with no value of the metric yet: its evaluations are to come."""
-    empty: list[Entry] = field(default_factory=list)
-    waiting: list[Entry] = field(default_factory=list)
-    """Runs of a tuned method whose setting has no tuning choice yet (tuning.py)."""
-
-    def add_without_rows(self, entry: Entry) -> None:
-        checkpoint = run_state(entry.path, None).round
-        if checkpoint is None:
-            self.not_started.append(entry)
-        else:
-            self.without_rows.append((entry, checkpoint))
-
-    def cells_under_way(self) -> set[tuple[str, str]]:
-        """The cells with runs still training that a value of theirs may yet fill."""
-        return {(entry.method, entry.setting) for entry in [*self.pending, *(e for e, _ in self.excluded),
-                                                            *self.waiting]}
-
-    def notes(self, metric: str) -> list[str]:
-        notes = []
-        if self.excluded:
-            notes.append("not counted, unfinished (--include_partial true counts them): "
-                         + _listing([_progress(e, r) for e, r in self.excluded]))
-        if self.partial:
-            notes.append("counted although unfinished: " + _listing([_progress(e, r) for e, r in self.partial]))
-        if self.early:
-            notes.append("finished early (a final stop in its checkpoint), counted at its last round: "
-                         + _listing([_progress(e, r) for e, r in self.early]))
-        if self.other:
-            notes.append("not counted, made with other settings than the plan's (rerun them in folders of their "
-                         "own): " + _listing(self.other))
-        if self.torn:
-            notes.append("a torn last line of metrics.jsonl left out (a killed run; resuming it rewrites the line): "
-                         + _listing([_where(e) for e in self.torn]))
-        if self.chosen_on_validation:
-            notes.append(f"{selection_note(metric, on_validation=True)}: {len(self.chosen_on_validation)} run(s)")
-        if self.chosen_on_test:
-            notes.append(f"{selection_note(metric, on_validation=False)}: "
-                         + _listing([_where(e) for e in self.chosen_on_test]))
-        if self.not_started:
-            notes.append("not started: " + _listing([_where(e) for e in self.not_started]))
-        notes += [f"{_where(entry)}: no metrics rows (checkpoint at round {checkpoint}): resume it to rewrite them "
-                  f"(fl-lightning fit --config {entry.path / CONFIG_FILE})" for entry, checkpoint in self.without_rows]
-        if self.pending:
-            notes.append(f"pending, no {metric} logged yet (its evaluations are to come): "
-                         + _listing([_where(e) for e in self.pending]))
-        if self.empty:
-            notes.append(f"no {metric} logged: " + _listing([_where(e) for e in self.empty]))
-        if self.waiting:
-            notes.append("not counted, waiting for the tuning stage to choose their values (fl-lightning sweep runs "
-                         "it, then them): " + _listing([_where(e) for e in self.waiting]))
-        return notes
-
-
-def _where(entry: Entry) -> str:
-    return f"{entry.setting}/{entry.method}/seed{entry.seed}"
-
-
-def _progress(entry: Entry, run: Run) -> str:
-    return f"{_where(entry)} (round {run.rounds_done}/{entry.rounds or run.rounds_planned or '?'})"
-
-
-def _listing(items: list[str], limit: int = 20) -> str:
-    shown = ", ".join(items[:limit])
-    return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")

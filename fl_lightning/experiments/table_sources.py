@@ -18,7 +18,7 @@ from fl_lightning.experiments.overrides import SET_BY_THE_PLAN, value_text
 from fl_lightning.experiments.plan import GridPoint, load_plan, same_setting
 from fl_lightning.experiments.reference import paper_numbers
 from fl_lightning.experiments.resolve import GridResolver, accepted_config, resolve_variant
-from fl_lightning.experiments.runs import find_runs, read_run
+from fl_lightning.experiments.runs import RunFolder, find_runs
 from fl_lightning.experiments.tuning import TunedGrid
 from fl_lightning.metric_names import TEST_ACCURACY
 from fl_lightning.run_dir import defining_settings
@@ -213,7 +213,7 @@ def _from_folders(paths: list[Path]) -> Loaded:
         if seed and path.parent.name and path.parent.parent.name:
             entries.append(Entry(path.parent.name, path.parent.parent.name, int(seed.group(1)), path))
         else:
-            entries.append(Entry(path.name, "", int(read_run(path).config.get("seed") or 0), path))
+            entries.append(Entry(path.name, "", int(RunFolder(path).config.get("seed") or 0), path))
     _check_one_run_per_seed(entries)
     settings = list(dict.fromkeys(e.setting for e in entries))
     parsed = {s: _parse_setting_name(s) for s in settings}

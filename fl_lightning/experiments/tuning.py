@@ -36,13 +36,14 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import yaml
 
 from fl_lightning.atomic_files import write_text_atomically
 from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.local import LOG_FILE, POLL_SECONDS, StopRequest, held_elsewhere, run_locally
+from fl_lightning.experiments.machine import SweepOptions
 from fl_lightning.experiments.plan import GridPoint, Plan, describe_candidate
 from fl_lightning.experiments.resolve import (
     GridResolver,
@@ -55,19 +56,15 @@ from fl_lightning.experiments.resolve import (
 from fl_lightning.experiments.runs import (
     PER_CLIENT_METRICS,
     VALIDATION_METRICS,
-    Run,
+    RunFolder,
     RunState,
     parse_at,
-    read_run,
     value_at,
 )
 from fl_lightning.experiments.slurm import submit
 from fl_lightning.metric_names import best_round, best_value, lower_is_better
 from fl_lightning.run_dir import experiment_digest
 from fl_lightning.yaml_text import load_yaml
-
-if TYPE_CHECKING:
-    from fl_lightning.experiments.sweep import SweepOptions
 
 SELECTION_FILE = "selection.yaml"
 Cell = tuple[str, str]
@@ -244,13 +241,13 @@ def _run_figure(plan: Plan, cell: Cell, entry: ResolvedPoint, state: RunState, e
         if not ended:
             raise NotChosen(cell, f"[{point.index}] {describe_point(point)} in {point.out_dir} is {state.describe()}")
         return record, f"seed {point.seed}: {state.describe()}, ended unfinished (failed, stopped or never run)"
-    value = run_value(read_run(point.out_dir), plan.tune.select, plan.tune.at)
+    value = run_value(RunFolder(point.out_dir), plan.tune.select, plan.tune.at)
     if value is None or not math.isfinite(value):
         return record, f"seed {point.seed}: no finite {plan.tune.select} logged (diverged?)"
     return {**record, "value": value}, None
 
 
-def run_value(run: Run, metric: str, at: str) -> Optional[float]:
+def run_value(run: RunFolder, metric: str, at: str) -> Optional[float]:
     """The run's value of `metric` at `at`, as `table --at` takes it: its final value, the mean of its
     last K, or its best (a validation metric is its own best: fl_lightning.metric_names.best_round)."""
     if parse_at(at)[0] == "best":
