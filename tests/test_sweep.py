@@ -248,8 +248,9 @@ def test_bad_sweep_options_are_refused(tmp_path, capsys):
         (["--index", "2"], "error: index: expected a grid point of"),
         (["--mode", "fit_config"], "error: index: expected the grid point whose settings --mode fit_config writes"),
         (["--fit_config", "true"], "error: index: expected the grid point whose settings --mode fit_config writes"),
-        (["--mode", "submit", "--index", "0"], "error: index: expected unset with --mode submit, which takes "
-                                               "--jobs, --gpus_per_run, --threads_per_run, --sbatch_options, --dry_run"),
+        (["--mode", "submit", "--index", "0"],
+         "error: index: expected unset with --mode submit, which takes --jobs, --gpus_per_run, --threads_per_run, "
+         "--sbatch_options, --dry_run"),
         (["--slurm", "true", "--index", "0"], "error: index: expected unset with --mode submit"),
         (["--mode", "list", "--jobs", "2"], "error: jobs: expected unset with --mode list, which takes no option"),
         (["--list", "true", "--estimate", "true"], "error: mode: expected one mode (--mode, or one of --list, "
