@@ -184,3 +184,19 @@ def test_resolve_benchmark_prints_its_three_figures(capsys, monkeypatch):
                         r"parser", lines[0]), lines[0]
     assert re.fullmatch(r"resolving the 12 points of configs/plans/smoke.yaml: [\d.]+ CPU s", lines[1]), lines[1]
     assert re.fullmatch(r"table of configs/plans/smoke.yaml without runs: [\d.]+ CPU s", lines[2]), lines[2]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_thread_benchmark_times_a_candidate_quiet_and_beside_busy_loops(tmp_path, monkeypatch, capsys):
+    """Two runs of the quickstart on one thread, one of them beside a busy loop, as fresh processes."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    spec = importlib.util.spec_from_file_location("cpu_threads", SCRIPT.with_name("cpu_threads.py"))
+    cpu_threads = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cpu_threads)
+    results = cpu_threads.main(["--workloads", "quickstart", "--candidates", "1 thread", "--busy", "1",
+                                "--rounds", "2", "--json", str(tmp_path / "threads.json")])
+    assert [(r["candidate"], r["busy_loops"]) for r in results] == [("1 thread", 0), ("1 thread", 1)]
+    assert all(r["seconds_per_round"] > 0 and r["threads_printed"].startswith("1 per rank") for r in results)
+    assert re.search(r"^quickstart\s+1 thread\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+1$", capsys.readouterr().out, re.M)
+    assert json.loads((tmp_path / "threads.json").read_text())["results"] == results
