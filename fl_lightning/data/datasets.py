@@ -44,6 +44,7 @@ from fl_lightning.choices import DatasetName
 from fl_lightning.configurable import missing_module, resolve_dotted_path, why_unresolved
 from fl_lightning.data.download import DatasetLock, fetch_folder
 from fl_lightning.errors import ConfigError
+from fl_lightning.registry import Registry
 
 
 @dataclass
@@ -62,26 +63,19 @@ class ImageDataset:
 
 
 DatasetLoader = Callable[..., "tuple[ImageDataset, ImageDataset]"]
-_dataset_loaders: dict[str, DatasetLoader] = {}
+_dataset_loaders: Registry[DatasetLoader] = Registry("dataset")
 
 
 def register_dataset(name: str) -> Callable[[DatasetLoader], DatasetLoader]:
     """Register a built-in dataset's loader, called as loader(root, download), under `name` (as
     models register: fl_lightning.models.register_model). A dataset of your own needs no entry: its
     loader is named by its dotted path (docs/extending.md)."""
-
-    def register(loader: DatasetLoader) -> DatasetLoader:
-        if name in _dataset_loaders:
-            raise ValueError(f"dataset {name!r} is registered twice")
-        _dataset_loaders[name] = loader
-        return loader
-
-    return register
+    return _dataset_loaders.register(name)
 
 
 def registered_datasets() -> list[str]:
     """The built-in datasets' names, in registration order."""
-    return list(_dataset_loaders)
+    return _dataset_loaders.names()
 
 
 DATASET_NAMES = get_args(DatasetName)
@@ -142,8 +136,9 @@ LOADER_RETURNS = (
 def load_dataset(name: str, root: Path, download: bool = False) -> tuple[ImageDataset, ImageDataset]:
     """The (train, test) splits of `name`: a built-in dataset (for tiny_imagenet the test split is the
     labelled val set) or a loader by dotted path (see the module docstring)."""
-    if name in _dataset_loaders:
-        return _dataset_loaders[name](Path(root), download)
+    loader = _dataset_loaders.get(name)
+    if loader is not None:
+        return loader(Path(root), download)
     loader = dataset_loader(name)
     return _check_splits(name, loader(root=Path(root), download=download))
 

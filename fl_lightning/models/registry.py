@@ -39,6 +39,7 @@ from torch import nn
 from fl_lightning.choices import Norm
 from fl_lightning.configurable import missing_module, resolve_dotted_path, why_unresolved
 from fl_lightning.errors import ConfigError
+from fl_lightning.registry import Registry
 
 NORMS = get_args(Norm)
 FACTORY_ARGUMENTS = ("num_classes", "in_channels", "image_size", "norm", "bias")
@@ -49,7 +50,7 @@ FACTORY_RETURNS = (
 )
 
 ModelConstructor = Callable[..., "FeatureClassifier"]
-_model_constructors: dict[str, ModelConstructor] = {}
+_model_constructors: Registry[ModelConstructor] = Registry("model")
 
 
 class FeatureClassifier(nn.Module):
@@ -76,19 +77,12 @@ def register_model(name: str) -> Callable[[ModelConstructor], ModelConstructor]:
     A constructor takes `(num_classes, in_channels, image_size, norm, bias)` plus its options as
     keyword-only parameters; `create_model` rejects any option not among them.
     """
-
-    def register(constructor: ModelConstructor) -> ModelConstructor:
-        if name in _model_constructors:
-            raise ValueError(f"model {name!r} is registered twice")
-        _model_constructors[name] = constructor
-        return constructor
-
-    return register
+    return _model_constructors.register(name)
 
 
 def registered_models() -> list[str]:
     """The registered names in registration order (timm models are reachable beyond these)."""
-    return list(_model_constructors)
+    return _model_constructors.names()
 
 
 def create_model(
