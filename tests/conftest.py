@@ -1,10 +1,16 @@
 import gc
 import os
 import re
+import shutil
 from pathlib import Path
 
 import processes
 import pytest
+import quick_runs
+from paths import REPOSITORY, TESTS
+
+# Fixtures the tests of several modules share, kept beside the helpers they go with (tests/support).
+pytest_plugins = ["hand_written_runs", "sweeps"]
 
 os.environ.setdefault("WANDB_SILENT", "true")
 # torch's threads in the test processes are the tests' own (`one_torch_thread`), not the rule of
@@ -12,11 +18,9 @@ os.environ.setdefault("WANDB_SILENT", "true")
 # unset it); the processes tests start take it too.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-TESTS = Path(__file__).parent
-
 
 def uses_the_forkserver(test_file: Path) -> bool:
-    """Whether a test file starts processes through tests/processes.py: it imports the module, or
+    """Whether a test file starts processes through tests/support/processes.py: it imports the module, or
     asks for the `forked_runs` fixture."""
     text = test_file.read_text()
     return re.search(r"^(import processes|from processes import)", text, re.MULTILINE) is not None or \
@@ -25,14 +29,14 @@ def uses_the_forkserver(test_file: Path) -> bool:
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, which a run without it lacks
 def pytest_xdist_make_scheduler(config, log):
-    """`--dist loadfile`, with the files that use the forkserver of tests/processes.py taken as one
+    """`--dist loadfile`, with the files that use the forkserver of tests/support/processes.py taken as one
     file: they run on one worker, so that one forkserver (about 10 CPU s of imports) serves them all
     instead of one per worker. Other modes are xdist's own."""
     if config.getoption("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
 
-    sharing = {path.relative_to(config.rootpath).as_posix() for path in TESTS.glob("test_*.py")
+    sharing = {path.relative_to(config.rootpath).as_posix() for path in TESTS.rglob("test_*.py")
                if uses_the_forkserver(path)}
 
     class ForkserverFilesTogether(LoadFileScheduling):
@@ -51,7 +55,7 @@ def pytest_unconfigure(config):
 
 @pytest.fixture(scope="session", autouse=True)
 def forked_processes_stopped():
-    """At the end of the session, the forkserver of tests/processes.py (if a test started it) is
+    """At the end of the session, the forkserver of tests/support/processes.py (if a test started it) is
     stopped and waited for: its children's CPU time then counts in pytest's, and none outlives it."""
     yield
     processes.shut_down()
@@ -61,12 +65,12 @@ def forked_processes_stopped():
 def in_repository_root(monkeypatch):
     """The repository root as the working folder: the shipped plans name their config fragments
     relative to it."""
-    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    monkeypatch.chdir(REPOSITORY)
 
 
 @pytest.fixture
 def forked_runs(monkeypatch):
-    """A sweep in the test's own process starts its runs as forks (tests/processes.py) of the
+    """A sweep in the test's own process starts its runs as forks (tests/support/processes.py) of the
     command line it builds, instead of fresh interpreters at 10 s of imports each. A sweep that a
     test starts as a process of its own does the same with `processes.Popen(..., fork_runs=True)`."""
     from fl_lightning.experiments import local
@@ -120,3 +124,30 @@ def wandb_reads_the_environment_afresh():
     wandb.teardown()
     yield
     wandb.teardown()
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    """A small quickstart run of quick_runs.ROUNDS rounds, trained once per test module."""
+    out_dir = tmp_path_factory.mktemp("finished") / "run"
+    quick_runs.fit(out_dir)
+    return out_dir
+
+
+@pytest.fixture
+def run_copy(finished_run, tmp_path) -> Path:
+    """A copy of `finished_run` for one test to resume, damage or refuse."""
+    out_dir = tmp_path / "run"
+    shutil.copytree(finished_run, out_dir)
+    return out_dir
+
+
+@pytest.fixture
+def cpus(monkeypatch):
+    """The CPUs this process may use, and its cgroup's quota (None: none)."""
+    from fl_lightning import cpu
+
+    def set_cpus(count: int, quota=None) -> None:
+        monkeypatch.setattr(cpu, "available_cores", lambda: count)
+        monkeypatch.setattr(cpu, "cgroup_cpu_quota", lambda: quota)
+    return set_cpus

@@ -9,6 +9,7 @@ import processes
 import pytest
 import torch
 import yaml
+from paths import QUICKSTART, SUPPORT
 
 from fl_lightning import server_optimizers
 from fl_lightning.algorithms import SHORT_NAMES
@@ -21,15 +22,13 @@ from fl_lightning.federation.aggregation import clients_of_rank, sample_clients
 from fl_lightning.fit import _as_config
 from fl_lightning.run_logging import read_metrics
 
-TESTS = Path(__file__).resolve().parent
-QUICKSTART = str(TESTS.parent / "configs" / "quickstart.yaml")
 TINY = ["--config", QUICKSTART, "--model.options", "{hidden: 16, depth: 1}", "--federation.local_steps", "2",
         "--federation.eval_every", "2", "--logger.progress_bar", "false", "--resume", "auto"]
 
 
 @pytest.fixture(autouse=True)
 def importable_test_callbacks(monkeypatch):
-    monkeypatch.syspath_prepend(str(TESTS))
+    monkeypatch.syspath_prepend(str(SUPPORT))
 
 
 def hooks_config(tmp_path: Path, *callbacks: dict) -> str:
@@ -100,7 +99,7 @@ def test_hooks_fire_in_order_and_a_yaml_callback_interrupts_a_run_that_then_resu
 def test_hooks_fire_in_order_on_every_rank(tmp_path):
     config = hooks_config(tmp_path, {"class_path": "recording_callbacks.RecordHooks",
                                      "init_args": {"folder": str(tmp_path)}})
-    environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(TESTS), *sys.path])}
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(SUPPORT), *sys.path])}
     environment = {k: v for k, v in environment.items() if not k.startswith("SLURM_")}
     completed = processes.run_ranks(
         [sys.executable, "-m", "fl_lightning", "fit", *TINY, "--federation.rounds", "3", "--config", config,

@@ -1,5 +1,5 @@
 """Which rank is gone, as the ranks left name it from gloo's error and the ranks' processes told at
-the start of the run (the two-rank runs killed for real are in test_faults.py)."""
+the start of the run (the two-rank runs killed for real are in tests/integration/test_faults.py)."""
 
 import os
 import subprocess

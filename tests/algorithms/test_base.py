@@ -1,0 +1,93 @@
+"""What every algorithm shares: its short name registered, its hyper-parameters checked as config errors
+naming the field, and a stateful method's per-client state (SCAFFOLD, FedDyn, MOON) kept across ranks
+and resumes."""
+
+import processes
+import pytest
+import torch
+from reference import PROJECTION, moon_setup, returning, sampled, small_setup
+
+from fl_lightning.algorithms import SHORT_NAMES
+from fl_lightning.algorithms.fedavg_m import FedAvgMomentum
+from fl_lightning.algorithms.fedavgm import FedAvgM
+from fl_lightning.algorithms.fedcm import FedCM
+from fl_lightning.algorithms.feddyn import FedDyn
+from fl_lightning.algorithms.fedprox import FedProx
+from fl_lightning.algorithms.fedsam import FedSAM
+from fl_lightning.algorithms.moon import MOON
+from fl_lightning.algorithms.scaffold import SCAFFOLD
+from fl_lightning.config import ClientOptimizerArgs, FabricArgs
+from fl_lightning.errors import ConfigError
+from fl_lightning.fit import fit
+
+STATEFUL = {
+    "scaffold": (SCAFFOLD, "linear"),
+    "feddyn": (lambda: FedDyn(alpha=0.1), "linear"),
+    "moon": (lambda: MOON(projection_dim=PROJECTION), "mlp"),
+}
+
+
+def stateful_setup(name, root, out_dir, **federation):
+    setup = moon_setup(root, out_dir, **federation) if STATEFUL[name][1] == "mlp" else small_setup(
+        root, out_dir, **federation)
+    setup["client_optimizer"] = ClientOptimizerArgs(lr=0.05, momentum=0.5)
+    return setup
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", STATEFUL)
+def test_two_ranks_give_the_same_model_as_one(cifar_root, tmp_path, name):
+    make = STATEFUL[name][0]
+    setup = stateful_setup(name, cifar_root, tmp_path / "one", rounds=3)
+    assert returning(setup)
+    single = fit(algorithm=make(), **setup)
+    setup.update(out_dir=tmp_path / "two", fabric=FabricArgs(accelerator="cpu", devices=2, process_group_timeout_s=120))
+    double = processes.call_on_ranks(2, fit, algorithm=make(), **setup)
+    torch.testing.assert_close(double, single, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", STATEFUL)
+def test_resume_from_mid_run_checkpoint_reproduces_the_uninterrupted_run(cifar_root, tmp_path, name):
+    make = STATEFUL[name][0]
+
+    def run(out_dir, rounds, resume):
+        setup = stateful_setup(name, cifar_root, out_dir, rounds=rounds, eval_every=1)
+        setup["resume"] = resume
+        return fit(algorithm=make(), **setup)
+
+    setup = stateful_setup(name, cifar_root, tmp_path, rounds=4)
+    assert set(sampled(0, setup) + sampled(1, setup)) & set(sampled(2, setup) + sampled(3, setup))  # state is read back
+    uninterrupted = run(tmp_path / "a", 4, None)
+    run(tmp_path / "b", 2, None)
+    resumed = run(tmp_path / "b", 4, "auto")
+    torch.testing.assert_close(resumed, uninterrupted, rtol=0, atol=0)
+
+
+def test_all_baselines_register_their_short_names():
+    assert {"fedavgm": FedAvgM, "fedavg_m": FedAvgMomentum, "fedcm": FedCM, "fedprox": FedProx,
+            "fedsam": FedSAM, "scaffold": SCAFFOLD, "feddyn": FedDyn, "moon": MOON}.items() <= SHORT_NAMES.items()
+
+
+@pytest.mark.parametrize("make, field", [
+    (lambda: FedProx(mu=-0.1), "algorithm.init_args.mu"),
+    (lambda: FedSAM(rho=-0.1), "algorithm.init_args.rho"),
+    (lambda: FedAvgM(server_momentum=1.0), "algorithm.init_args.server_momentum"),
+    (lambda: FedAvgM(server_momentum=-0.1), "algorithm.init_args.server_momentum"),
+    (lambda: FedAvgMomentum(beta=0.0), "algorithm.init_args.beta"),
+    (lambda: FedAvgMomentum(beta=1.5), "algorithm.init_args.beta"),
+    (lambda: FedCM(alpha=0.0), "algorithm.init_args.alpha"),
+    (lambda: FedCM(alpha=-0.2), "algorithm.init_args.alpha"),
+    (lambda: FedDyn(alpha=0.0), "algorithm.init_args.alpha"),
+    (lambda: FedDyn(alpha=-0.01), "algorithm.init_args.alpha"),
+    (lambda: MOON(mu=-1.0), "algorithm.init_args.mu"),
+    (lambda: MOON(tau=0.0), "algorithm.init_args.tau"),
+    (lambda: MOON(tau=-0.5), "algorithm.init_args.tau"),
+    (lambda: MOON(projection_dim=0), "algorithm.init_args.projection_dim"),
+])
+def test_bad_hyperparameters_are_config_errors(make, field):
+    with pytest.raises(ConfigError) as error:
+        make()
+    assert error.value.field_name == field
+
+

@@ -1,0 +1,39 @@
+"""FedAvg-M against a direct reference computation: local steps along beta g + (1 - beta) G, G the previous
+round's average update per step, each client's update divided by its own step count."""
+
+import pytest
+from reference import LR, SEED, LinearProblem, assert_close, mixed_direction_reference, sampled, small_setup
+
+from fl_lightning.algorithms.fedavg_m import FedAvgMomentum
+from fl_lightning.clients.run import CLIENT_STREAM, batch_positions, seeded_generator
+from fl_lightning.config import ClientOptimizerArgs
+from fl_lightning.fit import fit
+from fl_lightning.server_optimizers import ServerSGD
+
+
+@pytest.mark.parametrize("algorithm, gradient_weight", [(FedAvgMomentum(beta=0.3), 0.3), (FedAvgMomentum(), 0.1)])
+def test_fedavg_m_matches_reference(cifar_root, tmp_path, algorithm, gradient_weight):
+    setup = small_setup(cifar_root, tmp_path, rounds=4)
+    final = fit(algorithm=algorithm, client_optimizer=ClientOptimizerArgs(lr=LR),
+                server_optimizer=ServerSGD(lr=0.9), **setup)
+    problem = LinearProblem(cifar_root, tmp_path)
+    assert_close(final, mixed_direction_reference(problem, setup, gradient_weight, gamma=0.9))
+
+
+def test_fedavg_m_divides_each_update_by_the_clients_own_step_count(cifar_root, tmp_path):
+    """With local_epochs and mini-batches, K_i = ceil(n_i / B) differs between clients."""
+    setup = small_setup(cifar_root, tmp_path, rounds=3, local_epochs=1, batch_size=15)
+    final = fit(algorithm=FedAvgMomentum(beta=0.3), client_optimizer=ClientOptimizerArgs(lr=LR),
+                server_optimizer=ServerSGD(lr=1.0), **setup)
+
+    problem = LinearProblem(cifar_root, tmp_path)
+
+    def batches(round_index, client):
+        # The client's own draw of batches, as the product makes it (order of samples only).
+        generator = seeded_generator(SEED, CLIENT_STREAM, round_index, client)
+        positions = batch_positions(problem.num_samples(client), 15, None, 1, generator)
+        return [problem.client_samples[client][p] for p in positions]
+
+    step_counts = {len(batches(r, c)) for r in range(3) for c in sampled(r, setup)}
+    assert len(step_counts) > 1
+    assert_close(final, mixed_direction_reference(problem, setup, 0.3, gamma=1.0, batches=batches))

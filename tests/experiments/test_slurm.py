@@ -1,0 +1,51 @@
+"""A plan submitted to SLURM: one array task per grid point (with a stand-in sbatch), and the fit a task resolves
+its point to."""
+
+from pathlib import Path
+
+import pytest
+from commands import run_sweep
+from sweeps import stand_in_sbatch, write_plan
+
+from fl_lightning.cli.arguments import expand_short_names
+from fl_lightning.cli.parser import build_parser
+from fl_lightning.experiments.plan import load_plan
+from fl_lightning.experiments.resolve import resolve_grid
+from fl_lightning.experiments.slurm import FIT_CONFIG_FILE, write_fit_config
+
+pytestmark = pytest.mark.usefixtures("outside_slurm")  # a sweep here never submits or runs as a task
+
+
+@pytest.mark.parametrize("options, sbatch_args", [
+    ([], ["--array=0-3"]),
+    (["--jobs", "3", "--gpus_per_run", "2", "--threads_per_run", "8", "--sbatch_options", "[--time=01:00:00]"],
+     ["--array=0-3%3", "--ntasks-per-node=2", "--gpus-per-node=2", "--cpus-per-task=4", "--time=01:00:00"]),
+], ids=["plain", "resources"])
+def test_slurm_submits_one_array_task_per_grid_point(options, sbatch_args, tmp_path, capsys, monkeypatch):
+    record = stand_in_sbatch(tmp_path, monkeypatch)
+    plan = write_plan(tmp_path / "plan.yaml", {"FedAvg": [], "FedProx": [{"algorithm": "fedprox"}]})
+    runs = tmp_path / "runs"
+    status, out, err = run_sweep(capsys, "--plan", str(plan), "--runs_root", str(runs), "--slurm", "true", *options)
+    assert status == 0, err
+    assert record.read_text().splitlines() == [*sbatch_args, "slurm/sweep.sbatch", str(plan), "--runs_root",
+                                               str(runs)]
+    assert "4 grid points as one array job: sbatch" in out and "Submitted batch job 42" in out
+    assert not runs.exists()  # nothing runs here
+
+
+def test_fit_config_resolves_the_point_to_the_same_fit_call(tmp_path, monkeypatch):
+    """What an array task launches (one config file, then the allocation's devices) is the point's fit."""
+    monkeypatch.chdir(tmp_path)
+    plan = write_plan(tmp_path / "plan.yaml", {"FedProx": [{"algorithm": "fedprox"}, {"algorithm.init_args.mu": 0.3}]},
+                      seeds=[4])
+    (resolved,) = resolve_grid(load_plan(plan, runs_root=Path("runs")).grid())
+    point = resolved.point
+    path = write_fit_config(resolved)
+    assert path == point.out_dir / FIT_CONFIG_FILE and path.is_file()
+    parser = build_parser()
+    direct = parser.parse_args(expand_short_names(point.fit_arguments())).fit
+    launched = parser.parse_args(["fit", "--config", str(path)]).fit
+    direct.pop("config", None)
+    launched.pop("config", None)
+    assert launched == direct
+    assert launched.out_dir == point.out_dir and launched.seed == 4 and launched.algorithm.init_args.mu == 0.3

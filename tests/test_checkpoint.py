@@ -1,0 +1,87 @@
+"""Checkpoints: last.ckpt verified and rewritten from the newest good checkpoint, a corrupted tensor or client-
+state shard caught by its digest and the previous checkpoint used, garbage given to resume refused in one
+line, and temporary files left by a kill removed."""
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from quick_runs import ROUNDS, fit, refused
+
+from fl_lightning.checkpoint import checkpoint_dir, load_checkpoint, numbered_checkpoints
+from fl_lightning.run_logging import read_metrics
+
+
+def test_last_ckpt_alone_is_found_when_the_numbered_checkpoints_are_gone(run_copy, capsys):
+    for path in numbered_checkpoints(checkpoint_dir(run_copy)):
+        path.unlink()
+    fit(run_copy)
+    assert "nothing to train" in capsys.readouterr().err
+    assert [row["round"] for row in read_metrics(run_copy)] == [1, 2, 3, 4]
+
+
+def test_a_garbage_last_ckpt_of_a_finished_run_is_rewritten_from_the_newest_good_checkpoint(run_copy, capsys):
+    folder = checkpoint_dir(run_copy)
+    newest = numbered_checkpoints(folder)[-1]
+    (folder / "last.ckpt").unlink()  # replaced, not written through: a hard link would take the newest with it
+    (folder / "last.ckpt").write_bytes(os.urandom(4096))
+    with pytest.warns(UserWarning, match=rf"checkpoint {folder / 'last.ckpt'} is unreadable .*; rewritten from "
+                      rf"{newest} \(round {ROUNDS}\)"):
+        fit(run_copy)
+    assert "nothing to train" in capsys.readouterr().err
+    last = load_checkpoint(folder / "last.ckpt")
+    assert last["round"] == ROUNDS and os.path.samefile(folder / "last.ckpt", newest)
+
+
+def test_a_last_ckpt_behind_the_newest_checkpoint_is_rewritten(run_copy):
+    """A kill between a checkpoint's save and the link of last.ckpt to it, at the last round."""
+    folder = checkpoint_dir(run_copy)
+    *_, previous, newest = numbered_checkpoints(folder)
+    shutil.copyfile(previous, folder / "last.ckpt")
+    with pytest.warns(UserWarning, match=f"holds round {ROUNDS - 2}, behind the newest good checkpoint"):
+        fit(run_copy)
+    assert os.path.samefile(folder / "last.ckpt", newest)
+
+
+def test_garbage_resume_file_is_one_error_line(tmp_path, capsys):
+    garbage = tmp_path / "garbage.ckpt"
+    garbage.write_bytes(os.urandom(256))
+    stderr = refused(capsys, tmp_path / "run", "--resume", str(garbage))
+    assert stderr.startswith("error: resume:") and "Traceback" not in stderr
+
+
+def flip_bytes_inside(path: Path, marker: bytes) -> None:
+    """Overwrite 8 bytes just after `marker` (inside a stored tensor's data)."""
+    data = bytearray(path.read_bytes())
+    at = data.index(marker) + 64
+    data[at:at + 8] = bytes(255 - b for b in data[at:at + 8])
+    path.write_bytes(bytes(data))
+
+
+def test_a_corrupted_tensor_byte_is_caught_and_the_previous_checkpoint_used(run_copy, capsys):
+    *_, previous, newest = numbered_checkpoints(checkpoint_dir(run_copy))
+    (checkpoint_dir(run_copy) / "last.ckpt").unlink()
+    flip_bytes_inside(newest, b"data/0")
+    with pytest.raises(ValueError, match="fails its sha256 check"):
+        load_checkpoint(newest)
+    with pytest.warns(UserWarning, match="trying the previous checkpoint"):
+        fit(run_copy)
+    assert f"resuming from {previous}" in capsys.readouterr().err
+    assert [row["round"] for row in read_metrics(run_copy)] == [1, 2, 3, 4]
+
+
+def test_a_corrupted_client_state_shard_is_caught(tmp_path):
+    out_dir = tmp_path / "run"
+    fit(out_dir, "--algorithm", "scaffold")
+    shard = next(checkpoint_dir(out_dir).glob("round_000004.clients_rank0.pt"))
+    flip_bytes_inside(shard, b"data/0")
+    with pytest.raises(ValueError, match=f"checkpoint {shard} fails its sha256 check"):
+        load_checkpoint(checkpoint_dir(out_dir) / "round_000004.ckpt")
+
+
+def test_leftover_temporary_files_are_removed(run_copy):
+    leftover = checkpoint_dir(run_copy) / ".round_000006.ckpt.12345.tmp"
+    leftover.write_bytes(b"half a checkpoint")
+    fit(run_copy)
+    assert not leftover.exists()
