@@ -51,6 +51,16 @@ def holder(tmp_path):
         process.stdout.close()
 
 
+def assert_taken_here(path):
+    """The lock on `path` is taken by this process, whose line then is the file's whole content."""
+    lock = FileLock(path)
+    lock.acquire()
+    try:
+        assert path.read_text() == f"{OURS}\n"
+    finally:
+        lock.release()
+
+
 def test_acquire_creates_the_file_and_writes_its_holder(tmp_path):
     lock = FileLock(tmp_path / "run.lock")
     lock.acquire()
@@ -64,12 +74,7 @@ def test_acquire_replaces_what_an_earlier_holder_wrote(tmp_path):
     # The file of a holder that is gone stays behind, naming it: the new holder's line replaces it whole.
     path = tmp_path / "run.lock"
     path.write_text("pid 999999 on a-node-with-a-much-longer-name-than-this-one\n")
-    lock = FileLock(path)
-    lock.acquire()
-    try:
-        assert path.read_text() == f"{OURS}\n"
-    finally:
-        lock.release()
+    assert_taken_here(path)
 
 
 def test_a_second_lock_on_the_same_file_is_refused_naming_the_first_holder(tmp_path):
@@ -128,12 +133,7 @@ def test_the_lock_of_a_killed_holder_is_free_for_the_next_one(holder):
     process.send_signal(signal.SIGKILL)
     assert process.wait(timeout=WAIT_S) == -signal.SIGKILL
     assert path.read_text() == f"pid {process.pid} on {socket.gethostname()}\n"
-    lock = FileLock(path)
-    lock.acquire()
-    try:
-        assert path.read_text() == f"{OURS}\n"
-    finally:
-        lock.release()
+    assert_taken_here(path)
 
 
 def test_a_holder_that_wrote_nothing_is_named_another_process(tmp_path):

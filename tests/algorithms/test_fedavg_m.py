@@ -2,7 +2,16 @@
 round's average update per step, each client's update divided by its own step count."""
 
 import pytest
-from reference import LR, SEED, LinearProblem, assert_close, mixed_direction_reference, sampled, small_setup
+from reference import (
+    LR,
+    SEED,
+    LinearProblem,
+    assert_close,
+    fit_with_mixed_direction,
+    mixed_direction_reference,
+    sampled,
+    small_setup,
+)
 
 from fl_lightning.algorithms.fedavg_m import FedAvgMomentum
 from fl_lightning.clients.run import CLIENT_STREAM, batch_positions, seeded_generator
@@ -13,11 +22,7 @@ from fl_lightning.server_optimizers import ServerSGD
 
 @pytest.mark.parametrize("algorithm, gradient_weight", [(FedAvgMomentum(beta=0.3), 0.3), (FedAvgMomentum(), 0.1)])
 def test_fedavg_m_matches_reference(cifar_root, tmp_path, algorithm, gradient_weight):
-    setup = small_setup(cifar_root, tmp_path, rounds=4)
-    final = fit(algorithm=algorithm, client_optimizer=ClientOptimizerArgs(lr=LR),
-                server_optimizer=ServerSGD(lr=0.9), **setup)
-    problem = LinearProblem(cifar_root, tmp_path)
-    assert_close(final, mixed_direction_reference(problem, setup, gradient_weight, gamma=0.9))
+    assert_close(*fit_with_mixed_direction(algorithm, gradient_weight, cifar_root, tmp_path))
 
 
 def test_fedavg_m_divides_each_update_by_the_clients_own_step_count(cifar_root, tmp_path):

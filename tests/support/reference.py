@@ -15,10 +15,12 @@ import torch.nn.functional as F
 
 from fl_lightning.checkpoint import load_checkpoint
 from fl_lightning.clients.run import CLIENT_STREAM, batch_positions, seeded_generator
-from fl_lightning.config import DataArgs, FabricArgs, FederationArgs, LoggerArgs, ModelArgs
+from fl_lightning.config import ClientOptimizerArgs, DataArgs, FabricArgs, FederationArgs, LoggerArgs, ModelArgs
 from fl_lightning.data import load_dataset
 from fl_lightning.federation.aggregation import sample_clients
+from fl_lightning.fit import fit
 from fl_lightning.models import create_model
+from fl_lightning.server_optimizers import ServerSGD
 
 SEED = 3
 
@@ -157,6 +159,15 @@ def returning_after_a_gap(setup):
         if any(c in rounds[a] and c not in rounds[b] and c in rounds[d]
                for a in range(len(rounds)) for b in range(a + 1, len(rounds)) for d in range(b + 1, len(rounds)))
     }
+
+
+def fit_with_mixed_direction(algorithm, gradient_weight, root, out_dir):
+    """A FedAvg-M-like method (FedAvg-M, FedCM) trained 4 rounds, and its model as
+    `mixed_direction_reference` computes it: (fit's, the reference's)."""
+    setup = small_setup(root, out_dir, rounds=4)
+    final = fit(algorithm=algorithm, client_optimizer=ClientOptimizerArgs(lr=LR), server_optimizer=ServerSGD(lr=0.9),
+                **setup)
+    return final, mixed_direction_reference(LinearProblem(root, out_dir), setup, gradient_weight, gamma=0.9)
 
 
 def client_batches(problem, setup, round_index, client):
