@@ -14,8 +14,6 @@ from fl_lightning.experiments.resolve import resolve_grid
 from fl_lightning.run_logging import MetricsLog
 
 PNG = b"\x89PNG\r\n\x1a\n"
-
-
 ROUNDS = 4  # evaluations at rounds 2 and 4
 
 

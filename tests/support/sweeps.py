@@ -1,6 +1,6 @@
 """What the tests of a sweep share: a tiny plan's settings, a run held at a known round, a sweep started as a
-process of its own and waited for, and a stand-in sbatch. The fixtures `gate`, `outside_slurm` and
-`stand_in_sbatch` are the tests' own (tests/conftest.py's pytest_plugins)."""
+process of its own and waited for, and a stand-in sbatch. The fixtures `gate` and `outside_slurm`
+are the tests' own (tests/conftest.py's pytest_plugins)."""
 
 import os
 import sys
@@ -15,14 +15,9 @@ from paths import QUICKSTART, REPOSITORY
 from fl_lightning.run_logging import MetricsLog
 
 ROUNDS = 3
-
-
 TINY = {"model.options": {"hidden": 16, "depth": 1}, "federation.rounds": ROUNDS, "federation.local_steps": 2,
         "checkpoint.every": 1, "logger.wandb_mode": "disabled"}
-
-
 TIMEOUT_S = 120
-
 
 # Holds a run after round 1 (its checkpoint written) while its run folder has a file `hold`, until the
 # run is asked to stop: the sweep is interrupted at a known point, whatever the machine's speed.
