@@ -13,17 +13,7 @@ import numpy as np
 import processes
 import pytest
 import torch
-from paths import REPOSITORY
-from torch import nn
-
-from fl_lightning.algorithms import CTPFL, FedAvg
-from fl_lightning.clients.run import CLIENT_STREAM, batch_positions, seeded_generator
-from fl_lightning.commands.main import main
-from fl_lightning.diagnostics.ctpfl import DisplacementBias
-from fl_lightning.errors import ConfigError
-from fl_lightning.module import ClassificationModule
-from fl_lightning.run_logging import read_metrics
-from tests.diagnostics.test_landscape import (
+from diagnostic_problems import (
     TINY,
     Center,
     QuadraticModule,
@@ -34,6 +24,16 @@ from tests.diagnostics.test_landscape import (
     symmetric_matrix,
     tiny_network_problem,
 )
+from paths import REPOSITORY
+from torch import nn
+
+from fl_lightning.algorithms import CTPFL, FedAvg
+from fl_lightning.clients.run import CLIENT_STREAM, batch_positions, seeded_generator
+from fl_lightning.commands.main import main
+from fl_lightning.diagnostics.ctpfl import DisplacementBias
+from fl_lightning.errors import ConfigError
+from fl_lightning.module import ClassificationModule
+from fl_lightning.run_logging import read_metrics
 
 DIMENSION, CLIENTS, SAMPLES_PER_CLIENT = 5, 4, 12
 HESSIAN = symmetric_matrix([-0.5, 0.3, 1.0, 2.0, 4.0], seed=2)

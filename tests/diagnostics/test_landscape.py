@@ -4,22 +4,26 @@ of the same loss; and in a real run, its metrics on its rounds only, one reducti
 final model bitwise equal to the run without it."""
 
 from functools import partial
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-import yaml
-from lightning.fabric import Fabric
-from paths import QUICKSTART
+from diagnostic_problems import (
+    TINY,
+    Center,
+    QuadraticModule,
+    callbacks_config,
+    federated_loop,
+    final_checkpoint,
+    run_rounds,
+    symmetric_matrix,
+    tiny_network_problem,
+)
 from torch import nn
 
 from fl_lightning.algorithms import CTPFL, FedAvg
-from fl_lightning.checkpoint import checkpoint_dir
 from fl_lightning.clients.run import seeded_generator
 from fl_lightning.commands.main import main
-from fl_lightning.config import ClientOptimizerArgs, ComputeArgs, DataArgs, FederationArgs
-from fl_lightning.data import ImageDataset
 from fl_lightning.diagnostics.landscape import (
     PROBE_STREAM,
     Landscape,
@@ -29,105 +33,9 @@ from fl_lightning.diagnostics.landscape import (
 )
 from fl_lightning.errors import ConfigError
 from fl_lightning.federation.loop import FederatedLoop
-from fl_lightning.federation.setup import RunData, RunSettings, rank_inputs
-from fl_lightning.module import ClassificationModule
 from fl_lightning.run_logging import read_metrics
-from fl_lightning.server_optimizers import ServerSGD
-
-TINY = ["--config", QUICKSTART, "--model.options", "{hidden: 16, depth: 1}", "--federation.local_steps", "2",
-        "--federation.eval_every", "2", "--logger.progress_bar", "false", "--resume", "null"]
-
-
-def symmetric_matrix(eigenvalues: list[float], seed: int = 0) -> torch.Tensor:
-    """Q diag(eigenvalues) Q^T for a random orthogonal Q (float64)."""
-    generator = torch.Generator().manual_seed(seed)
-    q, _ = torch.linalg.qr(torch.randn(len(eigenvalues), len(eigenvalues), generator=generator, dtype=torch.float64))
-    return q @ torch.diag(torch.tensor(eigenvalues, dtype=torch.float64)) @ q.T
-
 
 # Small problems driven through the real FederatedLoop (as federation.train drives it).
-
-class Center(nn.Module):
-    def __init__(self, dim: int):
-        super().__init__()
-        self.x = nn.Parameter(torch.zeros(dim))
-
-
-class QuadraticModule(ClassificationModule):
-    """Loss 1/2 (x - c)^T A (x - c) averaged over a batch of centres c (each sample's pixels): a
-    quadratic in the parameters x with Hessian A on every batch."""
-
-    def __init__(self, network: Center, num_classes: int, hessian: torch.Tensor):
-        super().__init__(network, num_classes)
-        self.hessian = hessian.float()  # a plain attribute: neither a parameter nor a buffer
-
-    def training_step(self, batch, batch_idx: int = 0) -> torch.Tensor:
-        centres, _ = batch
-        offset = self.network.x - centres.flatten(1)
-        return 0.5 * ((offset @ self.hessian) * offset).sum(1).mean()
-
-
-def federated_loop(network: nn.Module, images: torch.Tensor, labels: torch.Tensor,
-                   partition: list[np.ndarray], algorithm, callbacks: list, *, local_steps: int = 2,
-                   batch_size: int = 4, server_lr: float = 0.5, clients_per_round: int = None, augment: bool = False,
-                   seed: int = 0, num_classes: int = 2, rounds: int = 10**6, test: tuple = None,
-                   client_path: str = "loop", module_type=None) -> tuple[Fabric, FederatedLoop]:
-    """A loop set up as `federation.train` sets one up on a single rank; the test split is the
-    training data unless `test` gives (images, labels)."""
-    channels = images.shape[1]
-    dataset = ImageDataset(images, labels, num_classes, (0.5,) * channels, (0.25,) * channels)
-    test_set = dataset if test is None else ImageDataset(*test, num_classes, (0.5,) * channels, (0.25,) * channels)
-    settings = RunSettings(
-        algorithm=algorithm, server_optimizer=ServerSGD(lr=server_lr),
-        federation=FederationArgs(rounds=rounds, num_clients=len(partition),
-                                  clients_per_round=clients_per_round or len(partition), local_steps=local_steps,
-                                  batch_size=batch_size),
-        data=DataArgs(augment=augment, crop_padding=1), client_optimizer=ClientOptimizerArgs(lr=0.1),
-        seed=seed, compute=ComputeArgs(client_path=client_path),
-    )
-    run = rank_inputs(settings, out_dir=Path("unused"), run_id="test", hyperparameters={},
-                    data=RunData(dataset, test_set, partition), network=network, module_type=module_type)
-    fabric = Fabric(accelerator="cpu", devices=1, callbacks=callbacks)
-    return fabric, FederatedLoop(fabric, run)
-
-
-def run_rounds(fabric: Fabric, loop: FederatedLoop, rounds: int) -> list[dict]:
-    fabric.call("on_fit_start", fabric, loop)
-    rows = []
-    for round_index in range(rounds):
-        fabric.call("on_round_start", fabric, loop, round_index)
-        metrics = loop.run_round(round_index)
-        fabric.call("on_round_end", fabric, loop, metrics)
-        rows.append(metrics)
-    return rows
-
-
-class TinyNet(nn.Module):
-    """conv - BatchNorm - ReLU - linear on 1 x 4 x 4 images: 51 parameters."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(1, 2, 3)
-        self.norm = nn.BatchNorm2d(2)
-        self.classifier = nn.Linear(8, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.classifier(torch.relu(self.norm(self.conv(x))).flatten(1))
-
-
-def tiny_network_problem(samples: int = 48):
-    torch.manual_seed(0)
-    network = TinyNet()
-    # Running statistics far from a batch's own: a loss in training mode would differ clearly.
-    network.norm.running_mean.copy_(torch.tensor([0.3, -0.2]))
-    network.norm.running_var.copy_(torch.tensor([2.0, 0.5]))
-    generator = torch.Generator().manual_seed(1)
-    images = torch.randint(0, 256, (samples, 1, 4, 4), dtype=torch.uint8, generator=generator)
-    labels = torch.randint(0, 3, (samples,), generator=generator)
-    partition = [np.arange(i, samples, 4) for i in range(4)]
-    test = (torch.randint(0, 256, (30, 1, 4, 4), dtype=torch.uint8, generator=generator),
-            torch.randint(0, 3, (30,), generator=generator))
-    return network, images, labels, partition, test
 
 
 def exact_hessian(loop: FederatedLoop, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -262,15 +170,6 @@ def test_bad_settings_are_refused(setting, value):
 
 
 # In a run from the command line.
-
-def callbacks_config(tmp_path: Path, *callbacks: dict) -> str:
-    path = tmp_path / "diagnostics.yaml"
-    path.write_text(yaml.safe_dump({"callbacks": list(callbacks)}))
-    return str(path)
-
-
-def final_checkpoint(out_dir: Path) -> dict:
-    return torch.load(checkpoint_dir(out_dir) / "last.ckpt", weights_only=False)
 
 
 @pytest.mark.slow

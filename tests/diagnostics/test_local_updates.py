@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
+from diagnostic_problems import NUM_CLIENTS, NUM_PARAMS, SAMPLES, by_hand, known_round
 from paths import QUICKSTART
 
 from fl_lightning.algorithms.base import PSEUDO_GRADIENT
@@ -22,7 +23,6 @@ from fl_lightning.errors import ConfigError
 from fl_lightning.flat import FlatLayout
 from fl_lightning.run_logging import read_metrics
 
-NUM_CLIENTS, NUM_PARAMS, SAMPLES = 6, 5, [4, 3, 5, 4, 2, 6]
 ROUNDS, EVERY = 3, 2  # rounds 2 (every) and 3 (the last) are measured, round 1 is not
 
 
@@ -78,7 +78,6 @@ class StubTrainer:
         return batches
 
 
-
 class StubClient:
     """What a diagnostic asks of a client (`ClientRound`'s methods for diagnostics), on the stub's data."""
 
@@ -107,17 +106,6 @@ def stub_loop(params: torch.Tensor, rounds: int = ROUNDS):
                                                         buffer_layout=FlatLayout((), ())))
 
 
-def known_round(seed: int):
-    """Per client: its upload (x - y_m), aggregation weight, gradient samples; and the global model."""
-    generator = torch.Generator().manual_seed(seed)
-    uploads = torch.randn(NUM_CLIENTS, NUM_PARAMS, generator=generator, dtype=torch.float64).float()
-    sizes = torch.tensor(SAMPLES, dtype=torch.float64)
-    weights = (sizes / sizes.sum()).tolist()
-    data = [torch.randn(n, NUM_PARAMS, generator=generator, dtype=torch.float64).float() for n in SAMPLES]
-    params = torch.randn(NUM_PARAMS, generator=generator)
-    return uploads, weights, data, params
-
-
 def run_hooks(diagnostic, rank: int, ranks, clients_of_round, seed: int = 0):
     """The loop's hook sequence for ROUNDS rounds on one rank: its clients of each round (by
     round number) get on_client_end; returns each round's metrics and the reductions made per round.
@@ -144,43 +132,6 @@ ALL_CLIENTS = lambda round_number: range(NUM_CLIENTS)  # noqa: E731
 
 
 # --- the definitions, computed directly ------------------------------------------------------------
-
-def by_hand(seed: int = 0) -> dict[str, float]:
-    uploads, weights, data, params = known_round(seed)
-    u, p = uploads.double(), torch.tensor(weights, dtype=torch.float64)
-    norms = torch.stack([row.norm() for row in u])
-    mean_update = sum(p[m] * u[m] for m in range(NUM_CLIENTS))
-    cosines = [u[i].dot(u[j]) / (u[i].norm() * u[j].norm()) for i, j in itertools.combinations(range(NUM_CLIENTS), 2)]
-    expected = {
-        "client_drift/mean": float(sum(p[m] * norms[m] for m in range(NUM_CLIENTS))),
-        "client_drift/max": float(norms.max()),
-        "drift_diversity": float(sum(p[m] * u[m].dot(u[m]) for m in range(NUM_CLIENTS)) / mean_update.dot(mean_update)),
-        "client_consistency": float(sum(p[m] * u[m].dot(u[m]) for m in range(NUM_CLIENTS))),
-        "update_cosine": float(sum(cosines) / len(cosines)),
-    }
-    # Gradients at x: every sample of every client (batch size 1, more batches asked than samples).
-    g = [d.double() for d in data]
-    client_means = [gm.mean(dim=0) for gm in g]
-    client_vars = [gm.var(dim=0, unbiased=True) for gm in g]  # per parameter
-    expected["gradient_variance"] = float(sum(p[m] * client_vars[m].sum() for m in range(NUM_CLIENTS)))
-    overall = sum(p[m] * client_means[m] for m in range(NUM_CLIENTS))
-    expected["gradient_variance/between_clients"] = float(
-        sum(p[m] * (client_means[m] - overall).pow(2).sum() for m in range(NUM_CLIENTS)))
-    client_gsnr = [client_means[m] ** 2 / client_vars[m] for m in range(NUM_CLIENTS)]
-    expected["gsnr/client_sum"] = float(sum(p[m] * client_gsnr[m].sum() for m in range(NUM_CLIENTS)))
-    expected["gsnr/client_mean"] = float(sum(p[m] * client_gsnr[m].mean() for m in range(NUM_CLIENTS)))
-    pooled_var = sum(p[m] * (client_vars[m] + client_means[m] ** 2) for m in range(NUM_CLIENTS)) - overall ** 2
-    pooled = overall ** 2 / pooled_var
-    expected["gsnr/mean"] = float(pooled.mean())
-    expected["gsnr/layer.weight"], expected["gsnr/layer.bias"] = float(pooled[:4].mean()), float(pooled[4])
-    update_size = sum(p[m] * u[m].abs() for m in range(NUM_CLIENTS))
-    order = update_size.argsort(descending=True)
-    top, bottom = order[:2], order[-2:]  # update_fraction 0.4 of 5 parameters
-    expected["gsnr/top_update"] = float(pooled[top].mean())
-    expected["gsnr/bottom_update"] = float(pooled[bottom].mean())
-    expected["weight_abs/top_update"] = float(params[top].double().abs().mean())
-    expected["weight_abs/bottom_update"] = float(params[bottom].double().abs().mean())
-    return expected
 
 
 def diagnostics():

@@ -182,8 +182,9 @@ def test_the_diagnostics_a_plan_turns_on_get_their_panel_groups(tmp_path):
 
 def test_what_the_diagnostics_log_falls_in_their_panel_groups():
     """Every metric name the diagnostics' own tests see them log is drawn by a panel of its diagnostic."""
+    from diagnostic_problems import by_hand
+
     from fl_lightning.diagnostics.landscape import METRICS
-    from tests.diagnostics.test_local_updates import by_hand
 
     def drawn(name: str, metrics: list[str]) -> bool:
         return name in metrics or any(metric.endswith("/") and name.startswith(metric) for metric in metrics)

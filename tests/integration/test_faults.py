@@ -20,24 +20,26 @@ import holds
 import processes
 import pytest
 import torch
+from fault_runs import (
+    FIT,
+    HELD_ROUND,
+    HELD_RUN_ROUNDS,
+    ROUNDS,
+    RUN_TIMEOUT_S,
+    SLURM_JOB_ID,
+    TRAINING,
+    fit_command,
+    held_run_arguments,
+    process_environment,
+    wait_all,
+)
 from paths import QUICKSTART
 
 from fl_lightning.checkpoint import checkpoint_dir, load_checkpoint, numbered_checkpoints
 from fl_lightning.commands.main import main
 
 pytestmark = pytest.mark.slow  # every test runs fl-lightning in other processes
-FIT = [sys.executable, "-m", "fl_lightning", "fit"]
 # Rounds of a few milliseconds each, and checkpoints far enough apart for a kill between two of them.
-ROUNDS = 30
-CHECKPOINT_EVERY = 10
-TRAINING = [
-    "--config", str(QUICKSTART), "--model.options", "{hidden: 32, depth: 1}", "--logger.progress_bar", "false",
-    "--federation.rounds", str(ROUNDS), "--federation.clients_per_round", "3", "--federation.local_steps", "2",
-    "--federation.eval_every", str(ROUNDS), "--checkpoint.every", str(CHECKPOINT_EVERY), "--checkpoint.keep", "3",
-    "--resume", "auto",
-]
-RUN_TIMEOUT_S = 180
-SLURM_JOB_ID = "4242"
 
 
 @pytest.fixture(autouse=True)
@@ -46,15 +48,6 @@ def outside_slurm(monkeypatch):
     for name in list(os.environ):
         if name.startswith("SLURM_"):
             monkeypatch.delenv(name)
-
-
-def fit_command(out_dir: Path, *extra: str) -> list[str]:
-    return [*FIT, *TRAINING, "--out_dir", str(out_dir), *extra]
-
-
-def process_environment(**extra: str) -> dict[str, str]:
-    # One thread per process: the machine may have as few cores as the ranks.
-    return {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}, "OMP_NUM_THREADS": "1", **extra}
 
 
 def run_fit(out_dir: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -86,16 +79,6 @@ def assert_same_model(got: dict[str, torch.Tensor], expected: dict[str, torch.Te
     assert got.keys() == expected.keys()
     for name in expected:
         assert torch.allclose(got[name], expected[name], atol=1e-6), f"{name} differs"
-
-
-def wait_all(running: list[processes.Popen]) -> list[int]:
-    try:
-        return [p.wait(timeout=RUN_TIMEOUT_S) for p in running]
-    finally:
-        for p in running:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
 
 
 @pytest.fixture(scope="module")
@@ -163,20 +146,6 @@ def test_non_finite_round_fails_naming_round_and_clients_and_saves_nothing(setti
     assert "no checkpoint was saved yet" in completed.stderr
     assert list(checkpoint_dir(out_dir).glob("*.ckpt")) == []
     assert "Traceback" not in completed.stderr
-
-
-# The runs that a stop signal interrupts (two ranks here, one in tests/integration/test_stops.py): held at the start of
-# round HELD_ROUND + 1 (tests/support/holds.py) until they are signalled or their folder's `hold` file is
-# gone, so the signal lands at a known round whatever the machine's speed.
-HELD_RUN_ROUNDS = 6
-HELD_ROUND = 2
-
-
-def held_run_arguments() -> list[str]:
-    """`fit` options of a run of HELD_RUN_ROUNDS rounds, one evaluation and checkpoint at the end, held
-    after HELD_ROUND while its folder has a file `hold` (its process needs `holds.pythonpath()`)."""
-    return ["--federation.rounds", str(HELD_RUN_ROUNDS), "--federation.eval_every", str(HELD_RUN_ROUNDS),
-            "--checkpoint.every", str(10 * HELD_RUN_ROUNDS), "--callbacks", json.dumps([holds.hold_after(HELD_ROUND)])]
 
 
 def launch_ranks_as_srun(out_dir: Path, bin_dir: Path, logs: Path, nodes: int = 1, *extra: str

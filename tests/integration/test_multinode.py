@@ -14,6 +14,7 @@ from pathlib import Path
 import processes
 import pytest
 import torch
+from fault_runs import wait_all
 from paths import QUICKSTART
 
 from fl_lightning.checkpoint import checkpoint_dir
@@ -21,7 +22,6 @@ from fl_lightning.cluster import check_slurm_allocation
 from fl_lightning.commands.main import main
 from fl_lightning.config import FabricArgs
 from fl_lightning.errors import ConfigError
-from tests.integration.test_faults import wait_all
 
 # SCAFFOLD keeps per-client state, so each rank also writes its own shard of every checkpoint and the
 # one-node resume has to merge the shards of two ranks.

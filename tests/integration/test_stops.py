@@ -19,8 +19,7 @@ from pathlib import Path
 import holds
 import processes
 import pytest
-
-from tests.integration.test_faults import (
+from fault_runs import (
     HELD_ROUND,
     HELD_RUN_ROUNDS,
     RUN_TIMEOUT_S,
