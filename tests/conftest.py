@@ -69,6 +69,15 @@ def in_repository_root(monkeypatch):
 
 
 @pytest.fixture
+def outside_slurm(monkeypatch):
+    """No SLURM_* variable of the shell the tests run in reaches the test: a sweep would submit or run as a
+    task, a run would take itself for a Slurm job."""
+    for name in list(os.environ):
+        if name.startswith("SLURM_"):
+            monkeypatch.delenv(name)
+
+
+@pytest.fixture
 def forked_runs(monkeypatch):
     """A sweep in the test's own process starts its runs as forks (tests/support/processes.py) of the
     command line it builds, instead of fresh interpreters at 10 s of imports each. A sweep that a

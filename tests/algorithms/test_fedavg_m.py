@@ -4,9 +4,9 @@ round's average update per step, each client's update divided by its own step co
 import pytest
 from reference import (
     LR,
-    SEED,
     LinearProblem,
     assert_close,
+    client_batches,
     fit_with_mixed_direction,
     mixed_direction_reference,
     sampled,
@@ -14,7 +14,6 @@ from reference import (
 )
 
 from fl_lightning.algorithms.fedavg_m import FedAvgMomentum
-from fl_lightning.clients.run import CLIENT_STREAM, batch_positions, seeded_generator
 from fl_lightning.config import ClientOptimizerArgs
 from fl_lightning.fit import fit
 from fl_lightning.server_optimizers import ServerSGD
@@ -34,10 +33,7 @@ def test_fedavg_m_divides_each_update_by_the_clients_own_step_count(cifar_root, 
     problem = LinearProblem(cifar_root, tmp_path)
 
     def batches(round_index, client):
-        # The client's own draw of batches, as the product makes it (order of samples only).
-        generator = seeded_generator(SEED, CLIENT_STREAM, round_index, client)
-        positions = batch_positions(problem.num_samples(client), 15, None, 1, generator)
-        return [problem.client_samples[client][p] for p in positions]
+        return client_batches(problem, setup, round_index, client)
 
     step_counts = {len(batches(r, c)) for r in range(3) for c in sampled(r, setup)}
     assert len(step_counts) > 1

@@ -6,9 +6,9 @@ import re
 import pytest
 import yaml
 from commands import run_sweep
+from hand_written_runs import write_checkpoint
 from sweeps import log_rounds, write_plan
 
-from fl_lightning.checkpoint import save_checkpoint
 from fl_lightning.experiments import progress as progress_module
 from fl_lightning.experiments.plan import load_plan
 from fl_lightning.experiments.progress import ProgressLines
@@ -67,8 +67,7 @@ def test_list_shows_each_runs_round_and_time_left_from_its_folder(tmp_path, caps
     # As SLURM tasks leave them: [0] finished, [1] checkpointed round 1 and logged round 2 since.
     for entry, checkpointed, seconds in ((first, 3, [1.0, 2.0, 2.0]), (second, 1, [3.0, 4.0])):
         out_dir = entry.point.out_dir
-        save_checkpoint({"round": checkpointed, "model": {}, "algorithm": {}, "partition": [], "metrics": [],
-                         "hyperparameters": entry.config}, out_dir, keep=1)
+        write_checkpoint(out_dir, checkpointed, entry.config)
         (out_dir / "config.yaml").write_text(yaml.safe_dump(entry.config))
         log_rounds(out_dir, seconds)
     status, out, err = run_sweep(capsys, "--plan", str(plan), "--runs_root", str(runs), "--list")

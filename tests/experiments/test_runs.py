@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hand_written_runs import write_checkpoint
 
-from fl_lightning.checkpoint import FINAL_STOP, checkpoint_dir, save_checkpoint
+from fl_lightning.checkpoint import checkpoint_dir
 from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.runs import (
     EVALUATION_METRICS,
@@ -46,12 +47,6 @@ def write_rows(folder: Path, rows: list[dict]) -> None:
     log = MetricsLog(folder, history=[])
     for metrics in rows:
         log.append(metrics)
-
-
-def write_checkpoint(folder: Path, round_index: int, config: dict = CONFIG, final_stop=None) -> None:
-    state = {"round": round_index, "model": {}, "algorithm": {}, "partition": [], "metrics": [],
-             "hyperparameters": config, FINAL_STOP: final_stop}
-    save_checkpoint(state, folder, keep=10)
 
 
 def with_setting(config: dict, group: str, name: str, value) -> dict:
@@ -227,8 +222,8 @@ def test_a_run_that_wrote_its_config_but_no_checkpoint_is_started(tmp_path):
 def test_a_partial_run_is_at_its_newest_checkpoint(tmp_path):
     write_config(tmp_path)
     write_rows(tmp_path, [row(r) for r in range(1, 4)])
-    write_checkpoint(tmp_path, 1)
-    write_checkpoint(tmp_path, 2)
+    write_checkpoint(tmp_path, 1, CONFIG)
+    write_checkpoint(tmp_path, 2, CONFIG)
     state = RunFolder(tmp_path).state(4)
     assert (state.round, state.finished, state.stopped_early) == (2, False, False)
     assert state.hyperparameters == CONFIG
@@ -241,7 +236,7 @@ def test_a_partial_run_is_at_its_newest_checkpoint(tmp_path):
 def test_a_run_that_reached_its_rounds_is_finished(tmp_path):
     write_config(tmp_path)
     write_rows(tmp_path, [row(r) for r in range(1, 5)])
-    write_checkpoint(tmp_path, 4)
+    write_checkpoint(tmp_path, 4, CONFIG)
     state = RunFolder(tmp_path).state(4)
     assert state.finished and not state.stopped_early
     assert state.describe() == "finished" and state.seconds_left is None
@@ -252,7 +247,7 @@ def test_a_run_that_reached_its_rounds_is_finished(tmp_path):
 def test_an_early_stopped_run_is_finished_short_of_its_rounds(tmp_path):
     write_config(tmp_path)
     write_rows(tmp_path, [row(1), row(2)])
-    write_checkpoint(tmp_path, 2, final_stop="EarlyStopping: test_accuracy did not improve")
+    write_checkpoint(tmp_path, 2, CONFIG, final_stop="EarlyStopping: test_accuracy did not improve")
     state = RunFolder(tmp_path).state(4)
     assert state.finished and state.stopped_early
     assert state.describe() == "finished, stopped early at round 2/4"
@@ -262,15 +257,15 @@ def test_an_early_stopped_run_is_finished_short_of_its_rounds(tmp_path):
 
 def test_a_checkpoint_past_the_rounds_asked_for_is_not_a_finished_run_of_them(tmp_path):
     write_config(tmp_path)
-    write_checkpoint(tmp_path, 6)
+    write_checkpoint(tmp_path, 6, CONFIG)
     state = RunFolder(tmp_path).state(4)
     assert state.round == 6 and not state.finished
 
 
 def test_a_damaged_newest_checkpoint_is_passed_over_for_the_previous_one(tmp_path):
     write_config(tmp_path)
-    write_checkpoint(tmp_path, 1)
-    write_checkpoint(tmp_path, 2)
+    write_checkpoint(tmp_path, 1, CONFIG)
+    write_checkpoint(tmp_path, 2, CONFIG)
     (checkpoint_dir(tmp_path) / "round_000003.ckpt").write_bytes(b"cut short")
     assert RunFolder(tmp_path).state(4).round == 2
 
@@ -312,7 +307,7 @@ def test_settings_that_only_change_how_a_run_is_carried_out_are_the_same_experim
 
 def test_the_checkpoints_settings_are_compared_first(tmp_path):
     write_config(tmp_path)
-    write_checkpoint(tmp_path, 2, config=with_setting(CONFIG, "federation", "num_clients", 20))
+    write_checkpoint(tmp_path, 2, with_setting(CONFIG, "federation", "num_clients", 20))
     run = RunFolder(tmp_path)
     assert run.difference(CONFIG, run.state(4)) == "federation.num_clients 20 -> 10 (the checkpoint of round 2)"
     # Without the state, config.yaml alone is read.
@@ -321,7 +316,7 @@ def test_the_checkpoints_settings_are_compared_first(tmp_path):
 
 def test_a_checkpoint_past_the_rounds_asked_for_is_another_experiment(tmp_path):
     write_config(tmp_path)
-    write_checkpoint(tmp_path, 6)
+    write_checkpoint(tmp_path, 6, CONFIG)
     run = RunFolder(tmp_path)
     assert run.difference(CONFIG, run.state(4)) == ("federation.rounds: the checkpoint reached round 6, past the 4 "
                                                     "asked for")

@@ -9,9 +9,10 @@ import signal
 import processes
 import pytest
 from commands import run_sweep
+from hand_written_runs import write_checkpoint
 from sweeps import HOLD, TIMEOUT_S, files_of, finish, stand_in_sbatch, start_sweep, write_plan
 
-from fl_lightning.checkpoint import FINAL_STOP, checkpoint_dir, save_checkpoint
+from fl_lightning.checkpoint import checkpoint_dir
 from fl_lightning.commands.main import main as fl_lightning_main
 from fl_lightning.experiments import machine as machine_module
 from fl_lightning.experiments.local import LOG_FILE
@@ -240,9 +241,7 @@ def test_an_early_stopped_run_is_finished_and_skipped(tmp_path, capsys, monkeypa
     runs = tmp_path / "runs"
     (resolved,) = resolve_grid(load_plan(plan, runs_root=runs).grid())
     # The checkpoint an early stop at round 2 of 3 leaves: the run is over.
-    state = {"round": 2, "model": {}, "algorithm": {}, "partition": [], "metrics": [],
-             "hyperparameters": resolved.config, FINAL_STOP: "EarlyStopping: no improvement"}
-    save_checkpoint(state, resolved.point.out_dir, keep=1)
+    write_checkpoint(resolved.point.out_dir, 2, resolved.config, final_stop="EarlyStopping: no improvement")
     status, out, err = run_sweep(capsys, "--plan", str(plan), "--runs_root", str(runs))
     assert status == 0, err
     assert f"[0] skipped, finished (round 2, stopped early): FedAvg | alpha-0.5 | seed 0 in {resolved.point.out_dir}" \

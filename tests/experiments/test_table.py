@@ -9,10 +9,18 @@ from pathlib import Path
 
 import pytest
 import yaml
-from hand_written_runs import PNG, ROUNDS, direct_interval, run_folder, write_demo_plan, write_run, write_sweep
+from hand_written_runs import (
+    PNG,
+    ROUNDS,
+    direct_interval,
+    run_folder,
+    write_checkpoint,
+    write_demo_plan,
+    write_run,
+    write_sweep,
+)
 from paths import REPOSITORY
 
-from fl_lightning.checkpoint import FINAL_STOP, save_checkpoint
 from fl_lightning.commands.main import main
 from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.plan import load_plan
@@ -268,10 +276,8 @@ def test_an_early_stopped_run_counts_as_finished_at_its_last_round(sweep):
     # FedAvg + CONST, alpha 0.1, seed 1 stopped at round 2 of 4; its checkpoint records a final stop.
     folder = run_folder(sweep, "alpha-0.1", "fedavg+const", 1)
     config = yaml.safe_load((folder / "config.yaml").read_text())
-    state = {"round": 2, "model": {}, "algorithm": {}, "partition": [], "hyperparameters": config,
-             "metrics": [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()],
-             FINAL_STOP: "EarlyStopping: test_accuracy did not improve"}
-    save_checkpoint(state, folder, keep=1)
+    write_checkpoint(folder, 2, config, final_stop="EarlyStopping: test_accuracy did not improve",
+                     metrics=[json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()])
     markdown, rows, _ = run_table(sweep)
     const = rows_by_method(rows)["FedAvg + CONST"]
     assert const["alpha-0.1:n"] == "3" and float(const["alpha-0.1:mean"]) == pytest.approx((60 + 90 + 62) / 3)

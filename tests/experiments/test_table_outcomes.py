@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
+from hand_written_runs import write_checkpoint
 
-from fl_lightning.checkpoint import FINAL_STOP, save_checkpoint
 from fl_lightning.experiments.table_outcomes import (
     COUNTED,
     EXCLUDED,
@@ -39,11 +39,6 @@ def write_run(folder: Path, evaluations: dict[int, dict], rounds_done: int, conf
     for round_index in range(1, rounds_done + 1):
         log.append({"round": round_index, "train_loss": 1.0 / round_index, "round_seconds": 0.1,
                     **evaluations.get(round_index, {})})
-
-
-def write_checkpoint(folder: Path, round_index: int, final_stop=None) -> None:
-    save_checkpoint({"round": round_index, "model": {}, "algorithm": {}, "partition": [], "metrics": [],
-                     "hyperparameters": CONFIG, FINAL_STOP: final_stop}, folder, keep=1)
 
 
 def entry(path: Path, config: dict = None, method: str = "FedAvg", seed: int = 0) -> Entry:
@@ -93,7 +88,7 @@ def test_a_run_without_rows_or_checkpoint_is_not_started(tmp_path):
 def test_a_run_with_a_checkpoint_but_no_rows_names_the_checkpoints_round(tmp_path):
     # What a kill between a checkpoint and the log leaves: rows lost, the training not.
     write_run(tmp_path / "run", ACCURACIES, rounds_done=0)
-    write_checkpoint(tmp_path / "run", 3)
+    write_checkpoint(tmp_path / "run", 3, CONFIG)
     verdict = judge(entry(tmp_path / "run", CONFIG), "test_accuracy", "final", include_partial=True)
     assert verdict.outcome == WITHOUT_ROWS and verdict.detail == 3
 
@@ -130,7 +125,7 @@ def test_an_unfinished_run_is_left_out_unless_partial_runs_are_asked_for(tmp_pat
 
 def test_an_early_stopped_run_counts_as_finished_at_its_last_round(tmp_path):
     write_run(tmp_path / "run", ACCURACIES, rounds_done=2)
-    write_checkpoint(tmp_path / "run", 2, final_stop="EarlyStopping: test_accuracy did not improve")
+    write_checkpoint(tmp_path / "run", 2, CONFIG, final_stop="EarlyStopping: test_accuracy did not improve")
     verdict = judge(entry(tmp_path / "run", CONFIG), "test_accuracy", "final", include_partial=False)
     assert verdict.outcome == COUNTED
     assert (verdict.unfinished, verdict.under_way) == ("early", False)
@@ -140,7 +135,7 @@ def test_an_early_stopped_run_counts_as_finished_at_its_last_round(tmp_path):
 def test_a_checkpoint_without_a_final_stop_does_not_make_a_short_run_finished(tmp_path):
     # A row count alone cannot tell an early stop from a kill: only the checkpoint's word can.
     write_run(tmp_path / "run", ACCURACIES, rounds_done=2)
-    write_checkpoint(tmp_path / "run", 2)
+    write_checkpoint(tmp_path / "run", 2, CONFIG)
     verdict = judge(entry(tmp_path / "run", CONFIG), "test_accuracy", "final", include_partial=False)
     assert verdict.outcome == EXCLUDED
 
@@ -203,14 +198,14 @@ def judged(tmp_path: Path) -> dict[str, Verdict]:
     write_run(tmp_path / "finished", {2: {"test_accuracy": 0.5}, 4: {"test_accuracy": 0.7}}, ROUNDS)
     write_run(tmp_path / "partial", ACCURACIES, 3)
     write_run(tmp_path / "early", ACCURACIES, 2)
-    write_checkpoint(tmp_path / "early", 2, final_stop="EarlyStopping")
+    write_checkpoint(tmp_path / "early", 2, CONFIG, final_stop="EarlyStopping")
     write_run(tmp_path / "pending", {}, 1)
     write_run(tmp_path / "empty", {}, ROUNDS)
     write_run(tmp_path / "torn", ACCURACIES, ROUNDS)
     with open(tmp_path / "torn" / "metrics.jsonl", "a") as handle:
         handle.write("{")
     write_run(tmp_path / "lost", {}, 0)
-    write_checkpoint(tmp_path / "lost", 3)
+    write_checkpoint(tmp_path / "lost", 3, CONFIG)
     other = copy.deepcopy(CONFIG)
     other["data"]["alpha"] = 0.1
     write_run(tmp_path / "other", ACCURACIES, ROUNDS)

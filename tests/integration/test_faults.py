@@ -38,16 +38,9 @@ from paths import QUICKSTART
 from fl_lightning.checkpoint import checkpoint_dir, load_checkpoint, numbered_checkpoints
 from fl_lightning.commands.main import main
 
-pytestmark = pytest.mark.slow  # every test runs fl-lightning in other processes
+# Every test runs fl-lightning in other processes, each starting outside SLURM whatever the shell has set.
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("outside_slurm")]
 # Rounds of a few milliseconds each, and checkpoints far enough apart for a kill between two of them.
-
-
-@pytest.fixture(autouse=True)
-def outside_slurm(monkeypatch):
-    """Each test starts outside SLURM, whatever the shell running pytest has set."""
-    for name in list(os.environ):
-        if name.startswith("SLURM_"):
-            monkeypatch.delenv(name)
 
 
 def run_fit(out_dir: Path, *extra: str) -> subprocess.CompletedProcess:

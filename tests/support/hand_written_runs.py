@@ -9,6 +9,7 @@ import pytest
 import yaml
 from paths import REPOSITORY
 
+from fl_lightning.checkpoint import FINAL_STOP, save_checkpoint
 from fl_lightning.experiments.plan import load_plan
 from fl_lightning.experiments.resolve import resolve_grid
 from fl_lightning.run_logging import MetricsLog
@@ -33,6 +34,14 @@ def write_run(out_dir: Path, accuracies: list[float], losses: list[float] = None
             accuracy, loss = next(evaluations)
             row.update(test_accuracy=accuracy, test_loss=loss)
         log.append(row)
+
+
+
+def write_checkpoint(folder: Path, round_index: int, config: dict, final_stop=None, metrics=()) -> None:
+    """A checkpoint of round `round_index` as fit writes it, of a run of settings `config`, with a final
+    stop when given (an early stop's reason); no model, which nothing that reads a run folder loads."""
+    save_checkpoint({"round": round_index, "model": {}, "algorithm": {}, "partition": [], "metrics": list(metrics),
+                     "hyperparameters": config, FINAL_STOP: final_stop}, folder, keep=10)
 
 
 # The plan: FedAvg + CONST is listed last, but belongs right after FedAvg.

@@ -1,6 +1,6 @@
 """What the tests of a sweep share: a tiny plan's settings, a run held at a known round, a sweep started as a
-process of its own and waited for, and a stand-in sbatch. The fixtures `gate` and `outside_slurm`
-are the tests' own (tests/conftest.py's pytest_plugins)."""
+process of its own and waited for, and a stand-in sbatch. The fixture `gate` is the
+tests' own (tests/conftest.py's pytest_plugins)."""
 
 import os
 import sys
@@ -30,14 +30,6 @@ def gate(tmp_path, monkeypatch) -> None:
     with the test's folder as the working directory."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PYTHONPATH", holds.pythonpath())
-
-
-@pytest.fixture
-def outside_slurm(monkeypatch):
-    """No SLURM_* variable of the shell the tests run in reaches a sweep: it would submit or run as a task."""
-    for name in list(os.environ):
-        if name.startswith("SLURM_"):
-            monkeypatch.delenv(name)
 
 
 def write_plan(path: Path, methods: dict, seeds=(0, 1), settings=None, extra=()) -> Path:
