@@ -1,5 +1,5 @@
-"""An exclusive lock on a file, which names its holder: the lock of a run folder, and of a dataset's
-download in data.root."""
+"""An exclusive lock on a file, which names its holder, and who holds it, asked without taking it: the
+lock of a run folder, and of a dataset's download in data.root."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import fcntl
 import os
 import socket
 from pathlib import Path
+from typing import Optional
 
 from fl_lightning.atomic_files import failures_reported_as_writes_of
 
@@ -36,11 +37,10 @@ class FileLock:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:
-            handle.seek(0)
-            holder = handle.read().strip() or "another process"
-            handle.close()
-            if err.errno not in (errno.EAGAIN, errno.EACCES):
-                raise
+            try:
+                holder = _holder_refusing(handle, err)
+            finally:
+                handle.close()
             raise LockHeld(holder, self.path) from err
         self._file = handle
         with failures_reported_as_writes_of(self.path):
@@ -49,7 +49,30 @@ class FileLock:
             handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
             handle.flush()
 
+    def holder(self) -> Optional[str]:
+        """Who holds the lock now, or None; asked without taking the lock from anyone and without
+        writing: a shared lock for an instant, which other askers share and only a holder refuses."""
+        try:
+            handle = open(self.path)
+        except FileNotFoundError:
+            return None
+        with handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except OSError as err:
+                return _holder_refusing(handle, err)
+        return None
+
     def release(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def _holder_refusing(handle, err: OSError) -> str:
+    """Who holds the lock that refused `handle` its flock (`err`): the line the holder wrote, or
+    "another process" before it has written one; any other failure of flock is raised as it is."""
+    if err.errno not in (errno.EAGAIN, errno.EACCES):
+        raise err
+    handle.seek(0)
+    return handle.read().strip() or "another process"

@@ -221,6 +221,10 @@ class RunDirLock:
         except LockHeld as held:
             raise FolderInUse(held.holder, self.path.parent) from held
 
+    def holder(self) -> Optional[str]:
+        """Who holds the lock now, or None, asked without taking it (FileLock.holder)."""
+        return self._lock.holder()
+
     def release(self) -> None:
         self._lock.release()
 

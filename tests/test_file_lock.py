@@ -19,16 +19,13 @@ from fl_lightning.file_lock import FileLock, LockHeld
 OURS = f"pid {os.getpid()} on {socket.gethostname()}"
 WAIT_S = 30
 
-# Another process that takes the lock as FileLock does (flock, then its name in the file), says so on
-# stdout, and holds it until its stdin closes or it is killed.
+# Another process that takes the lock with a FileLock of its own, says so on stdout, and holds it until
+# its stdin closes or it is killed.
 HOLDER = textwrap.dedent("""
-    import fcntl, os, socket, sys
-    handle = open(sys.argv[1], "a+")
-    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"pid {os.getpid()} on {socket.gethostname()}\\n")
-    handle.flush()
+    import sys
+    from fl_lightning.file_lock import FileLock
+    lock = FileLock(sys.argv[1])  # held while the process keeps it
+    lock.acquire()
     print("locked", flush=True)
     sys.stdin.read()
 """)
@@ -156,3 +153,37 @@ def test_a_failure_of_flock_other_than_a_holder_is_raised_as_it_is(tmp_path, mon
         lock.acquire()
     assert not isinstance(caught.value, LockHeld)
     assert caught.value.errno == errno.ENOLCK
+
+
+def test_asking_who_holds_the_lock_takes_it_from_no_one_and_writes_nothing(tmp_path):
+    path = tmp_path / "run.lock"
+    assert FileLock(path).holder() is None and not path.exists()  # no file: no holder, and none made
+    path.write_text("pid 999999 on a node long gone\n")
+    assert FileLock(path).holder() is None
+    assert path.read_text() == "pid 999999 on a node long gone\n"
+    lock = FileLock(path)
+    lock.acquire()
+    try:
+        assert FileLock(path).holder() == OURS
+    finally:
+        lock.release()
+    assert FileLock(path).holder() is None
+
+
+def test_askers_share_the_lock_and_only_a_holder_refuses_them(tmp_path, monkeypatch):
+    """Two sweeps asking at once each see no holder: an asker that took the lock exclusively for an
+    instant was seen by the other as the holder of a run it was only looking at."""
+    path = tmp_path / "run.lock"
+    asking = open(path, "a+")
+    fcntl.flock(asking, fcntl.LOCK_SH | fcntl.LOCK_NB)  # another asker, at this instant
+    try:
+        assert FileLock(path).holder() is None
+        with pytest.raises(LockHeld):  # a holder cannot take it meanwhile, as it could not from a holder
+            FileLock(path).acquire()
+    finally:
+        asking.close()
+
+
+def test_the_holder_named_by_an_asker_is_another_process(holder):
+    process, path = holder
+    assert FileLock(path).holder() == f"pid {process.pid} on {socket.gethostname()}"

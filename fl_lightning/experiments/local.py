@@ -131,28 +131,27 @@ def hold_run_folder(out_dir: Path) -> RunDirLock:
     """The sweep's lock of a run folder, held; FolderInUse when another sweep holds it or a `fit`
     runs in it."""
     lock = RunDirLock(out_dir, SWEEP_LOCK_FILE)
-    try:
-        lock.acquire()
-        # A `fit` started by hand holds the run's own lock; it is released at once here, as no
-        # other sweep can start a run in this folder while this one holds its sweep lock.
-        probe = RunDirLock(out_dir)
-        probe.acquire()
-        probe.release()
-    except FolderInUse:
+    lock.acquire()
+    # A `fit` started by hand holds the run's own lock.
+    holder = fit_running_in(out_dir)
+    if holder is not None:
         lock.release()
-        raise
+        raise FolderInUse(holder, out_dir)
     return lock
 
 
+def fit_running_in(out_dir: Path) -> Optional[str]:
+    """Who runs `fit` in the run folder (the run's own lock, which fit holds from its start until it
+    exits), or None."""
+    return RunDirLock(out_dir).holder()
+
+
 def held_elsewhere(out_dir: Path) -> Optional[str]:
-    """Who holds the run folder (`pid 1234 on host`: another sweep, or a `fit`), or None."""
+    """Who holds the run folder (`pid 1234 on host`: another sweep, or a `fit`), or None; asked without
+    taking the folder, so that sweeps asking at once never take each other for its holder."""
     if not out_dir.is_dir():
         return None
-    try:
-        hold_run_folder(out_dir).release()
-    except FolderInUse as busy:
-        return busy.holder
-    return None
+    return RunDirLock(out_dir, SWEEP_LOCK_FILE).holder() or fit_running_in(out_dir)
 
 
 @dataclass

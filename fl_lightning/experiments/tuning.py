@@ -42,7 +42,14 @@ import yaml
 
 from fl_lightning.atomic_files import write_text_atomically
 from fl_lightning.errors import ConfigError
-from fl_lightning.experiments.local import LOG_FILE, POLL_SECONDS, StopRequest, held_elsewhere, run_locally
+from fl_lightning.experiments.local import (
+    LOG_FILE,
+    POLL_SECONDS,
+    StopRequest,
+    fit_running_in,
+    held_elsewhere,
+    run_locally,
+)
 from fl_lightning.experiments.machine import SweepOptions
 from fl_lightning.experiments.plan import GridPoint, Plan, describe_candidate
 from fl_lightning.experiments.resolve import (
@@ -233,6 +240,10 @@ def _run_figure(plan: Plan, cell: Cell, entry: ResolvedPoint, state: RunState, e
     point = entry.point
     record = {"seed": point.seed, "folder": str(point.out_dir), "value": None, **_run_basis(entry)}
     holder = held_elsewhere(point.out_dir)
+    if holder is not None and state.finished:
+        # Another sweep holds a finished run's folder for an instant, to look at it (a sweep never
+        # trains a finished run again): the run is over once the fit that finished it has exited.
+        holder = fit_running_in(point.out_dir)
     if holder is not None:
         raise NotChosen(cell, f"[{point.index}] {describe_point(point)} is running (held by {holder})")
     if failed:

@@ -14,16 +14,18 @@ import processes
 import pytest
 import yaml
 from commands import run_sweep
+from hand_written_runs import write_checkpoint
 from paths import QUICKSTART, REPOSITORY
 from sweeps import TINY, files_of, finish, start_sweep
 
-from fl_lightning.checkpoint import checkpoint_dir, save_checkpoint
+from fl_lightning.checkpoint import checkpoint_dir
 from fl_lightning.commands.main import main as fl_lightning_main
 from fl_lightning.errors import ConfigError
-from fl_lightning.experiments.local import LOG_FILE
+from fl_lightning.experiments.local import LOG_FILE, hold_run_folder
 from fl_lightning.experiments.plan import load_plan
 from fl_lightning.experiments.table import table
 from fl_lightning.experiments.tuning import SELECTION_FILE, NotChosen, TunedGrid
+from fl_lightning.run_dir import RunDirLock
 from fl_lightning.run_logging import MetricsLog, read_metrics
 
 pytestmark = pytest.mark.usefixtures("outside_slurm")  # a sweep here never submits or runs as a task
@@ -117,8 +119,7 @@ def record_run(entry, values: list, finished: bool = True) -> None:
     """A tuning run's folder as fit leaves it: its checkpoint (of the last round, or of round 1), its
     config.yaml and metrics.jsonl with `values` as both val_accuracy and val_loss."""
     out_dir = entry.point.out_dir
-    save_checkpoint({"round": 3 if finished else 1, "model": {}, "algorithm": {}, "partition": [], "metrics": [],
-                     "hyperparameters": entry.config}, out_dir, keep=1)
+    write_checkpoint(out_dir, 3 if finished else 1, entry.config)
     (out_dir / "config.yaml").write_text(yaml.safe_dump(entry.config))
     MetricsLog(out_dir, [{"round": number, "train_loss": 1.0, "val_accuracy": value, "val_loss": value}
                          for number, value in enumerate(values, start=1)])
@@ -189,6 +190,39 @@ def test_a_candidate_without_a_figure_is_named_and_never_chosen(tmp_path, monkey
     with pytest.raises(NotChosen, match="no candidate has a figure: client_optimizer.lr=0.1: seed 100: partial at"):
         TunedGrid(grid.plan).choose(CELL, ended=True)
     assert not (grid.plan.tune_folder(*CELL) / SELECTION_FILE).exists()
+
+
+def test_a_run_another_sweep_looks_at_is_running_only_while_unfinished_or_its_fit_has_not_exited(tmp_path,
+                                                                                                 monkeypatch):
+    """A sweep holds each run folder for an instant to see whether it is finished; a sweep choosing
+    at that instant took a finished run for a running one, and left the choice to others."""
+    monkeypatch.chdir(tmp_path)
+    grid = tuned_grid(tmp_path)
+    for entry in grid.tuning:
+        record_run(entry, ROWS[entry.point.tuned["client_optimizer.lr"]][entry.point.seed - 100])
+    first = grid.tuning[0].point
+    looking = hold_run_folder(first.out_dir)  # another sweep, looking at the finished run
+    try:
+        assert grid.choose(CELL, ended=True).chosen == {"client_optimizer.lr": 0.1}
+    finally:
+        looking.release()
+    # The fit that finished it, still writing: the run is running.
+    finishing = RunDirLock(first.out_dir)
+    finishing.acquire()
+    try:
+        with pytest.raises(NotChosen, match=r"\[0\] .* is running \(held by pid "):
+            TunedGrid(grid.plan).choose(CELL, ended=True)
+    finally:
+        finishing.release()
+    # An unfinished run a sweep holds is running, or about to.
+    shutil.rmtree(checkpoint_dir(grid.tuning[1].point.out_dir))
+    record_run(grid.tuning[1], [0.25], finished=False)
+    looking = hold_run_folder(grid.tuning[1].point.out_dir)
+    try:
+        with pytest.raises(NotChosen, match=r"\[1\] .* is running \(held by pid "):
+            TunedGrid(grid.plan).choose(CELL, ended=True)
+    finally:
+        looking.release()
 
 
 @pytest.mark.parametrize("change, reason", [
