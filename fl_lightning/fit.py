@@ -214,6 +214,12 @@ def fit_config_of(arguments: dict) -> FitConfig:
     return fit_config(settings, **{name: arguments[name] for name in FOLDER_ARGUMENTS})
 
 
+def unused_settings(settings: RunSettings) -> tuple[str, ...]:
+    """The groups of settings that a run of `settings` records but never reads: the client optimizer
+    of an algorithm whose clients train no local model (Algorithm.trains_locally)."""
+    return () if settings.algorithm.trains_locally else ("client_optimizer",)
+
+
 def method_name(algorithm: str, constrained: bool) -> str:
     """What a run is named, grouped and tagged by (`method=`), and what `compare` calls it: its
     algorithm's name (Algorithm.method_name), with "+const" when FedCONST's constraint is on."""

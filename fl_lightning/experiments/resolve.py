@@ -25,7 +25,7 @@ from fl_lightning.cli.parser import CommandParser, GridPointParser, build_parser
 from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.overrides import describe_overrides
 from fl_lightning.experiments.runs import RunFolder, RunState
-from fl_lightning.fit import fit_config_of
+from fl_lightning.fit import fit_config_of, unused_settings
 from fl_lightning.run_dir import flatten
 from fl_lightning.yaml_text import load_yaml
 
@@ -41,6 +41,8 @@ class ResolvedPoint:
     settings: Any = None
     """The parsed, not instantiated, settings of the `fl-lightning` command line (for dumping them)."""
     error: Optional[ConfigError] = None
+    unused: tuple[str, ...] = ()
+    """The groups of `config` that the run never reads (fit.unused_settings)."""
 
     @property
     def rounds(self) -> Optional[int]:
@@ -55,8 +57,11 @@ def fit_parser() -> CommandParser:
 
 
 class GridResolver:
-    """Grid points resolved one at a time, as they are asked for, each once, by one GridPointParser: a
-    point of a setting and method whose first seed it has parsed is parsed from that one's settings."""
+    """Grid points resolved one at a time, as they are asked for, by one GridPointParser: a point of a
+    setting and method whose first seed it has parsed is parsed from that one's settings. What a
+    command line resolves to is kept by the line, each line resolved once; the point it is given with
+    is the one asked about (a tuned method's run waiting for its choice and the same run once its
+    choice is made share a command line, not their state)."""
 
     def __init__(self):
         self._parser = fit_parser()
@@ -68,14 +73,15 @@ class GridResolver:
         argv = tuple(point.fit_arguments())
         if argv not in self._resolved:
             self._resolved[argv] = self._resolve(point, list(argv))
-        return self._resolved[argv]
+        return dataclasses.replace(self._resolved[argv], point=point)
 
     def _resolve(self, point: GridPoint, argv: list[str]) -> ResolvedPoint:
         try:
             settings = self._grid_parser.parse(argv)
             arguments = self._parser.instantiate(settings).fit
             arguments.pop("config", None)
-            return ResolvedPoint(point, fit_config_of(arguments).config, settings)
+            checked = fit_config_of(arguments)
+            return ResolvedPoint(point, checked.config, settings, unused=unused_settings(checked.settings))
         except ConfigError as err:
             return ResolvedPoint(point, None, error=err)
 

@@ -267,6 +267,23 @@ def test_a_stale_selection_is_never_used_and_is_made_again(change, reason, tmp_p
         assert CELL not in stale.stale and TunedGrid(stale.plan).made[CELL].chosen == remade.chosen
 
 
+def test_a_choice_of_the_first_candidate_trains_the_plans_runs(tmp_path, capsys, monkeypatch):
+    """A waiting run stands at its cell's first candidate: once that candidate is chosen, the run has the
+    waiting run's command line, and was taken for the waiting run (never trained, listed as both)."""
+    monkeypatch.chdir(tmp_path)
+    grid = tuned_grid(tmp_path)
+    for entry in grid.tuning:
+        record_run(entry, ROWS[entry.point.tuned["client_optimizer.lr"]][entry.point.seed - 100])
+    assert [entry.point.waiting for entry in grid.final()] == [True]  # resolved while it waits, as a sweep does
+    grid.choose_all()
+    assert grid.made[CELL].chosen == {"client_optimizer.lr": 0.1}  # the first of the grid
+    assert [(entry.point.index, entry.point.waiting) for entry in grid.final()] == [(6, False)]
+    assert [entry.point.index for entry in grid.to_run(None, ended=True)] == [6]
+    status, out, err = run_sweep(capsys, str(grid.plan.path), "--runs_root", str(tmp_path / "runs"), "--list")
+    assert status == 0, err
+    assert re.split(r"\s{2,}", out.splitlines()[7])[4] == "not started" and "waiting" not in out
+
+
 # --- the smoke plan, end to end ----------------------------------------------------------------------
 
 SMOKE_METHODS = {"FedAvg": "fedavg", "FedAvg + CONST": "fedavg+const"}
