@@ -180,14 +180,21 @@ def _laid_out(loaded: Loaded, verdicts: list[Verdict], metric: str, at: str, sho
     has_reference = _add_paper_numbers(cells, loaded, reference, metric, methods, shown.percent)
     for setting in loaded.settings:
         mark_best([cells[m, setting] for m in methods], metric, shown.decimals)
-    pair_with_baseline(cells, baseline_of, loaded.settings)
+    apart = pair_with_baseline(cells, baseline_of, loaded.settings)
     outcomes = Outcomes.of(verdicts)
     for key in outcomes.cells_under_way():
         cells[key].pending = True
     return Table(metric=metric, at=at, methods=methods, settings=loaded.settings, labels=loaded.labels,
                  cells=cells, curves=curves, percent=shown.percent, decimals=shown.decimals,
-                 reference=has_reference, notes=outcomes.notes(metric) + loaded.notes, baseline=baseline,
-                 baseline_of=baseline_of, plan=loaded.name, overrides=loaded.overrides)
+                 reference=has_reference, notes=outcomes.notes(metric) + _apart_note(apart) + loaded.notes,
+                 baseline=baseline, baseline_of=baseline_of, plan=loaded.name, overrides=loaded.overrides)
+
+
+def _apart_note(apart: list[str]) -> list[str]:
+    if not apart:
+        return []
+    return ["not paired with the baseline, its run and the baseline's of its seed at other rounds (the values of "
+            "an unfinished run, --include_partial, are of the round it has reached): " + ", ".join(apart)]
 
 
 def _cells(verdicts: list[Verdict], methods: list[str], settings: list[str], scale: float
@@ -199,6 +206,8 @@ def _cells(verdicts: list[Verdict], methods: list[str], settings: list[str], sca
         if verdict.outcome == COUNTED and verdict.value is not None:
             entry = verdict.entry
             cells[entry.method, entry.setting].by_seed[entry.seed] = verdict.value * scale
+            if verdict.unfinished == "partial":
+                cells[entry.method, entry.setting].unfinished_at[entry.seed] = verdict.run.rounds_done
             curves[entry.method, entry.setting].append([(r, v * scale) for r, v in verdict.points])
     return cells, curves
 

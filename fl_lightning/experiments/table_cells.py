@@ -4,6 +4,7 @@ Markdown and CSV (see `fl_lightning.experiments.table` for what each shows)."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import re
 import statistics
@@ -23,6 +24,8 @@ class Cell:
     best: bool = False
     pending: bool = False
     """Runs of the cell are still training: a cell without a value yet shows "pending", not "–"."""
+    unfinished_at: dict[int, int] = field(default_factory=dict)
+    """Seed -> the round its run had reached, for each seed counted short of its rounds (--include_partial)."""
     versus: Optional[PairedDifference] = None
     """With --baseline: the cell's values minus the baseline's of its column, seed by seed; None in the
     baseline's own cells (and where its row has no baseline)."""
@@ -237,9 +240,28 @@ def order_methods(methods: list[str]) -> list[str]:
     return ordered
 
 
-def pair_with_baseline(cells: dict[tuple[str, str], Cell], baseline_of: dict[str, str], settings: list[str]) -> None:
-    """Each compared row's cells minus its baseline row's, seed by seed (Cell.versus)."""
+def pair_with_baseline(cells: dict[tuple[str, str], Cell], baseline_of: dict[str, str], settings: list[str]
+                       ) -> list[str]:
+    """Each compared row's cells minus its baseline row's, seed by seed (Cell.versus). A seed whose run
+    and the baseline's stand at other rounds (one of them counted unfinished, --include_partial) is
+    not paired: their values are of other rounds. Returns those seeds, `setting/row/seed<k> at round
+    2, <baseline>'s finished`."""
+    apart = []
     for row, baseline in baseline_of.items():
         for setting in settings:
-            cell = cells[row, setting]
-            cell.versus = paired_difference(cell.by_seed, cells[baseline, setting].by_seed)
+            cell, base = cells[row, setting], cells[baseline, setting]
+            other_rounds = sorted(seed for seed in cell.by_seed.keys() & base.by_seed.keys()
+                                  if cell.unfinished_at.get(seed) != base.unfinished_at.get(seed))
+            versus = paired_difference(_without(cell.by_seed, other_rounds), _without(base.by_seed, other_rounds))
+            cell.versus = dataclasses.replace(versus, unpaired=sorted({*versus.unpaired, *other_rounds}))
+            apart += [f"{setting}/{row}/seed{seed} {_reached(cell, seed)}, {baseline}'s {_reached(base, seed)}"
+                      for seed in other_rounds]
+    return apart
+
+
+def _without(by_seed: dict[int, float], seeds: list[int]) -> dict[int, float]:
+    return {seed: value for seed, value in by_seed.items() if seed not in seeds}
+
+
+def _reached(cell: Cell, seed: int) -> str:
+    return f"at round {cell.unfinished_at[seed]}" if seed in cell.unfinished_at else "finished"

@@ -358,6 +358,51 @@ def test_baseline_gives_each_cell_its_paired_difference_and_95_percent_interval(
             "mean difference alone and no mark.") in lines
 
 
+# setting -> method -> seed -> its evaluations (rounds 2 and 4 of ROUNDS; one evaluation: stopped at round 2).
+PARTIAL_RUNS = {
+    "alpha-0.5": {"fedavg": {0: [0.5, 0.60], 1: [0.5, 0.62], 2: [0.5, 0.58], 3: [0.5, 0.64]},
+                  "better": {0: [0.5, 0.64], 1: [0.30], 2: [0.5, 0.63], 3: [0.5, 0.67]}},  # seed 1 at round 2
+    "alpha-0.1": {"fedavg": {0: [0.3, 0.40], 1: [0.3, 0.42], 2: [0.70], 3: [0.3, 0.41]},  # the baseline's seed 2
+                  "better": {0: [0.3, 0.45], 1: [0.3, 0.46], 2: [0.3, 0.47], 3: [0.3, 0.44]}},
+    "alpha-0.3": {"fedavg": {0: [0.30], 1: [0.3, 0.42], 2: [0.3, 0.40], 3: [0.3, 0.41]},  # both seed 0 at round 2
+                  "better": {0: [0.35], 1: [0.3, 0.46], 2: [0.3, 0.45], 3: [0.3, 0.44]}},
+}
+
+
+def test_include_partial_never_pairs_runs_at_other_rounds(tmp_path):
+    for setting, methods in PARTIAL_RUNS.items():
+        for method, seeds in methods.items():
+            for seed, evaluations in seeds.items():
+                write_run(tmp_path / "runs" / setting / method / f"seed{seed}", evaluations)
+    out = tmp_path / "out"
+    main(["table", "--plan", str(tmp_path / "runs" / "*" / "*" / "seed*"), "--baseline", "fedavg", "--out", str(out),
+          "--include_partial", "true"])
+    rows = rows_by_method(list(csv.DictReader(io.StringIO((out / "table.csv").read_text()))))
+    markdown = (out / "table.md").read_text()
+
+    def paired(setting: str, seeds: list[int]) -> list[float]:
+        ours, base = PARTIAL_RUNS[setting]["better"], PARTIAL_RUNS[setting]["fedavg"]
+        return [100 * (ours[seed][-1] - base[seed][-1]) for seed in seeds]
+
+    better = rows["better"]
+    # A run of either side at round 2 of 4 is not paired with its seed's finished run: no interval, no mark.
+    for setting, apart in (("alpha-0.5", 1), ("alpha-0.1", 2)):
+        seeds = [seed for seed in range(4) if seed != apart]
+        assert float(better[f"{setting}:paired_diff"]) == pytest.approx(statistics.fmean(paired(setting, seeds)))
+        assert (better[f"{setting}:paired_n"], better[f"{setting}:unpaired_seeds"], better[f"{setting}:paired_low"],
+                better[f"{setting}:paired_excludes_0"]) == ("3", str(apart), "", "")
+        assert f"({3} pairs; seed {apart} unpaired)" in markdown
+    # Two runs of one seed at the same round are a pair.
+    differences = paired("alpha-0.3", [0, 1, 2, 3])
+    low, high = direct_interval(differences)
+    assert (better["alpha-0.3:paired_n"], better["alpha-0.3:unpaired_seeds"]) == ("4", "")
+    assert (float(better["alpha-0.3:paired_low"]), float(better["alpha-0.3:paired_high"])) == pytest.approx(
+        (low, high), rel=1e-4)
+    assert ("not paired with the baseline, its run and the baseline's of its seed at other rounds (the values of an "
+            "unfinished run, --include_partial, are of the round it has reached): alpha-0.1/better/seed2 finished, "
+            "fedavg's at round 2, alpha-0.5/better/seed1 at round 2, fedavg's finished") in markdown
+
+
 def test_a_baseline_the_table_does_not_have_is_refused_naming_its_methods(sweep, capsys):
     with pytest.raises(SystemExit) as exit_info:
         run_table(sweep, "--baseline", "FedProx")
