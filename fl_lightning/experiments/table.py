@@ -181,20 +181,29 @@ def _laid_out(loaded: Loaded, verdicts: list[Verdict], metric: str, at: str, sho
     for setting in loaded.settings:
         mark_best([cells[m, setting] for m in methods], metric, shown.decimals)
     apart = pair_with_baseline(cells, baseline_of, loaded.settings)
+    uncompared = loaded.blocks_without(baseline) if baseline is not None else []
     outcomes = Outcomes.of(verdicts)
     for key in outcomes.cells_under_way():
         cells[key].pending = True
     return Table(metric=metric, at=at, methods=methods, settings=loaded.settings, labels=loaded.labels,
                  cells=cells, curves=curves, percent=shown.percent, decimals=shown.decimals,
-                 reference=has_reference, notes=outcomes.notes(metric) + _apart_note(apart) + loaded.notes,
+                 reference=has_reference,
+                 notes=outcomes.notes(metric) + _baseline_notes(baseline, apart, uncompared) + loaded.notes,
                  baseline=baseline, baseline_of=baseline_of, plan=loaded.name, overrides=loaded.overrides)
 
 
-def _apart_note(apart: list[str]) -> list[str]:
-    if not apart:
-        return []
-    return ["not paired with the baseline, its run and the baseline's of its seed at other rounds (the values of "
-            "an unfinished run, --include_partial, are of the round it has reached): " + ", ".join(apart)]
+def _baseline_notes(baseline: Optional[str], apart: list[str], uncompared: list[str]) -> list[str]:
+    """What --baseline leaves unpaired: seeds at other rounds than the baseline's (pair_with_baseline),
+    and the blocks of rows of a plan without the baseline."""
+    notes = []
+    if apart:
+        notes.append("not paired with the baseline, its run and the baseline's of its seed at other rounds (the "
+                     "values of an unfinished run, --include_partial, are of the round it has reached): "
+                     + ", ".join(apart))
+    if uncompared:
+        notes.append(f"not compared with {baseline}: the rows of {', '.join(uncompared)}, whose plan has no "
+                     f"{baseline}")
+    return notes
 
 
 def _cells(verdicts: list[Verdict], methods: list[str], settings: list[str], scale: float

@@ -90,6 +90,14 @@ class Loaded:
         return {row: of_block[block] for row, block in self.blocks.items()
                 if block in of_block and of_block[block] != row}
 
+    def blocks_without(self, method: str) -> list[str]:
+        """The blocks of rows of a table of several plans that have no row of `method` (their plan lacks
+        it): `--baseline method` compares their rows with nothing."""
+        if method in self.methods:
+            return []
+        having = {block for row, block in self.blocks.items() if row == f"{block}: {method}"}
+        return [block for block in dict.fromkeys(self.blocks.values()) if block not in having]
+
 
 def load_entries(plan: Union[str, list[str]], runs_root: Path, overrides: Optional[list[str]] = None) -> Loaded:
     if isinstance(plan, str) and Path(plan).is_file():
@@ -180,27 +188,38 @@ def _from_plans(paths: list[Path], runs_root: Path, overrides: Optional[list[str
 
 def _row_blocks(parts: list[Loaded]) -> list[str]:
     """Per plan, what tells its rows apart from those of the plans that share a column with it: the
-    values of the settings that differ between such plans (every run of a plan sharing them), or "".
-    A point's seed is never one: plans that differ in their seeds alone fill the same cells."""
-    shared_by_all = []
+    values of the settings that every run of each of two such plans has, and that differ between
+    them (`hidden=16`, `lenet5`), or "". Never a method's own settings (the algorithm and what varies
+    between a plan's rows or columns: the row's method already names them), a setting one of the two
+    lacks, nor a point's seed (plans that differ in their seeds alone fill the same cells)."""
     tuned = [key for part in parts for key in part.tuned]
+    shared_by_all, varying = [], set()
     for part in parts:
         flat = [{name: value for name, value in defining_settings(entry.config).items()
                  if name not in SET_BY_THE_PLAN and not any(same_setting(name, key) for key in tuned)}
                 for entry in part.entries]
-        shared_by_all.append({name: value for name, value in flat[0].items()
-                              if all(name in other and other[name] == value for other in flat[1:])})
+        shared = {name: value for name, value in flat[0].items()
+                  if all(name in other and other[name] == value for other in flat[1:])}
+        varying |= {name for settings in flat for name in settings if name not in shared}
+        shared_by_all.append(shared)
     telling = set()
     for first, second in itertools.combinations(range(len(parts)), 2):
         if set(parts[first].settings) & set(parts[second].settings):
             a, b = shared_by_all[first], shared_by_all[second]
-            telling |= {name for name in a.keys() | b.keys() if name not in a or name not in b or a[name] != b[name]}
-    return [", ".join(_block_value(name, block.get(name, "?")) for name in sorted(telling)) for block in shared_by_all]
+            telling |= {name for name in a.keys() & b.keys() if a[name] != b[name] and name not in varying
+                        and name.split(".")[0] != "algorithm"}
+    return [", ".join(_block_value(name, block[name]) for name in sorted(telling)) for block in shared_by_all]
 
 
 def _block_value(name: str, value) -> str:
-    """`lenet5` (a name says what it is), `hidden=16` (a number does not)."""
-    return value if isinstance(value, str) else f"{name.rsplit('.', 1)[-1]}={value_text(value)}"
+    """`lenet5` (a name says what it is; of a dotted path, its last part: `make_net` of `my_model.make_net`),
+    `hidden=16` (a number does not)."""
+    if isinstance(value, str):
+        return value.rsplit(".", 1)[-1] if _DOTTED_PATH.fullmatch(value) else value
+    return f"{name.rsplit('.', 1)[-1]}={value_text(value)}"
+
+
+_DOTTED_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
 
 
 _SEED = re.compile(r"seed(\d+)")

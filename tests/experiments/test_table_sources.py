@@ -6,12 +6,14 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hand_written_runs import ROUNDS, write_plan_runs
 from paths import QUICKSTART, REPOSITORY
 
 from fl_lightning.commands.main import main as fl_lightning_main
 from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.plan import load_plan
 from fl_lightning.experiments.table import table
+from fl_lightning.experiments.table_sources import _block_value
 from fl_lightning.run_logging import read_metrics
 
 pytestmark = pytest.mark.slow  # end to end: the tests train runs in-process or in subprocesses
@@ -135,3 +137,31 @@ def test_the_baseline_of_a_table_of_several_plans_is_its_method_in_each_block_of
             accuracy(runs, plan, "FedAvg + CONST") - accuracy(runs, plan, "FedAvg")]
     with pytest.raises(ConfigError, match=r"baseline: expected a method of the table \(FedAvg, FedAvg \+ CONST\)"):
         table(plan=[str(path) for path in plans], runs_root=runs, baseline="SCAFFOLD")
+
+
+def test_a_baseline_only_one_plan_has_says_which_rows_it_leaves_and_rows_are_labelled_by_what_tells_plans_apart(
+        tmp_path):
+    # Two plans of one column: FedAvg with and without CONST at hidden 16, SCAFFOLD alone at hidden 32. The
+    # methods' own settings (the algorithm, CONST's model options) differ between them too, but tell no block.
+    plans = []
+    for hidden, methods in ((16, METHODS), (32, {"SCAFFOLD": [{"algorithm": "scaffold"}]})):
+        path = tmp_path / f"mlp{hidden}.yaml"
+        path.write_text(yaml.safe_dump({
+            "name": f"mlp{hidden}", "configs": [QUICKSTART, {**TINY, "federation.rounds": ROUNDS},
+                                                {"model.options": {"hidden": hidden, "depth": 1}}],
+            "methods": methods, "settings": {"federation": {"cross-device": FEDERATIONS["cross-device"]}},
+            "seeds": [0, 1, 2]}, sort_keys=False))
+        write_plan_runs(path, tmp_path / "runs", [0.3, 0.5 + hidden / 1000])
+        plans.append(str(path))
+    result = table(plan=plans, runs_root=tmp_path / "runs", baseline="FedAvg", out=tmp_path / "out")
+    assert result.methods == ["hidden=16: FedAvg", "hidden=16: FedAvg + CONST", "hidden=32: SCAFFOLD"]
+    assert result.baseline_of == {"hidden=16: FedAvg + CONST": "hidden=16: FedAvg"}
+    assert result.paired_text("hidden=32: SCAFFOLD", "federation-cross-device") == "–"
+    assert "not compared with FedAvg: the rows of hidden=32, whose plan has no FedAvg" in result.notes
+    assert all(row.split(": ")[1] in ("FedAvg", "FedAvg + CONST", "SCAFFOLD") for row in result.methods)
+
+
+def test_a_block_named_by_a_dotted_path_shows_its_last_part():
+    assert _block_value("model.name", "my_model.make_net") == "make_net"
+    assert _block_value("model.name", "lenet5") == "lenet5"
+    assert _block_value("model.options.hidden", 16) == "hidden=16"

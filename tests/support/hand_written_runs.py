@@ -106,6 +106,15 @@ def sweep(tmp_path, monkeypatch, point_configs):
     return write_sweep(tmp_path, point_configs)
 
 
+def write_plan_runs(plan_file: Path, runs_root: Path, accuracies: list[float]) -> None:
+    """A run of every grid point of the plan, made with the point's settings, each evaluated `accuracies` plus
+    its seed / 100 (the plan's rounds must be 2 * len(accuracies))."""
+    for resolved in resolve_grid(load_plan(plan_file, runs_root=runs_root).grid()):
+        point = resolved.point
+        write_run(point.out_dir, [accuracy + point.seed / 100 for accuracy in accuracies],
+                  config={**resolved.config, "out_dir": str(point.out_dir)})
+
+
 def run_folder(plan_file: Path, setting: str, method: str, seed: int) -> Path:
     return plan_file.parent / "runs" / "demo" / setting / method / f"seed{seed}"
 
