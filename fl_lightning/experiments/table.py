@@ -31,7 +31,9 @@ Table (`table.md`, printed, and `table.csv`):
   them before a resume: a run made with other settings (the plan edited after it ran) is left out
   and named in the notes with the fields that differ, never averaged in. Only the points that have
   runs are resolved (a grid's points without a run are not started, whatever their settings), and
-  one whose settings `fit` refuses refuses the plan.
+  one whose settings `fit` refuses refuses the plan; but a point naming a module of the user's that
+  this process cannot import (an algorithm or model by its dotted path, PYTHONPATH unset) is read as
+  its run's config.yaml recorded it, unchecked, and the notes say so.
 - a torn last line of metrics.jsonl (a killed run, until it resumes) is left out, and the notes say
   so. A run without metrics rows but with a checkpoint (a kill between the checkpoint and the log)
   is not "not started": the notes name its checkpoint's round and the command that rewrites the

@@ -100,6 +100,8 @@ class Outcomes:
     empty: list[Entry] = field(default_factory=list)
     waiting: list[Entry] = field(default_factory=list)
     """Runs of a tuned method whose setting has no tuning choice yet (tuning.py)."""
+    unchecked: list[Entry] = field(default_factory=list)
+    """Runs read as they recorded themselves: their point names a module this process cannot import."""
 
     @classmethod
     def of(cls, verdicts: list[Verdict]) -> "Outcomes":
@@ -112,6 +114,8 @@ class Outcomes:
         entry, run = verdict.entry, verdict.run
         if run is not None and run.torn_line:
             self.torn.append(entry)
+        if entry.unimportable is not None:
+            self.unchecked.append(entry)
         if verdict.outcome != COUNTED:
             {WAITING: lambda: self.waiting.append(entry), NOT_STARTED: lambda: self.not_started.append(entry),
              WITHOUT_ROWS: lambda: self.without_rows.append((entry, verdict.detail)),
@@ -151,6 +155,10 @@ class Outcomes:
         if self.chosen_on_test:
             notes.append(f"{selection_note(metric, on_validation=False)}: "
                          + _listing([_where(e) for e in self.chosen_on_test]))
+        for module in sorted({entry.unimportable for entry in self.unchecked}):
+            notes.append(f"read as they recorded themselves, not checked against the plan's settings ({module} is not "
+                         "importable here: with its folder on PYTHONPATH they are): "
+                         + _listing([_where(e) for e in self.unchecked if e.unimportable == module]))
         if self.not_started:
             notes.append("not started: " + _listing([_where(e) for e in self.not_started]))
         notes += [f"{_where(entry)}: no metrics rows (checkpoint at round {checkpoint}): resume it to rewrite them "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import importlib.util
 import itertools
 import os
 import re
@@ -21,7 +22,7 @@ from fl_lightning.experiments.resolve import GridResolver, accepted_config, reso
 from fl_lightning.experiments.runs import RunFolder, find_runs
 from fl_lightning.experiments.tuning import TunedGrid
 from fl_lightning.metric_names import TEST_ACCURACY
-from fl_lightning.run_dir import defining_settings
+from fl_lightning.run_dir import defining_settings, flatten
 from fl_lightning.run_logging import METRICS_FILE
 
 
@@ -37,19 +38,38 @@ class Entry:
     """None without a plan."""
     plan_file: Optional[Path] = None
     resolver: Optional[GridResolver] = field(default=None, repr=False, compare=False)
+    unimportable: Optional[str] = None
+    """The module of the user's (an algorithm's, a model's, a dataset's) that the point names and this
+    process cannot import (not on PYTHONPATH): the run is read as its config.yaml recorded it,
+    unchecked against its point (set by `config`)."""
 
     @functools.cached_property
     def config(self) -> Optional[dict]:
         """The settings `fit` builds for the run's grid point, resolved when first asked for (a table of
         one plan asks for those of the points that have runs); the plan is refused if `fit` would
-        refuse them. None without a plan."""
+        refuse them. Where they name a module of the user's that this process cannot import, and the
+        run folder records the settings it was made with, those (and `unimportable` names the module).
+        None without a plan."""
         if self.point is None:
             return None
-        return accepted_config(self.plan_file, self.resolver.resolve(self.point))
+        resolved = self.resolver.resolve(self.point)
+        if resolved.error is not None:
+            self.unimportable = _unimportable_module(resolved.error, RunFolder(self.path).config)
+            if self.unimportable is not None:
+                return RunFolder(self.path).config
+        return accepted_config(self.plan_file, resolved)
 
     @property
     def rounds(self) -> Optional[int]:
         return None if self.config is None else self.config["federation"]["rounds"]
+
+
+def _unimportable_module(error: Exception, recorded: dict) -> Optional[str]:
+    """The top module of a dotted path in the recorded settings that cannot be imported here, where the
+    error of resolving the point is that module's absence; None otherwise."""
+    paths = [value for value in flatten(recorded).values() if isinstance(value, str) and _DOTTED_PATH.fullmatch(value)]
+    missing = {path.split(".")[0] for path in paths if importlib.util.find_spec(path.split(".")[0]) is None}
+    return next((module for module in sorted(missing) if f"No module named '{module}'" in str(error)), None)
 
 
 @dataclass

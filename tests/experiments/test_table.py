@@ -1,10 +1,12 @@
 """`fl-lightning table` on run folders written by hand (no training)."""
 
 import csv
+import importlib
 import io
 import json
 import shutil
 import statistics
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,7 @@ from hand_written_runs import (
     run_folder,
     write_checkpoint,
     write_demo_plan,
+    write_plan_runs,
     write_run,
     write_sweep,
 )
@@ -284,6 +287,31 @@ def test_an_early_stopped_run_counts_as_finished_at_its_last_round(sweep):
     assert ("finished early (a final stop in its checkpoint), counted at its last round: "
             "alpha-0.1/FedAvg + CONST/seed1 (round 2/4)") in markdown
     assert "not counted, unfinished" not in markdown
+
+
+def test_a_finished_run_of_a_users_model_is_tabulated_without_importing_it(tmp_path, monkeypatch):
+    # The plan names a model factory in a module of the user's, on sys.path while the runs are made only.
+    user = tmp_path / "user"
+    user.mkdir()
+    shutil.copy(REPOSITORY / "examples" / "my_model.py", user / "table_users_model.py")
+    plan_file = tmp_path / "plan.yaml"
+    plan_file.write_text(yaml.safe_dump({
+        "name": "users", "configs": [str(REPOSITORY / "configs" / "quickstart.yaml"),
+                                     {"federation.rounds": ROUNDS, "model.name": "table_users_model.make_net",
+                                      "model.options": {"width": 8}}],
+        "methods": {"FedAvg": [{"algorithm": "fedavg"}]}, "seeds": [0, 1],
+        "settings": {"alpha": {"0.5": [{"data.alpha": 0.5}]}}}, sort_keys=False))
+    monkeypatch.syspath_prepend(str(user))
+    write_plan_runs(plan_file, tmp_path / "runs", [0.3, 0.5])
+    monkeypatch.setattr(sys, "path", [path for path in sys.path if path != str(user)])
+    monkeypatch.delitem(sys.modules, "table_users_model")
+    importlib.invalidate_caches()
+    markdown, rows, _ = run_table(plan_file)
+    fedavg = rows_by_method(rows)["FedAvg"]
+    assert fedavg["alpha-0.5:n"] == "2" and float(fedavg["alpha-0.5:mean"]) == pytest.approx(50.5)
+    assert ("read as they recorded themselves, not checked against the plan's settings (table_users_model is not "
+            "importable here: with its folder on PYTHONPATH they are): alpha-0.5/FedAvg/seed0, alpha-0.5/FedAvg/seed1"
+            ) in markdown
 
 
 # --baseline: paired differences
