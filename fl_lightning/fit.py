@@ -75,15 +75,14 @@ from fl_lightning.run_dir import (
     recorded_config,
     remove_results,
     report_safe_changes,
-    seedless_digest,
 )
 from fl_lightning.run_logging import (
     MetricsLog,
     WandbIdentity,
-    check_wandb_environment,
     new_run_id,
     new_wandb_run,
-    run_tags,
+    wandb_identity,
+    with_environment_mode,
 )
 from fl_lightning.server_optimizers import ServerOptimizer, ServerSGD
 
@@ -151,8 +150,6 @@ def train_run(checked: FitConfig) -> torch.Tensor:
     settings, out_dir = checked.settings, checked.out_dir
     settings.fabric.validate()
     check_slurm_allocation(settings.fabric)
-    if settings.logger.wandb_mode != "disabled":
-        check_wandb_environment()
     _check_writable(out_dir)
     launching = is_launching_process()
     lock = RunDirLock(out_dir)
@@ -191,6 +188,7 @@ def fit_config(settings: RunSettings, *, out_dir: Optional[Path], resume: Option
     devices are needed, and turned into the config it records: what `fit` trains, and what a sweep
     checks each grid point against before any run starts."""
     settings = dataclasses.replace(settings, server_optimizer=_materialise(settings.server_optimizer))
+    settings = dataclasses.replace(settings, logger=with_environment_mode(settings.logger))  # WANDB_MODE comes first
     settings.algorithm.server_optimizer_for(settings.server_optimizer)  # refuses one the algorithm cannot step with
     _validate_settings(settings, resume, overwrite)
     method = method_name(settings.algorithm.method_name(), constrained=settings.constraint is not None)
@@ -270,18 +268,8 @@ def _resume_state(checked: FitConfig, launching: bool) -> Optional[dict]:
 
 def _build_and_train(checked: FitConfig, resume_state: Optional[dict], launching: bool) -> torch.Tensor:
     settings, config, out_dir, method = checked.settings, checked.config, checked.out_dir, checked.method
-    model, data, logger, constraint, seed = (settings.model, settings.data, settings.logger, settings.constraint,
-                                             settings.seed)
-    # W&B averages the runs of a group, so a default group holds exactly the runs that differ only by
-    # seed: it is named by the digest that names the default run folder, taken without the seed.
-    experiment = seedless_digest(config)
-    identity = WandbIdentity(
-        run_id=resume_state["run_id"] if resume_state is not None else new_run_id(),
-        name=logger.name or f"{method}-seed{seed}-{experiment}",
-        group=logger.group or f"{data.name}-alpha{data.alpha}-{model.name}-{method}-{experiment}",
-        tags=run_tags({"method": method, "constraint": type(constraint).__name__ if constraint else "none",
-                       "dataset": data.name, "alpha": str(data.alpha), "model": model.name}, logger.tags),
-    )
+    logger = settings.logger
+    identity = wandb_identity(config, method, resume_state["run_id"] if resume_state is not None else new_run_id())
     inputs = rank_inputs(settings, out_dir=out_dir, run_id=identity.run_id, hyperparameters=config,
                          resume_state=resume_state)
     module, rounds = inputs.module, settings.federation.rounds

@@ -12,6 +12,7 @@ failure but the run folder's, and ends the run as a checkpoint that cannot be wr
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -29,6 +30,7 @@ from fl_lightning.cluster import slurm_job_id
 from fl_lightning.config import LoggerArgs
 from fl_lightning.errors import UNWRITABLE_ERRNOS, ConfigError, WriteFailed
 from fl_lightning.metric_names import TEST_ACCURACY, VAL_ACCURACY, best_keys, best_round, final_key
+from fl_lightning.run_dir import seedless_digest
 from fl_lightning.wandb_file import history_steps, is_finished, read_records
 
 METRICS_FILE = "metrics.jsonl"
@@ -37,8 +39,10 @@ DEFAULT_INIT_TIMEOUT_S = 30.0
 # How long a finished W&B run waits for W&B's service to write the run's file, and how often it looks.
 RUN_FILE_WAIT_S = 30.0
 RUN_FILE_POLL_S = 0.02
-WANDB_MODES = ("online", "offline", "disabled", "dryrun", "shared", "run")
-"""The values W&B takes for WANDB_MODE."""
+ENVIRONMENT_MODES = {"online": "online", "offline": "offline", "disabled": "disabled", "dryrun": "offline",
+                     "shared": "online", "run": "online"}
+"""The values W&B takes for WANDB_MODE -> the logger.wandb_mode each stands for (W&B's `dryrun` is its
+old name of offline, `run` of online; `shared`, several writers of one run, logs online)."""
 
 
 def _json_row(metrics: dict) -> str:
@@ -88,6 +92,24 @@ class WandbIdentity:
         return {key: keyed.get(key) for key in DASHBOARD_KEYS}
 
 
+def wandb_identity(config: dict, method: str, run_id: str) -> WandbIdentity:
+    """How the run of `config` (the settings `fit` records in config.yaml) appears on W&B: logger.name,
+    logger.group and logger.tags where set, else names from its method and settings. W&B averages the
+    runs of a group, so a default group holds exactly the runs that differ only by seed: it is named by
+    the digest that names the default run folder, taken without the seed. `fit` names its run so, and
+    `fl-lightning publish` the run it replays from the run's folder."""
+    data, model, logger = config["data"], config["model"], config["logger"]
+    experiment = seedless_digest(config)
+    constraint = "none" if config["constraint"] is None else config["constraint"]["class_path"].rsplit(".", 1)[-1]
+    return WandbIdentity(
+        run_id=run_id,
+        name=logger["name"] or f"{method}-seed{config['seed']}-{experiment}",
+        group=logger["group"] or f"{data['name']}-alpha{data['alpha']}-{model['name']}-{method}-{experiment}",
+        tags=run_tags({"method": method, "constraint": constraint, "dataset": data["name"], "alpha": str(data["alpha"]),
+                       "model": model["name"]}, logger["tags"]),
+    )
+
+
 def run_tags(own: dict[str, str], extra: list[str]) -> list[str]:
     """The run's `key=value` tags from `own`, but where `extra` (logger.tags) has a tag of the same key,
     which takes its place (a sweep's `method=` is its plan's name for the method, so a run has one
@@ -104,8 +126,17 @@ def check_wandb_environment() -> None:
     for name in [name for name, value in os.environ.items() if name.startswith("WANDB_") and not value]:
         del os.environ[name]
     mode = os.environ.get("WANDB_MODE")
-    if mode is not None and mode not in WANDB_MODES:
-        raise ConfigError("WANDB_MODE", f"one of {', '.join(WANDB_MODES)}, or unset", mode)
+    if mode is not None and mode not in ENVIRONMENT_MODES:
+        raise ConfigError("WANDB_MODE", f"one of {', '.join(ENVIRONMENT_MODES)}, or unset", mode)
+
+
+def with_environment_mode(args: LoggerArgs) -> LoggerArgs:
+    """`args` with WANDB_MODE, where it is set, in the place of logger.wandb_mode: the environment is
+    the machine's say (a machine without network sets WANDB_MODE=offline for every run it trains),
+    a config travels between machines. The run records the mode it logs with (config.yaml)."""
+    check_wandb_environment()
+    mode = os.environ.get("WANDB_MODE")
+    return args if mode is None else dataclasses.replace(args, wandb_mode=ENVIRONMENT_MODES[mode])
 
 
 def _init_timeout_s() -> float:
@@ -132,6 +163,19 @@ class WandbRun:
         self.args, self.out_dir, self.identity = args, Path(out_dir), identity
         self._run = None
         self._logged_rounds: list[int] = []
+
+    @property
+    def mode(self) -> Optional[str]:
+        """online or offline (after an online start that fell back), as the run logs; None while no run
+        is open (before `start`, after a failure or `finish`)."""
+        if self._run is None:
+            return None
+        return "offline" if self._run.offline else "online"
+
+    @property
+    def run_file(self) -> Optional[Path]:
+        """The run's W&B file (what `wandb sync` uploads); None while no run is open."""
+        return None if self._run is None else Path(self._run.settings.sync_file)
 
     def start(self, hyperparameters: dict) -> None:
         """Create (or resume) the run; an unreachable server in online mode falls back to offline."""
@@ -199,7 +243,7 @@ class WandbRun:
         if self._run is not None and summary:
             self._call("write the summary", lambda: self._run.summary.update(summary))
         if self._run is not None:
-            run_file = Path(self._run.settings.sync_file)
+            run_file = self.run_file
             finished = self._call("finish", self._run.finish)
             self._run = None
             if finished:
@@ -314,3 +358,30 @@ def summary_line(history: list[dict], rounds: int, out_dir: Path, stop_reasons: 
 
 def new_wandb_run(args: LoggerArgs, out_dir: Path, identity: WandbIdentity) -> Optional[WandbRun]:
     return None if args.wandb_mode == "disabled" else WandbRun(args, out_dir, identity)
+
+
+PUBLISHED_FILE = "published.json"
+"""In a run's wandb/ folder: what `fl-lightning publish` sent of the run, per mode (online, offline):
+its W&B run id, project and last round. The folder goes with the run (`overwrite` removes it)."""
+
+
+def read_published(out_dir: Path) -> dict[str, dict]:
+    """mode -> {"run_id", "project", "round"} of what was published of the run in out_dir ({} if nothing)."""
+    path = Path(out_dir) / "wandb" / PUBLISHED_FILE
+    if not path.is_file():
+        return {}
+    return json.loads(path.read_text())  # written atomically: never torn
+
+
+def record_published(out_dir: Path, mode: str, run_id: str, project: str, last_round: int) -> None:
+    published = {**read_published(out_dir), mode: {"run_id": run_id, "project": project, "round": last_round}}
+    (Path(out_dir) / "wandb").mkdir(exist_ok=True)
+    write_text_atomically(Path(out_dir) / "wandb" / PUBLISHED_FILE, json.dumps(published, indent=2) + "\n")
+
+
+def is_published(out_dir: Path, mode: str, run_id: str, project: str, last_round: int) -> bool:
+    """Whether W&B run `run_id` of `project` got every round up to `last_round` from a publish online, or
+    from one in `mode` (an offline publish is no reason not to publish online)."""
+    published = read_published(out_dir)
+    return any(entry["run_id"] == run_id and entry["project"] == project and entry["round"] >= last_round
+               for entry in (published.get("online"), published.get(mode)) if entry is not None)

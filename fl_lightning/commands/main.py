@@ -1,5 +1,6 @@
 """The `fl-lightning` commands: `fit --config FILE [--group.field value ...]`, `sweep PLAN`,
-`table PLAN`, `dashboard PLAN`, `data PLAN` (or `data --config FILE ...`) and `compare --runs [DIR, ...]`.
+`table PLAN`, `dashboard PLAN`, `publish PLAN`, `data PLAN` (or `data --config FILE ...`) and
+`compare --runs [DIR, ...]`.
 
 Every bad input ends in one line on stderr, `error: <field>: expected ..., got ...`, and exit
 status 2, before any data is loaded or training starts (see `fl_lightning.cli.messages`). A run
@@ -21,11 +22,13 @@ from fl_lightning.compare import compare
 from fl_lightning.errors import ConfigError, RunInterrupted
 from fl_lightning.experiments.dashboard import dashboard
 from fl_lightning.experiments.data_check import data, data_of_fit_line, fit_line_of
+from fl_lightning.experiments.publish import publish
 from fl_lightning.experiments.sweep import sweep
 from fl_lightning.experiments.table import table
 from fl_lightning.fit import fit
 
-COMMANDS = {"fit": fit, "compare": compare, "table": table, "sweep": sweep, "dashboard": dashboard, "data": data}
+COMMANDS = {"fit": fit, "compare": compare, "table": table, "sweep": sweep, "dashboard": dashboard, "data": data,
+            "publish": publish}
 
 
 @functools.cache
@@ -37,7 +40,7 @@ def command_parser() -> CommandParser:
 
 
 # Subcommands whose first argument may be the plan itself: `fl-lightning sweep PLAN`.
-PLAN_COMMANDS = ("sweep", "table", "dashboard", "data")
+PLAN_COMMANDS = ("sweep", "table", "dashboard", "data", "publish")
 
 
 def main(argv: Optional[list[str]] = None) -> None:

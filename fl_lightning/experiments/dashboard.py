@@ -40,20 +40,21 @@ command exits 1.
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import re
 import shlex
 import sys
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional
 
 from fl_lightning.atomic_files import write_text_atomically
+from fl_lightning.configurable import resolve_dotted_path
 from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.plan import Plan, load_plan
-from fl_lightning.experiments.resolve import check_grid, resolve_variant
+from fl_lightning.experiments.resolve import ResolvedPoint, check_grid, resolve_variant
 from fl_lightning.experiments.table_sources import setting_label
 from fl_lightning.metric_names import (
     CLIENT_VAL_ACCURACY_MEAN,
@@ -65,7 +66,8 @@ from fl_lightning.metric_names import (
     final_key,
     selection,
 )
-from fl_lightning.run_logging import check_wandb_environment
+from fl_lightning.run_dir import recorded_config
+from fl_lightning.run_logging import check_wandb_environment, read_published
 
 SPEC_FILE = "dashboard.json"
 """The spec's file in runs/<plan>/ unless `out` names another."""
@@ -133,46 +135,76 @@ def dashboard(
     """
     if not offline:
         check_wandb_environment()
-    loaded = load_plan(Path(plan), runs_root=Path(runs_root), overrides=override)
-    runs = _runs_settings(loaded)
+    report = plan_report(Path(plan), project=project, runs_root=Path(runs_root), override=override)
+    return create_plan_report(report, ["fl-lightning", "dashboard", str(plan)], entity=entity, title=title,
+                              band=band, offline=offline, out=out)
+
+
+@dataclass
+class PlanReport:
+    """A plan read for its report: its grid points resolved and accepted, its runs' settings, the project."""
+
+    plan: Plan
+    resolved: list[ResolvedPoint]
+    runs: _RunsSettings
+    project: str
+    runs_root: Path
+    override: Optional[list[str]]
+
+
+def plan_report(plan: Path, project: Optional[str], runs_root: Path, override: Optional[list[str]]) -> PlanReport:
+    """The plan's grid points resolved as `fit` resolves them (a plan with a point `fit` would refuse, or
+    with overrides that `check_overrides` refuses, is refused) and the project its report shows."""
+    loaded = load_plan(plan, runs_root=runs_root, overrides=override)
+    resolved = resolve_variant(loaded)
+    check_grid(loaded.path, resolved)
+    runs = _runs_settings(resolved)
     if project is None:
         if len(runs.projects) > 1:
             raise ConfigError("project", "one W&B project for the report (the plan's runs log to several: "
                               "name the one to show with --project)", sorted(runs.projects))
         project = next(iter(runs.projects))
+    return PlanReport(plan=loaded, resolved=resolved, runs=runs, project=project, runs_root=runs_root,
+                      override=override)
+
+
+def create_plan_report(report: PlanReport, command: list[str], entity: Optional[str], title: Optional[str],
+                       band: Literal["minmax", "std"], offline: bool, out: Optional[Path]) -> dict:
+    """Write the report's spec, then create the report in W&B where it can be reached; else print
+    `command` with the options that make the same report: what creates it later."""
+    loaded, runs, project = report.plan, report.runs, report.project
     spec = dashboard_spec(loaded, project=project, entity=entity, title=title, band=band,
                           diagnostics=runs.diagnostics, selected_on=runs.selected_on,
                           per_client_eval=runs.per_client_eval)
-    path = Path(out) if out is not None else Path(runs_root) / loaded.name / SPEC_FILE
-    _write_spec(spec, path, loaded, project, runs, Path(runs_root))
-    later = shlex.join(["fl-lightning", "dashboard", str(plan), *_options(entity, project, title, band, runs),
-                        *[f"--override={setting}" for setting in override or []]])
+    path = Path(out) if out is not None else report.runs_root / loaded.name / SPEC_FILE
+    _write_spec(spec, path, report)
+    later = shlex.join([*command, *_options(entity, project, title, band, runs),
+                        *[f"--override={setting}" for setting in report.override or []]])
     _create(spec, path, later, offline)
     return spec
 
 
-def _write_spec(spec: dict, path: Path, plan: Plan, project: str, runs: _RunsSettings, runs_root: Path) -> None:
-    """The report's spec written, said, and with it how its runs reach W&B."""
+def _write_spec(spec: dict, path: Path, report: PlanReport) -> None:
+    """The report's spec written, said, and with it which of the plan's runs W&B lacks."""
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomically(path, json.dumps(spec, indent=2, ensure_ascii=False) + "\n")
-    sections = spec["sections"]
-    print(f"W&B report of plan {plan.name}: {len(sections)} section(s) ({', '.join(s['name'] for s in sections)}), "
-          f"{len(sections[0]['panels'])} panels each; runs tagged plan={plan.name} in W&B project {project}, "
+    sections, name = spec["sections"], report.plan.name
+    print(f"W&B report of plan {name}: {len(sections)} section(s) ({', '.join(s['name'] for s in sections)}), "
+          f"{len(sections[0]['panels'])} panels each; runs tagged plan={name} in W&B project {report.project}, "
           f"grouped by config.{METHOD_KEY}")
     print(f"spec: {path}")
-    if runs.modes == {"disabled"}:
-        print("note: the plan's settings leave W&B off (logger.wandb_mode: disabled): its runs reach W&B when "
-              "swept with --slurm (whose runs log online) or with {logger.wandb_mode: online} in the plan's configs")
-    elif "offline" in runs.modes:
-        print(f"note: runs logged offline reach W&B once synced: wandb sync "
-              f"{runs_root / plan.name}/*/*/seed*/wandb/offline-run-*")
+    lacking = Counter(where for where in map(wandb_standing, report.resolved) if where != IN_WANDB)
+    if lacking:
+        how = ", ".join(f"{count} {where}" for where, count in sorted(lacking.items()))
+        print(f"note: W&B lacks {sum(lacking.values())} of the plan's {len(report.resolved)} runs ({how}); "
+              f"`fl-lightning publish {report.plan.path}` sends the logs of those that have run and builds this report")
 
 
 def _create(spec: dict, path: Path, later: str, offline: bool) -> None:
     """The report created in W&B where it can be reached, else the command (`later`) that creates it."""
-    why_offline = _why_offline(offline)
-    if why_offline is not None:
-        print(f"not created in W&B ({why_offline}); to create it, where W&B can be reached with an API key "
+    reason = why_offline(offline)
+    if reason is not None:
+        print(f"not created in W&B ({reason}); to create it, where W&B can be reached with an API key "
               f"(`wandb login`):\n  {later}")
         return
     try:
@@ -182,6 +214,24 @@ def _create(spec: dict, path: Path, later: str, offline: bool) -> None:
               f"to try again:\n  {later}", file=sys.stderr)
         raise SystemExit(1) from err
     print(f"W&B report: {url}")
+
+
+IN_WANDB = "in W&B"
+
+
+def wandb_standing(entry: ResolvedPoint) -> str:
+    """Where a grid point's run stands with W&B, from what its folder records (config.yaml: the mode
+    `fit` logged with; what `fl-lightning publish` sent) or, before it has run, its settings: IN_WANDB
+    (logged online, or published online), else why W&B lacks it."""
+    folder = entry.point.out_dir
+    recorded = recorded_config(folder)
+    if recorded is None:
+        return f"not run yet (logger.wandb_mode: {entry.config['logger']['wandb_mode']})"
+    if recorded["logger"]["wandb_mode"] == "online" or "online" in read_published(folder):
+        return IN_WANDB
+    if recorded["logger"]["wandb_mode"] == "offline" or "offline" in read_published(folder):
+        return "logged offline, not sent"
+    return "logged without W&B (logger.wandb_mode: disabled)"
 
 
 def dashboard_spec(plan: Plan, project: str, entity: Optional[str], title: Optional[str],
@@ -231,10 +281,10 @@ def dashboard_spec(plan: Plan, project: str, entity: Optional[str], title: Optio
 def diagnostic_metrics(class_paths: list[str]) -> list[str]:
     """What the diagnostics among `class_paths` log (see DIAGNOSTIC_METRICS), each once, in order;
     other callbacks add nothing."""
-    diagnostics = [_import_class(path) for path in DIAGNOSTIC_METRICS]
+    diagnostics = [resolve_dotted_path(path) for path in DIAGNOSTIC_METRICS]
     metrics: list[str] = []
     for path in class_paths:
-        cls = _import_class(path)
+        cls = resolve_dotted_path(path)
         for diagnostic, logged in zip(diagnostics, DIAGNOSTIC_METRICS.values()):
             if issubclass(cls, diagnostic):
                 metrics += [metric for metric in logged if metric not in metrics]
@@ -248,19 +298,12 @@ def _diagnostic_panel(metric: str, grouping: dict) -> dict:
     return {**panel, "title": metric, "y": [metric]}
 
 
-def _import_class(path: str) -> type:
-    module, _, name = path.rpartition(".")
-    return getattr(importlib.import_module(module), name)
-
-
 @dataclass
 class _RunsSettings:
     """What the plan's runs set that the report depends on."""
 
     projects: set[str]
     """W&B projects they log to."""
-    modes: set[str]
-    """Their logger.wandb_mode values."""
     diagnostics: list[str]
     """Class paths of the callbacks they turn on, each once."""
     selected_on: set[str]
@@ -270,19 +313,16 @@ class _RunsSettings:
     """Whether any of them evaluates each client (data.per_client_eval)."""
 
 
-def _runs_settings(plan: Plan) -> _RunsSettings:
-    """The W&B projects and modes of the plan's runs and the callbacks they turn on, from each point's
-    settings resolved as `fit` resolves them (nothing is trained); a plan with a point `fit` would
-    refuse, or with overrides that `check_overrides` refuses, is refused."""
-    resolved = resolve_variant(plan)
-    check_grid(plan.path, resolved)
+def _runs_settings(resolved: list[ResolvedPoint]) -> _RunsSettings:
+    """The W&B projects of the plan's runs and the callbacks they turn on, from each point's settings
+    resolved as `fit` resolves them (nothing is trained)."""
     callbacks: list[str] = []
     for entry in resolved:
         callbacks += [callback["class_path"] for callback in entry.config["callbacks"]
                       if callback["class_path"] not in callbacks]
     data = [entry.config["data"] for entry in resolved]
     return _RunsSettings(projects={entry.config["logger"]["project"] for entry in resolved},
-                         modes={entry.config["logger"]["wandb_mode"] for entry in resolved}, diagnostics=callbacks,
+                         diagnostics=callbacks,
                          selected_on={VAL_ACCURACY if settings["validation"] else TEST_ACCURACY for settings in data},
                          per_client_eval=any(settings["per_client_eval"] for settings in data))
 
@@ -297,7 +337,7 @@ def _options(entity: Optional[str], project: str, title: Optional[str], band: st
     return options + (["--band", band] if band != "minmax" else [])
 
 
-def _why_offline(offline: bool) -> Optional[str]:
+def why_offline(offline: bool) -> Optional[str]:
     """Why nothing is sent to W&B, or None when it is to be tried."""
     if offline:
         return "--offline"

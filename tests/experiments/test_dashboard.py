@@ -295,3 +295,22 @@ def test_a_title_longer_than_wandb_takes_is_refused():
         dashboard_spec(plan, project="fl-lightning", entity=None, title="x" * 129, band="minmax", **runs)
     assert dashboard_spec(plan, project="fl-lightning", entity=None, title="x" * 128, band="minmax",
                           **runs)["title"] == "x" * 128
+
+
+def test_the_note_tells_what_each_run_logged_as_its_folder_records_it(tmp_path, capsys):
+    """A run trained with W&B offline (by hand, or WANDB_MODE=offline) is no run without W&B, whatever the
+    plan's settings say: its config.yaml records the mode it logged with."""
+    path = write_plan(tmp_path, methods={"FedAvg": ["configs/algorithms/fedavg.yaml"]}, seeds=[0],
+                      settings={"alpha": {"0.5": [{"data.alpha": 0.5}]}}, configs=[
+                          *yaml.safe_load((REPOSITORY / SMOKE).read_text())["configs"], {"federation.rounds": 1}])
+    plan_data = yaml.safe_load(path.read_text())
+    del plan_data["tune"]
+    path.write_text(yaml.safe_dump(plan_data))
+    (point,) = load_plan(path, runs_root=tmp_path / "runs").grid()
+    dashboard(path, offline=True, runs_root=tmp_path / "runs")
+    assert ("note: W&B lacks 1 of the plan's 1 runs (1 not run yet (logger.wandb_mode: disabled)); "
+            f"`fl-lightning publish {path}` sends the logs") in capsys.readouterr().out
+    main([*point.fit_arguments(), "--logger.wandb_mode", "offline"])
+    capsys.readouterr()
+    dashboard(path, offline=True, runs_root=tmp_path / "runs")
+    assert "note: W&B lacks 1 of the plan's 1 runs (1 logged offline, not sent)" in capsys.readouterr().out
