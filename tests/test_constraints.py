@@ -1,14 +1,16 @@
-"""FedCONST's CONST constraint: the invariants it promises, alone and composed with algorithms."""
+"""FedCONST's CONST constraint: the invariants it promises, alone and composed with algorithms, and
+each of its variants (the paper's reading, its authors' code's) against a direct reference."""
 
+import processes
 import pytest
 import torch
-from reference import small_setup
+from reference import LR, LinearProblem, sample_weights, sampled, small_setup
 
 from fl_lightning.algorithms import FedAvg
 from fl_lightning.algorithms.moon import MOON
 from fl_lightning.algorithms.scaffold import SCAFFOLD
 from fl_lightning.clients import LocalSGD
-from fl_lightning.config import ClientOptimizerArgs, ModelArgs
+from fl_lightning.config import ClientOptimizerArgs, ComputeArgs, FabricArgs, ModelArgs
 from fl_lightning.constraints import CONST
 from fl_lightning.errors import ConfigError
 from fl_lightning.fit import fit
@@ -201,3 +203,238 @@ def test_bad_granularity_is_a_config_error():
     with pytest.raises(ConfigError) as error:
         CONST(granularity="row")
     assert error.value.field_name == "constraint.init_args.granularity"
+
+
+# --- the variants against a direct reference ---------------------------------------------------------
+# Written from the description of each rule (the paper's equation 8, the authors' FedConst.py and
+# their later variants), on plain tensors, one named tensor at a time.
+
+PAPER = {}
+AUTHORS_CODE = dict(granularity="model", constrained="displacement", when="after_step",
+                    order="centre_then_orthogonalise", tensors="all")
+LAYER_PER_LAYER = dict(AUTHORS_CODE, granularity="layer")
+STRICT = dict(granularity="channel", constrained="displacement", when="after_step", order="strict_scale")
+VARIANTS = {"paper": PAPER, "authors_code": AUTHORS_CODE, "layer_per_layer": LAYER_PER_LAYER, "strict": STRICT}
+
+
+def paper_projection(direction, global_, shapes):
+    """Each fan-in row d of a weight matrix minus its components along e1 = 1/sqrt(n) and
+    e2 = u/|u|, u = G_c - mean(G_c); 1-D tensors as they are."""
+    out = []
+    for d, g in zip(direction.split([s.numel() for s in shapes]), global_.split([s.numel() for s in shapes])):
+        shape = shapes[len(out)]
+        if len(shape) < 2:
+            out.append(d)
+            continue
+        rows = []
+        for d_row, g_row in zip(d.reshape(shape[0], -1), g.reshape(shape[0], -1)):
+            e1 = torch.full_like(d_row, 1 / d_row.numel() ** 0.5)
+            u = g_row - g_row.mean()
+            e2 = u / u.norm()
+            rows.append(d_row - e1 * e1.dot(d_row) - e2 * e2.dot(d_row))
+        out.append(torch.cat(rows))
+    return torch.cat(out)
+
+
+def code_rule(w, g):
+    """FedConst.py's Constrainting on one flat vector: D = w - G, Dc = D - mean(D),
+    w <- G + Dc - (<Dc, G> / |G|^2) G."""
+    centred = (w - g) - (w - g).mean()
+    return g + centred - centred.dot(g) / g.dot(g) * g
+
+
+def strict_rule(w, g):
+    """Constrainting_strict on one row: the scale is cos(Dc, G) |D| / |G|, |D| before centring."""
+    displacement = w - g
+    centred = displacement - displacement.mean()
+    cosine = centred.dot(g) / (centred.norm() * g.norm())
+    return g + centred - cosine * displacement.norm() / g.norm() * g
+
+
+def after_step(variant, w, global_, shapes):
+    sizes = [s.numel() for s in shapes]
+    if variant == "authors_code":
+        return code_rule(w, global_)
+    out = []
+    for w_t, g_t, shape in zip(w.split(sizes), global_.split(sizes), shapes):
+        if variant == "layer_per_layer":
+            out.append(code_rule(w_t, g_t))
+        elif len(shape) < 2:
+            out.append(w_t)
+        else:
+            out.append(torch.cat([strict_rule(a, b) for a, b in zip(w_t.reshape(shape[0], -1),
+                                                                    g_t.reshape(shape[0], -1))]))
+    return torch.cat(out)
+
+
+def reference_steps(variant, global_, gradients, shapes, momentum, weight_decay=0.0):
+    """Local SGD from `global_` along `gradients(w)` with the variant's rule, in float64."""
+    w, buffer = global_.clone(), None
+    for gradient in gradients:
+        d = gradient(w) + weight_decay * w
+        if variant == "paper":
+            d = paper_projection(d, global_, shapes)
+        buffer = d if buffer is None or not momentum else momentum * buffer + d
+        w = w - 0.05 * buffer
+        if variant != "paper":
+            w = after_step(variant, w, global_, shapes)
+    return w
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_each_variant_steps_as_its_direct_reference(variant, momentum):
+    torch.manual_seed(0)
+    network = create_model("lenet5", num_classes=10, in_channels=3, image_size=32, norm="none",
+                           bias=variant != "paper")
+    constraint = CONST(**VARIANTS[variant])
+    constraint.prepare_model(network)
+    global_params, layout = flat_model(network)
+    weight_decay = 1e-3 if variant == "paper" else 0.0
+    generator = torch.Generator().manual_seed(1)
+    # The offset moves the displacement's mean, where the orders and the strict scale differ.
+    noise = [0.01 * torch.randn(global_params.shape, generator=generator, dtype=torch.float64) + 2e-3
+             for _ in range(20)]
+    gradients = [lambda w, n=n: n + 0.02 * w for n in noise]
+    optimizer = LocalSGD(ClientOptimizerArgs(lr=0.05, momentum=momentum, weight_decay=weight_decay),
+                         constraint.projection(global_params, layout), None,
+                         constraint.step_projection(global_params, layout))
+    params = global_params.clone()
+    for gradient in gradients:
+        params = optimizer.step(params, gradient(params.double()).float())
+    expected = reference_steps(variant, global_params.double(), gradients, layout.shapes, momentum, weight_decay)
+    assert (expected - global_params.double()).norm() > 0.05 * global_params.norm()  # the model did move
+    torch.testing.assert_close(params.double(), expected, rtol=1e-5, atol=1e-6)
+
+
+def reference_fit(problem, setup, variant, momentum):
+    """The federation written out (full batches, server lr 1): each client's local SGD under the
+    variant's rule from the round's global model, averaged by samples."""
+    x = problem.initial_params()
+    shapes = [torch.Size([problem.num_classes, problem.inputs.shape[1]]), torch.Size([problem.num_classes])]
+    for r in range(setup["federation"].rounds):
+        clients = sampled(r, setup)
+        weights = sample_weights(problem, clients)
+        steps = setup["federation"].local_epochs  # one full batch an epoch
+        x = sum(weights[c] * reference_steps(variant, x, [lambda w, c=c: problem.grad(w, c)] * steps, shapes, momentum)
+                for c in clients)
+    return x
+
+
+def fit_with_variant(root, out_dir, variant, momentum, client_path="loop", ranks=1):
+    setup = small_setup(root, out_dir, rounds=3)
+    arguments = dict(setup, algorithm=FedAvg(), constraint=CONST(**VARIANTS[variant]),
+                     client_optimizer=ClientOptimizerArgs(lr=LR, momentum=momentum),
+                     compute=ComputeArgs(client_path=client_path))
+    if ranks == 1:
+        return fit(**arguments), setup
+    arguments["fabric"] = FabricArgs(accelerator="cpu", devices=ranks, process_group_timeout_s=120)
+    return processes.call_on_ranks(ranks, fit, **arguments), setup
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("client_path", ["loop", "grouped"])
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+@pytest.mark.parametrize("variant", ["authors_code", "layer_per_layer", "strict"])
+def test_federated_training_with_each_code_variant_follows_the_reference(cifar_root, tmp_path, variant, momentum,
+                                                                         client_path):
+    final, setup = fit_with_variant(cifar_root, tmp_path, variant, momentum, client_path)
+    expected = reference_fit(LinearProblem(cifar_root, tmp_path), setup, variant, momentum)
+    torch.testing.assert_close(final.double(), expected, rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("variant", ["authors_code", "strict"])
+def test_two_ranks_train_each_code_variant_as_the_reference(cifar_root, tmp_path, variant):
+    final, setup = fit_with_variant(cifar_root, tmp_path, variant, 0.9, ranks=2)
+    expected = reference_fit(LinearProblem(cifar_root, tmp_path), setup, variant, 0.9)
+    torch.testing.assert_close(final.double(), expected, rtol=1e-4, atol=2e-5)
+
+
+# --- what each variant keeps -----------------------------------------------------------------------
+
+
+def displacement_violations(local, global_):
+    """|<w - G, G>| / |G|^2 and |1^T (w - G)| / |G|^2 over the whole model."""
+    local, global_ = local.double(), global_.double()
+    scale = global_.dot(global_).item()
+    return abs((local - global_).dot(global_).item()) / scale, abs((local - global_).sum().item()) / scale
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("centred", [True, False], ids=["centred G", "uncentred G"])
+def test_the_codes_rule_keeps_orthogonality_and_zero_sum_only_from_a_zero_sum_global_model(centred):
+    network = create_model("lenet5", num_classes=10, in_channels=3, image_size=32, norm="none", bias=True)
+    global_params, layout = flat_model(network)
+    if centred:
+        global_params = global_params - global_params.mean()
+    assert (abs(global_params.sum().item()) < 1e-3) == centred
+    constraint = CONST(**AUTHORS_CODE)
+    optimizer = LocalSGD(ClientOptimizerArgs(lr=0.05, momentum=0.9), None, None,
+                         constraint.step_projection(global_params, layout))
+    generator = torch.Generator().manual_seed(1)
+    params = global_params.clone()
+    for _ in range(150):
+        params = optimizer.step(params, 0.01 * torch.randn(params.shape, generator=generator) + 0.02 * params + 1e-3)
+    assert (params - global_params).norm() > 0.1 * global_params.norm()
+    orthogonality, centring = displacement_violations(params, global_params)
+    assert orthogonality < TOLERANCE
+    assert (centring < TOLERANCE) == centred
+
+
+@pytest.mark.slow
+def test_the_codes_rule_keeps_orthogonality_over_rounds_of_federated_training(cifar_root, tmp_path):
+    """The last round's global model G and the local model trained from it (one client a round)."""
+    constraint = CONST(**AUTHORS_CODE)
+    runs = []
+    for rounds in (2, 3):
+        setup = constrained_setup(cifar_root, tmp_path / str(rounds), rounds)
+        setup["model"] = ModelArgs(name="lenet5", norm="none", bias=True)
+        setup["client_optimizer"] = ClientOptimizerArgs(lr=0.05, momentum=0.9)
+        runs.append(fit(algorithm=FedAvg(), constraint=constraint, **setup))
+    global_model, local_model = runs
+    assert (local_model - global_model).norm() > 0.05 * global_model.norm()
+    orthogonality, centring = displacement_violations(local_model, global_model)
+    assert orthogonality < TOLERANCE
+    assert centring > 1e-4  # the model's sum is not zero, so the displacement's is not kept
+
+
+def test_the_strict_scale_is_not_a_projection():
+    """Its |D| / |Dc| >= 1 over-removes along G: neither orthogonal nor zero-sum after a step that
+    moves the mean, unlike the code's FedConst.py order."""
+    torch.manual_seed(0)
+    network = create_model("lenet5", num_classes=10, in_channels=3, image_size=32, norm="none", bias=True)
+    global_params, layout = flat_model(network)
+    moved = global_params + 0.01 * torch.randn(global_params.shape) + 0.01
+    strict = CONST(**STRICT).step_projection(global_params, layout)(moved)
+    exact = CONST(**dict(STRICT, order="centre_then_orthogonalise")).step_projection(global_params, layout)(moved)
+    for projected, orthogonal in ((strict, False), (exact, True)):
+        rows = zip(constrained_rows(projected - global_params, layout), constrained_rows(global_params, layout))
+        worst = max(abs(d.double().dot(g.double()).item()) / g.double().dot(g.double()).item() for d, g in rows)
+        assert (worst < TOLERANCE) == orthogonal
+
+
+@pytest.mark.parametrize("options, field", [
+    (dict(order="strict_scale"), "order"),
+    (dict(order="centre_then_orthogonalise", orthogonal=False), "order"),
+    (dict(tensors="all", granularity="channel", constrained="displacement"), "tensors"),
+    (dict(tensors="all", granularity="model"), "tensors"),
+    (dict(AUTHORS_CODE, skip_classifier=True), "tensors"),
+    (dict(when="during"), "when"),
+    (dict(constrained="gradients"), "constrained"),
+])
+def test_meaningless_combinations_are_config_errors(options, field):
+    with pytest.raises(ConfigError) as error:
+        CONST(**options)
+    assert error.value.field_name == f"constraint.init_args.{field}"
+
+
+def test_the_displacement_variants_take_models_with_biases_and_leave_them_uncentred():
+    network = lenet()
+    biased = create_model("lenet5", num_classes=10, in_channels=3, image_size=32, norm="none", bias=True)
+    before = flat_model(biased)[0]
+    CONST(**STRICT).prepare_model(biased)
+    assert torch.equal(flat_model(biased)[0], before)
+    with pytest.raises(ConfigError):
+        CONST().prepare_model(biased)
+    CONST().prepare_model(network)

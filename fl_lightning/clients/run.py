@@ -89,6 +89,8 @@ class LocalSGD:
 
     `project` (optional) maps the direction after weight decay and before momentum; FedCONST's
     constraint projection plugs in here so that momentum only ever accumulates projected steps.
+    `project_step` (optional) maps the parameters after each step instead, as the FedCONST authors'
+    code does: momentum then accumulates the unprojected directions.
     Momentum starts at zero every round, as in all reference code. `step` returns the new
     parameters rather than updating them in place, so the same code steps one client or, under
     vmap, each of a group. `active_steps` (one bool per step, grouped clients only) marks the
@@ -96,9 +98,11 @@ class LocalSGD:
     """
 
     def __init__(self, args: ClientOptimizerArgs, project: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
-                 active_steps: Optional[torch.Tensor] = None):
+                 active_steps: Optional[torch.Tensor] = None,
+                 project_step: Optional[Callable[[torch.Tensor], torch.Tensor]] = None):
         self.args = args
         self.project = project
+        self.project_step = project_step
         self.active_steps = active_steps
         self.momentum_buffer: Optional[torch.Tensor] = None
         self.steps_taken = 0
@@ -115,6 +119,8 @@ class LocalSGD:
                 previous_momentum * args.momentum + direction)
             direction = direction + args.momentum * self.momentum_buffer if args.nesterov else self.momentum_buffer
         new_params = params - args.lr * direction
+        if self.project_step is not None:
+            new_params = self.project_step(new_params)
         if self.active_steps is not None and self.steps_taken > 0:  # every client takes step 0
             active = self.active_steps[self.steps_taken]
             new_params = torch.where(active, new_params, params)
@@ -184,6 +190,9 @@ class ClientRound:
     optimizer_args: ClientOptimizerArgs
     projection: Optional[Callable[[torch.Tensor], torch.Tensor]]
     """The round's constraint projection of local directions (FedCONST), or None."""
+    step_projection: Optional[Callable[[torch.Tensor], torch.Tensor]]
+    """The round's constraint map of the parameters after each local step (FedCONST as its authors'
+    code runs it), or None."""
     num_steps: "int | torch.Tensor"
     """Local steps this round: K_i (a tensor when grouped clients differ in it)."""
     execution: Execution
@@ -233,7 +242,7 @@ class ClientRound:
 
     def local_sgd(self) -> LocalSGD:
         """A fresh local optimizer (momentum reset) that applies the round's constraint, if any."""
-        return LocalSGD(self.optimizer_args, self.projection, self.execution.active_steps)
+        return LocalSGD(self.optimizer_args, self.projection, self.execution.active_steps, self.step_projection)
 
     @property
     def mean_loss(self) -> torch.Tensor:

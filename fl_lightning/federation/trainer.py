@@ -167,9 +167,9 @@ class LocalTrainer:
         federation = settings.federation
         positions = batch_positions(len(sample_indices), federation.batch_size, federation.local_steps,
                                     federation.local_epochs, generator)
-        constraint = settings.constraint
-        projection = None if constraint is None else constraint.projection(global_model.params,
-                                                                           global_model.param_layout)
+        constraint, params, layout = settings.constraint, global_model.params, global_model.param_layout
+        projection = None if constraint is None else constraint.projection(params, layout)
+        step_projection = None if constraint is None else constraint.step_projection(params, layout)
         return ClientRound(
             client_id=client_id,
             round=round_index,
@@ -179,6 +179,7 @@ class LocalTrainer:
             state=state,
             optimizer_args=settings.client_optimizer,
             projection=projection,
+            step_projection=step_projection,
             num_steps=len(positions),
             execution=Execution(self, sample_indices, positions, generator),
         )
