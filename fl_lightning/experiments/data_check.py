@@ -76,9 +76,13 @@ def data(plan: Optional[Union[str, list[str]]] = None, override: Optional[list[s
 
 def fit_line_of(argv: list[str]) -> Optional[list[str]]:
     """The fit arguments of `fl-lightning data --config FILE ...` (argv without the program name); None
-    for any other command line, `data PLAN`, `data --plan PLAN` and `data --help` among them."""
+    for any other command line, `data PLAN`, `data --plan PLAN` and `data --help` among them. A line with
+    a plan and --config both is returned too: `data_of_fit_line` refuses it (read as a plan's, it would
+    have the config file's fields refused as the data command's)."""
     if argv[:1] != ["data"] or len(argv) == 1:
         return None
+    if any(arg.partition("=")[0] == "--config" for arg in argv[1:]):
+        return argv[1:]
     first = argv[1].partition("=")[0].rstrip("+")
     if not first.startswith("-") or first in ("--plan", "--override", "--help", "-h"):
         return None
@@ -87,6 +91,12 @@ def fit_line_of(argv: list[str]) -> Optional[list[str]]:
 
 def data_of_fit_line(arguments: list[str]) -> None:
     """`fl-lightning data` of a fit command line's arguments: the dataset its run would read."""
+    plans = [arg for position, arg in enumerate(arguments) if position == 0 and not arg.startswith("-")]
+    plans += [value for option, value in zip(arguments, arguments[1:]) if option == "--plan"]
+    plans += [arg.partition("=")[2] for arg in arguments if arg.startswith("--plan=")]
+    if plans:
+        raise ConfigError("plan", "a plan (fl-lightning data PLAN) or a fit command line (fl-lightning data "
+                          "--config FILE ...), not both", f"{' '.join(plans)} and --config")
     parser = fit_parser()
     settings = parse_command_line(["fit", "--algorithm", ALGORITHM_FOR_THE_DATA, *arguments], parser)
     chosen = parser.instantiate(settings).fit["data"]

@@ -3,8 +3,10 @@ reading none of it, a missing or partial one refused, a download allowed to fetc
 
 import pytest
 from commands import run_sweep
+from paths import EXAMPLES, QUICKSTART
 from sweeps import dataset_settings, stand_in_sbatch, write_plan
 
+from fl_lightning.commands.main import main
 from fl_lightning.data import datasets
 from fl_lightning.data.datasets import check_dataset
 from fl_lightning.experiments import data_check
@@ -51,3 +53,20 @@ def test_each_dataset_folder_is_checked_once_reading_none_of_it_and_a_download_m
     assert "Submitted batch job 42" in out and record.exists()
     # Absent, CIFAR-100 is allowed: its runs fetch it.
     assert checked == [("cifar10", str(cifar_root), False), ("cifar100", str(tmp_path / "empty"), True)]
+
+
+@pytest.mark.parametrize("plan_options", [["configs/plans/smoke.yaml"], ["--plan", "configs/plans/smoke.yaml"]])
+def test_a_plan_and_a_fit_command_line_together_are_refused_as_such(plan_options, capsys, in_repository_root):
+    with pytest.raises(SystemExit) as exited:
+        main(["data", *plan_options, "--config", QUICKSTART])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: plan: expected a plan (fl-lightning data PLAN) or a fit command line (fl-lightning data --config "
+        "FILE ...), not both, got 'configs/plans/smoke.yaml and --config'"]
+
+
+def test_a_loader_of_the_users_is_named_as_given(capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    main(["data", "--config", QUICKSTART, "--data.name", "my_dataset.load_shapes"])
+    assert capsys.readouterr().out == ("my_dataset.load_shapes: your loader, with data.root data: 2000 train and 500 "
+                                       "test images of 3x16x16, 4 classes\n")
