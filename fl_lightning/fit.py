@@ -59,6 +59,7 @@ from fl_lightning.configurable import Configurable, resolve_dotted_path
 from fl_lightning.constraints import Constraint
 from fl_lightning.cpu import ThreadChoice, choose_threads, cpu_rank
 from fl_lightning.data import class_histogram, plot_partition
+from fl_lightning.data.partition import describe_split
 from fl_lightning.errors import ConfigError, RunInterrupted
 from fl_lightning.federation.setup import RankInputs, RunSettings, as_lists, rank_inputs
 from fl_lightning.flat import FlatLayout
@@ -370,7 +371,7 @@ def _threads_of_started_ranks(threads: Optional[ThreadChoice]):
 
 
 def _write_run_files(inputs: RankInputs) -> None:
-    out, data = inputs.out_dir, inputs.data
+    out, data, data_settings = inputs.out_dir, inputs.data, inputs.settings.data
     write_text_atomically(out / CONFIG_FILE, yaml.safe_dump(inputs.hyperparameters, sort_keys=False))
     write_text_atomically(out / "partition.json",
                           json.dumps({str(i): p for i, p in enumerate(as_lists(data.partition))}))
@@ -380,7 +381,8 @@ def _write_run_files(inputs: RankInputs) -> None:
     # A resumed run has the partition it started with (fit refuses a changed one), and its plot.
     if inputs.resume_state is None or not (out / PARTITION_PLOT).is_file():
         histogram = class_histogram(data.train.labels.numpy(), data.partition, data.train.num_classes)
-        plot_partition(histogram, out / PARTITION_PLOT)
+        split = describe_split(data_settings.partition, data_settings.alpha, data_settings.shards_per_client)
+        plot_partition(histogram, out / PARTITION_PLOT, split)
 
 
 def _build_fabric(args: FabricArgs, callbacks: list[Callback]):

@@ -184,25 +184,49 @@ def class_histogram(labels: np.ndarray, parts: list[np.ndarray], num_classes: in
     return np.bincount(cells, minlength=len(parts) * num_classes).reshape(len(parts), num_classes)
 
 
-def plot_partition(histogram: np.ndarray, path: Path) -> None:
-    """Saves a PNG with one horizontal bar per client, stacked by class."""
+def describe_split(scheme: str, alpha: float, shards_per_client: int) -> str:
+    """The split's kind with its parameter, as a plot's title says it: `dirichlet, α = 0.5`, `shards, 2 per
+    client`, `iid`."""
+    if scheme == "dirichlet":
+        return f"dirichlet, α = {alpha:g}"
+    if scheme == "shards":
+        return f"shards, {shards_per_client} per client"
+    return scheme
+
+
+def plot_partition(histogram: np.ndarray, path: Path, split: str) -> None:
+    """Saves a PNG with one horizontal bar per client, stacked by class, titled with `split`
+    (`describe_split`), the classes' colours in a legend (a colour bar past LEGEND_CLASSES classes)."""
     histogram = np.asarray(histogram, dtype=np.int64)
-    png = _partition_png(histogram.shape, histogram.tobytes())
+    png = _partition_png(histogram.shape, histogram.tobytes(), split)
     # Whole or not at all: a resumed run keeps the plot it finds (fl_lightning.fit).
     write_atomically(path, lambda file: file.write(png))
+
+
+LEGEND_CLASSES = 20
+"""The most classes a legend lists, one entry each; more get a colour bar of the class index."""
+LEGEND_WIDTH = 1.3
+"""Inches right of the axes, for the legend or the colour bar."""
 
 
 # Runs of one process on one split (the methods of a comparison at one seed, from a script or a
 # notebook) draw its figure once: drawing it takes longer than a small run's round.
 @functools.lru_cache(maxsize=8)
-def _partition_png(shape: tuple[int, int], counts: bytes) -> bytes:
+def _partition_png(shape: tuple[int, int], counts: bytes, split: str) -> bytes:
+    figure = partition_figure(np.frombuffer(counts, dtype=np.int64).reshape(shape), split)
+    png = io.BytesIO()
+    figure.savefig(png, format="png", dpi=100)
+    return png.getvalue()
+
+
+def partition_figure(histogram: np.ndarray, split: str):
+    """The matplotlib Figure of `plot_partition`."""
     import matplotlib
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.collections import PolyCollection
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    histogram = np.frombuffer(counts, dtype=np.int64).reshape(shape)
     num_clients, num_classes = histogram.shape
     # One collection of rectangles instead of a bar per client and class: a thousand clients of a
     # hundred classes would otherwise be 100,000 artists.
@@ -215,13 +239,16 @@ def _partition_png(shape: tuple[int, int], counts: bytes) -> bytes:
         [np.stack([x0, bottom], 1), np.stack([x1, bottom], 1), np.stack([x1, top], 1), np.stack([x0, top], 1)], 1
     )
 
-    width, height = 8, min(2 + 0.25 * num_clients, 20)
+    width, height = 8 + LEGEND_WIDTH, min(2 + 0.25 * num_clients, 20)
     figure = Figure(figsize=(width, height))
     FigureCanvasAgg(figure)  # attaches itself; renders without pyplot's global state
     axes = figure.add_subplot()
     colormap = matplotlib.colormaps["tab10" if num_classes <= 10 else "tab20" if num_classes <= 20 else "turbo"]
-    colours = colormap(label % colormap.N if num_classes <= 20 else label / max(num_classes - 1, 1))
-    axes.add_collection(PolyCollection(rectangles, facecolors=colours, linewidths=0))
+
+    def colour(classes):
+        return colormap(classes % colormap.N if num_classes <= 20 else classes / max(num_classes - 1, 1))
+
+    axes.add_collection(PolyCollection(rectangles, facecolors=colour(label), linewidths=0))
     axes.set_xlim(0, max(int(right[:, -1].max()), 1))
     axes.set_ylim(num_clients - 0.5, -0.5)
     axes.yaxis.set_major_locator(MaxNLocator(integer=True))
@@ -229,10 +256,26 @@ def _partition_png(shape: tuple[int, int], counts: bytes) -> bytes:
     axes.set_ylabel("client")
     # y given: the title sits just above the axes, where nothing else is drawn, instead of where
     # matplotlib would place it after measuring the tick labels under it.
-    axes.set_title(f"{num_clients} clients, {num_classes} classes", y=1.0)
-    # Fixed margins in inches (room for the labels and up to five-digit ticks): tight_layout would
-    # draw the figure once more to measure them.
-    figure.subplots_adjust(left=0.9 / width, right=1 - 0.2 / width, bottom=0.6 / height, top=1 - 0.4 / height)
-    png = io.BytesIO()
-    figure.savefig(png, format="png", dpi=100)
-    return png.getvalue()
+    axes.set_title(f"{num_clients} clients, {num_classes} classes ({split})", y=1.0)
+    # Fixed margins in inches (room for the labels, up to five-digit ticks and the legend): tight_layout
+    # would draw the figure once more to measure them.
+    figure.subplots_adjust(left=0.9 / width, right=1 - (0.2 + LEGEND_WIDTH) / width, bottom=0.6 / height,
+                           top=1 - 0.4 / height)
+    _class_key(figure, axes, colormap, colour, num_classes)
+    return figure
+
+
+def _class_key(figure, axes, colormap, colour, num_classes: int) -> None:
+    """Which colour is which class: a legend of the classes, or past LEGEND_CLASSES a colour bar."""
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.colors import Normalize
+    from matplotlib.patches import Patch
+
+    if num_classes <= LEGEND_CLASSES:
+        handles = [Patch(facecolor=colour(np.array(k)), label=f"class {k}") for k in range(num_classes)]
+        axes.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0,
+                    fontsize="small", frameon=False)
+    else:
+        box, inch = axes.get_position(), 1 / figure.get_figwidth()
+        bar = figure.add_axes((box.x1 + 0.15 * inch, box.y0, 0.2 * inch, box.height))
+        figure.colorbar(ScalarMappable(norm=Normalize(0, num_classes - 1), cmap=colormap), cax=bar, label="class")

@@ -2,6 +2,7 @@ import numpy as np
 import pytest
 
 from fl_lightning.data import class_histogram, partition, partition_indices, plot_partition
+from fl_lightning.data.partition import describe_split
 from fl_lightning.errors import ConfigError
 
 
@@ -122,7 +123,7 @@ def test_class_histogram_counts_per_client():
 def test_plot_partition_writes_a_png(labels, tmp_path):
     parts = partition_indices(labels, 12, "dirichlet", alpha=0.5)
     path = tmp_path / "partition.png"
-    plot_partition(class_histogram(labels, parts, 10), path)
+    plot_partition(class_histogram(labels, parts, 10), path, "dirichlet, α = 0.5")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert path.stat().st_size > 5000
 
@@ -134,9 +135,28 @@ def test_a_split_plotted_again_gets_the_figure_a_fresh_draw_gives(labels, tmp_pa
     figures = {}
     for name, counts in [("first", histogram), ("again", histogram.copy()), ("other shape", histogram.reshape(10, 12)),
                          ("other split", histogram[::-1])]:
-        plot_partition(counts, tmp_path / f"{name}.png")
+        plot_partition(counts, tmp_path / f"{name}.png", "dirichlet, α = 0.5")
         figures[name] = (tmp_path / f"{name}.png").read_bytes()
     partition._partition_png.cache_clear()
-    plot_partition(histogram, tmp_path / "drawn.png")
+    plot_partition(histogram, tmp_path / "drawn.png", "dirichlet, α = 0.5")
     assert figures["first"] == figures["again"] == (tmp_path / "drawn.png").read_bytes()
     assert len({figures["first"], figures["other shape"], figures["other split"]}) == 3
+
+
+@pytest.mark.parametrize("scheme, split", [("dirichlet", "dirichlet, α = 0.3"), ("shards", "shards, 2 per client"),
+                                           ("iid", "iid")])
+def test_the_plot_names_the_split_and_has_a_legend_of_the_classes(labels, scheme, split):
+    histogram = class_histogram(labels, partition_indices(labels, 12, scheme, alpha=0.3), 10)
+    assert describe_split(scheme, alpha=0.3, shards_per_client=2) == split
+    (axes,) = partition.partition_figure(histogram, split).axes
+    assert axes.get_title() == f"12 clients, 10 classes ({split})"
+    assert [text.get_text() for text in axes.get_legend().get_texts()] == [f"class {k}" for k in range(10)]
+    colours = [tuple(patch.get_facecolor()) for patch in axes.get_legend().get_patches()]
+    assert len(set(colours)) == 10
+
+
+def test_past_twenty_classes_a_colour_bar_stands_for_the_legend():
+    histogram = np.ones((4, 100), dtype=np.int64)
+    axes, bar = partition.partition_figure(histogram, "iid").axes
+    assert axes.get_legend() is None
+    assert bar.get_ylabel() == "class" and bar.get_ylim() == (0, 99)
