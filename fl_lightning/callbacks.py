@@ -39,6 +39,7 @@ A user adds callbacks in the config: `callbacks: [{class_path: my_module.MyCallb
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Literal, Optional
 
@@ -235,14 +236,16 @@ class LogToWandb(Callback):
 
 
 class ShowProgress(Callback):
-    """A progress bar, or one line per round when it is off (batch jobs); a summary at the end."""
+    """A progress bar, or one line per round when it is off or its output (stderr) is no terminal: a
+    bar redraws itself with carriage returns, which a log file (a batch job's, `fit ... 2> log`) keeps
+    as frames on one line; a summary at the end."""
 
     def __init__(self, progress_bar: bool):
         self.progress_bar = progress_bar
         self._bar = None
 
     def on_fit_start(self, fabric, loop) -> None:
-        if fabric.global_rank == 0 and self.progress_bar:
+        if fabric.global_rank == 0 and self.progress_bar and sys.stderr.isatty():
             from tqdm.auto import tqdm
 
             self._bar = tqdm(total=loop.rounds, initial=loop.start_round, desc="rounds", unit="round",

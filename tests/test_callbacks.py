@@ -1,8 +1,10 @@
 """Callbacks: the hooks fire in order on every rank, a user callback from YAML can stop a run that
 then resumes, the built-in stop rules, and every configurable class round-trips through config.yaml."""
 
+import io
 import os
 import sys
+import types
 from pathlib import Path
 
 import processes
@@ -13,7 +15,7 @@ from paths import QUICKSTART, SUPPORT
 
 from fl_lightning import server_optimizers
 from fl_lightning.algorithms import SHORT_NAMES
-from fl_lightning.callbacks import EarlyStopping, TimeBudget
+from fl_lightning.callbacks import EarlyStopping, ShowProgress, TimeBudget
 from fl_lightning.checkpoint import checkpoint_dir, numbered_checkpoints
 from fl_lightning.cli.parser import build_parser
 from fl_lightning.commands.main import main
@@ -205,3 +207,22 @@ def test_config_is_written_from_init_args_not_attribute_names():
             self._weight = mu
 
     assert _as_config(Renamed(mu=0.25))["init_args"] == {"mu": 0.25}
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("stderr, bar", [(Terminal, True), (io.StringIO, False)], ids=["terminal", "redirected"])
+def test_the_progress_bar_is_drawn_on_a_terminal_and_a_redirected_log_gets_lines(stderr, bar, monkeypatch, capsys):
+    """A bar redraws itself with `\\r`: in a log file its frames would pile up on one line."""
+    monkeypatch.setattr(sys, "stderr", stderr())
+    fabric = types.SimpleNamespace(global_rank=0)
+    loop = types.SimpleNamespace(rounds=2, start_round=0, history=[], failed=True)
+    progress = ShowProgress(progress_bar=True)
+    progress.on_fit_start(fabric, loop)
+    progress.on_round_end(fabric, loop, {"round": 1, "train_loss": 0.5, "round_seconds": 0.1})
+    progress.on_fit_end(fabric, loop)
+    assert ("\r" in sys.stderr.getvalue()) == bar
+    assert capsys.readouterr().out == ("" if bar else "round 1/2  train_loss 0.5000  0.10 s\n")
