@@ -3,7 +3,8 @@ end; no value is written in two fragments; an algorithm named in YAML (by short 
 from its own defaults, so one method's settings never leak into another's.
 
 A run is `fit --config <setting> --config algorithms/<name>.yaml [--config tuned/<setting>/<name>.yaml]
-[--config const.yaml]`; COMPOSITIONS lists the shipped ones (README.md gives the same commands).
+[--config const.yaml | const_authors_code.yaml | const_authors_strict.yaml]`; COMPOSITIONS lists the
+shipped ones (README.md gives the same commands).
 """
 
 import inspect
@@ -11,6 +12,7 @@ import json
 import math
 from collections import defaultdict
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import yaml
@@ -27,16 +29,19 @@ from fl_lightning.experiments.resolve import fit_parser
 LOCAL_UPDATE = ("fedavg", "fedavgm", "fedavg_m", "fedcm", "scaffold", "fedprox", "feddyn", "moon", "fedsam")
 FEDCONST_TABLE_1 = ("fedavg", "fedprox", "moon", "scaffold", "feddyn", "fedsam")
 
-# setting -> (algorithm, with CONST) pairs shipped with it.
+# setting -> (algorithm, its CONST preset or None) pairs shipped with it.
 COMPOSITIONS = {
-    # FedCONST's Table 1: each method with and without CONST.
-    "cifar10_lenet5_fedconst": [(name, const) for name in FEDCONST_TABLE_1 for const in (False, True)],
+    # FedCONST's Table 1: each method without CONST, with CONST as the paper writes it (const.yaml) and
+    # as the authors' code runs it (const_authors_code.yaml); their later per-row variant with FedAvg.
+    "cifar10_lenet5_fedconst": [(name, const) for name in FEDCONST_TABLE_1
+                                for const in (None, "const", "const_authors_code")]
+                               + [("fedavg", "const_authors_strict")],
     # CTP-FL against every local-update method at the same K = 50.
-    "cifar10_lenet5_ctpfl": [("ctpfl", False)] + [(name, False) for name in LOCAL_UPDATE],
-    "cifar100_resnet18_ctpfl": [("ctpfl", False)],
-    "tinyimagenet_vit_tiny_ctpfl": [("ctpfl", False)],
+    "cifar10_lenet5_ctpfl": [("ctpfl", None)] + [(name, None) for name in LOCAL_UPDATE],
+    "cifar100_resnet18_ctpfl": [("ctpfl", None)],
+    "tinyimagenet_vit_tiny_ctpfl": [("ctpfl", None)],
     # The one-command demo (FedAvg), with any other algorithm instead.
-    "quickstart": [(name, False) for name in sorted(SHORT_NAMES)],
+    "quickstart": [(name, None) for name in sorted(SHORT_NAMES)],
 }
 
 # Values that two settings both write. A YAML file can take a whole group from a file
@@ -49,6 +54,10 @@ COINCIDENCES = {
     ("federation.batch_size", 50), ("federation.eval_every", 5),
     # The CTP-FL paper splits CIFAR-100 and Tiny-ImageNet alike.
     ("data.alpha", 0.1),
+    # Each CONST preset names the class; the authors' code's two presets share the rule's timing and
+    # what that code trains with (biases, no weight decay).
+    ("constraint.class_path", "fl_lightning.constraints.CONST"), ("constraint.init_args.constrained", "displacement"),
+    ("constraint.init_args.when", "after_step"), ("model.bias", True), ("client_optimizer.weight_decay", 0.0),
 }
 
 
@@ -56,18 +65,18 @@ def setting_file(setting: str) -> Path:
     return CONFIGS / "quickstart.yaml" if setting == "quickstart" else CONFIGS / "settings" / f"{setting}.yaml"
 
 
-def composition(setting: str, algorithm: str, const: bool) -> list[Path]:
+def composition(setting: str, algorithm: str, const: Optional[str]) -> list[Path]:
     files = [setting_file(setting), CONFIGS / "algorithms" / f"{algorithm}.yaml"]
     tuned = CONFIGS / "tuned" / setting / f"{algorithm}.yaml"
     if tuned.exists():
         files.append(tuned)
-    if const:
-        files.append(CONFIGS / "const.yaml")
+    if const is not None:
+        files.append(CONFIGS / f"{const}.yaml")
     return files
 
 
 SHIPPED = [(setting, algorithm, const) for setting, runs in COMPOSITIONS.items() for algorithm, const in runs]
-IDS = [f"{setting}+{algorithm}" + ("+const" if const else "") for setting, algorithm, const in SHIPPED]
+IDS = [f"{setting}+{algorithm}" + (f"+{const}" if const else "") for setting, algorithm, const in SHIPPED]
 
 
 def config_args(files: list[Path]) -> list[str]:
@@ -109,7 +118,7 @@ def test_every_shipped_composition_parses_with_only_its_own_algorithm_settings(s
     # Exactly the class's defaults and what this composition's files write: nothing from the
     # quickstart's FedAvg or any other algorithm.
     assert init_args(parsed.algorithm) == {**class_defaults(cls), **written_init_args(files)}
-    assert (parsed.constraint is not None) == const
+    assert (parsed.constraint is not None) == (const is not None)
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +155,7 @@ def test_every_shipped_composition_trains_one_round(setting, algorithm, const, d
     assert record["round"] == 1 and math.isfinite(record["train_loss"]) and "test_accuracy" in record
     written = yaml.safe_load((out_dir / "config.yaml").read_text())
     assert written["algorithm"]["class_path"].endswith(SHORT_NAMES[algorithm].__qualname__)
-    assert (written["constraint"] is not None) == const
+    assert (written["constraint"] is not None) == (const is not None)
 
 
 # Folders of files that each hold one group of settings, named after the group.
