@@ -17,6 +17,10 @@ measured (docs/performance.md):
   than it slows one thread.
 - `OMP_NUM_THREADS` in the environment leaves torch's threads as OpenMP sets them from it (and the
   wait policy to OpenMP's default); `compute.cpu_threads: N` sets N.
+- a rank on a GPU leaves its host threads to OpenMP (OMP_NUM_THREADS, which a sweep sets per run):
+  `compute.cpu_threads` is read on the CPU only.
+
+`run_threads` is the rule as `fit` follows it and `sweep --mode estimate` times a run's steps with it.
 
 The choice depends only on the settings and the CPUs the process is given, never on the machine's
 load, so that a run resumed on the same machine computes bitwise what the uninterrupted run would.
@@ -46,23 +50,44 @@ class ThreadChoice:
         return f"torch threads: {self.threads} per rank ({self.reason})"
 
 
+def run_threads(on_cpu: bool, setting: Union[int, Literal["auto"]], parameters: int, ranks_per_node: int,
+                environment: Optional[dict] = None, cpus: Optional[int] = None) -> Optional[ThreadChoice]:
+    """The torch threads of each rank of a run, the same in every rank: on the CPU `choose_threads`;
+    None on GPUs, where a rank's host threads are OpenMP's (OMP_NUM_THREADS) whatever
+    `compute.cpu_threads` says."""
+    if not on_cpu:
+        return None
+    return choose_threads(setting, parameters, ranks_per_node, environment, cpus)
+
+
 def choose_threads(setting: Union[int, Literal["auto"]], parameters: int, ranks_per_node: int,
                    environment: Optional[dict] = None, cpus: Optional[int] = None) -> ThreadChoice:
     """The threads of each CPU rank of a run whose model has `parameters`, `ranks_per_node` ranks
     sharing the CPUs of its process (`cpus`: by default this process's, `available_cores`), by the
-    module's rule."""
-    environment = os.environ if environment is None else environment
+    module's rule; in this process, or (`environment` given) in a process started with `environment`."""
     if setting != "auto":
         return ThreadChoice(int(setting), "compute.cpu_threads")
-    if environment.get("OMP_NUM_THREADS"):
-        import torch
-
-        return ThreadChoice(torch.get_num_threads(), f"OMP_NUM_THREADS={environment['OMP_NUM_THREADS']}")
+    cpus = available_cores() if cpus is None else cpus
+    if (environment if environment is not None else os.environ).get("OMP_NUM_THREADS"):
+        return _openmp_threads(environment, cpus)
     if parameters < SMALL_MODEL_PARAMETERS:
         return ThreadChoice(1, f"auto: a model of {parameters:,} parameters trains fastest on one thread; more "
                                "ranks use more CPUs")
-    threads, source = cpus_per_rank(ranks_per_node, environment, available_cores() if cpus is None else cpus)
+    threads, source = cpus_per_rank(ranks_per_node, os.environ if environment is None else environment, cpus)
     return ThreadChoice(threads, f"auto: {source}")
+
+
+def _openmp_threads(environment: Optional[dict], cpus: int) -> ThreadChoice:
+    """torch's threads as OpenMP sets them from OMP_NUM_THREADS: this process's own (`environment`
+    None), or in a process started with `environment`, its first number (a nested list's outer level;
+    OpenMP ignores a value that is not a number and takes the process's `cpus`)."""
+    if environment is None:
+        import torch
+
+        return ThreadChoice(torch.get_num_threads(), f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}")
+    value = environment["OMP_NUM_THREADS"]
+    first = value.split(",")[0].strip()
+    return ThreadChoice(int(first) if first.isdigit() and int(first) > 0 else cpus, f"OMP_NUM_THREADS={value}")
 
 
 def cpus_per_rank(ranks_per_node: int, environment, cpus: int) -> tuple[int, str]:

@@ -57,7 +57,7 @@ from fl_lightning.config import (
 )
 from fl_lightning.configurable import Configurable, resolve_dotted_path
 from fl_lightning.constraints import Constraint
-from fl_lightning.cpu import ThreadChoice, choose_threads, cpu_rank
+from fl_lightning.cpu import ThreadChoice, cpu_rank, run_threads
 from fl_lightning.data import class_histogram, plot_partition
 from fl_lightning.data.partition import describe_split
 from fl_lightning.errors import ConfigError, RunInterrupted
@@ -346,10 +346,8 @@ def _train_and_record(fabric, inputs: RankInputs, threads: Optional[ThreadChoice
 
 def _cpu_threads(settings: RunSettings, module: torch.nn.Module) -> Optional[ThreadChoice]:
     """Each CPU rank's threads (fl_lightning.cpu), the same in every rank; None off the CPU."""
-    if not settings.fabric.runs_on_cpu():
-        return None
-    return choose_threads(settings.compute.cpu_threads, sum(p.numel() for p in module.parameters()),
-                          _ranks_per_node(ranks_of(settings.fabric)))
+    return run_threads(settings.fabric.runs_on_cpu(), settings.compute.cpu_threads,
+                       sum(p.numel() for p in module.parameters()), _ranks_per_node(ranks_of(settings.fabric)))
 
 
 @contextlib.contextmanager

@@ -15,6 +15,7 @@ from fl_lightning.cpu import (
     choose_threads,
     cpu_rank,
     passive_wait_by_default,
+    run_threads,
 )
 
 
@@ -54,14 +55,28 @@ def test_a_larger_model_trains_on_the_cpus_of_its_rank(cpus, cores, quota, ranks
         ThreadChoice(threads, f"auto: {source}")
 
 
-def test_omp_num_threads_and_the_setting_take_precedence():
+def test_omp_num_threads_and_the_setting_take_precedence(monkeypatch):
+    # In this process, torch's threads as OpenMP set them; in a process started with an environment,
+    # the number it gives OpenMP (a nested list's outer level; not a number: OpenMP's default, the CPUs).
     previous = torch.get_num_threads()
     torch.set_num_threads(3)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
     try:
-        assert choose_threads("auto", SMALL, 1, {"OMP_NUM_THREADS": "3"}) == ThreadChoice(3, "OMP_NUM_THREADS=3")
+        assert choose_threads("auto", SMALL, 1) == ThreadChoice(3, "OMP_NUM_THREADS=3")
     finally:
         torch.set_num_threads(previous)
+    assert choose_threads("auto", LARGE, 1, {"OMP_NUM_THREADS": "4"}) == ThreadChoice(4, "OMP_NUM_THREADS=4")
+    assert choose_threads("auto", LARGE, 1, {"OMP_NUM_THREADS": "4,2"}, cpus=8).threads == 4
+    assert choose_threads("auto", LARGE, 1, {"OMP_NUM_THREADS": "many"}, cpus=8).threads == 8
     assert choose_threads(5, LARGE, 2, {"OMP_NUM_THREADS": "3"}) == ThreadChoice(5, "compute.cpu_threads")
+
+
+def test_on_gpus_a_rank_leaves_its_threads_to_openmp_whatever_the_setting():
+    """The rule fit follows and the estimate prices with (tests/experiments/test_estimate.py)."""
+    assert run_threads(False, 4, LARGE, 1, {}) is None
+    assert run_threads(False, "auto", LARGE, 1, {}) is None
+    assert run_threads(True, 4, LARGE, 1, {}) == ThreadChoice(4, "compute.cpu_threads")
+    assert run_threads(True, "auto", SMALL, 2, {}) == choose_threads("auto", SMALL, 2, {})
 
 
 def test_the_cgroup_quota_is_the_smallest_along_the_path(tmp_path):

@@ -35,17 +35,18 @@ import resource
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, Union
 
 import numpy as np
 import torch
 
 from fl_lightning.checkpoint import checkpoint_dir, numbered_checkpoints
 from fl_lightning.config import FederationArgs
-from fl_lightning.cpu import choose_threads
+from fl_lightning.cpu import run_threads
 from fl_lightning.experiments.local import run_environment
 from fl_lightning.experiments.machine import Resources
 from fl_lightning.experiments.resolve import ResolvedPoint, fit_parser
-from fl_lightning.federation.setup import RunSettings, rank_inputs
+from fl_lightning.federation.setup import rank_inputs
 from fl_lightning.fit import fit_config_of
 from fl_lightning.run_dir import flatten
 
@@ -153,7 +154,8 @@ def time_kind(entry: ResolvedPoint, machine: Resources, out_dir: Path) -> StepCo
                              rank_inputs(dataclasses.replace(settings, federation=timed_federation), out_dir=out_dir,
                                        run_id="estimate", hyperparameters=checked.config))
         most_steps = max(client_steps(federation, len(part)) for part in loop.inputs.data.partition)
-        threads = _run_threads(settings, machine, loop.module)
+        threads = sweep_run_threads(settings.compute.cpu_threads,
+                                    sum(p.numel() for p in loop.module.parameters()), machine)
         return _time_loop(loop, grouped, device, most_steps, federation.rounds, threads)
     finally:
         torch.set_num_threads(callers_threads)
@@ -162,14 +164,13 @@ def time_kind(entry: ResolvedPoint, machine: Resources, out_dir: Path) -> StepCo
             torch.cuda.empty_cache()
 
 
-def _run_threads(settings: RunSettings, machine: Resources, module: torch.nn.Module) -> int:
-    """A sweep run's torch threads: on CPUs of its own as the run chooses them from them (fl_lightning.cpu),
-    else compute.cpu_threads when it is a number, or the OMP_NUM_THREADS it is given (`run_environment`)."""
-    setting = settings.compute.cpu_threads
-    if machine.gpu_slots is not None or machine.cpu_slots is None:
-        return machine.threads if setting == "auto" else int(setting)
-    return choose_threads(setting, sum(p.numel() for p in module.parameters()), 1,
-                          run_environment(machine, 0), cpus=machine.threads).threads
+def sweep_run_threads(setting: Union[int, Literal["auto"]], parameters: int, machine: Resources) -> int:
+    """A sweep run's torch threads, by the rule `fit` follows (fl_lightning.cpu.run_threads) in the
+    process a sweep starts: its environment (`run_environment`) and its CPUs; on GPUs the
+    OMP_NUM_THREADS it is given."""
+    environment = run_environment(machine, 0)
+    choice = run_threads(machine.gpu_slots is None, setting, parameters, 1, environment, cpus=machine.threads)
+    return int(environment["OMP_NUM_THREADS"]) if choice is None else choice.threads
 
 
 def _fabric(machine: Resources, precision: str):

@@ -15,6 +15,7 @@ import yaml
 from commands import run_sweep
 from paths import REPOSITORY
 
+from fl_lightning import cpu
 from fl_lightning.checkpoint import checkpoint_dir, numbered_checkpoints
 from fl_lightning.clients.run import CLIENT_STREAM, batch_positions, seeded_generator
 from fl_lightning.experiments import estimate as estimate_module
@@ -193,6 +194,19 @@ def test_on_gpus_a_run_is_priced_in_gpu_hours_of_all_its_gpus(capsys):
                                     f"{3.6 * 3 * 4 / 3600:.3g} GPU hours, {3.6 * 3 / 3600:.3g} h of wall time (1 at a "
                                     "time), 1.0 MiB of checkpoints, peak GPU memory 1.0 GiB per run, and up to 0 B of "
                                     "client state in host memory")
+
+
+@pytest.mark.parametrize("setting", ["auto", 4])
+def test_a_kind_is_timed_on_the_threads_fit_gives_a_sweep_run(monkeypatch, setting):
+    # On GPUs a run's host threads are the OMP_NUM_THREADS the sweep gives it, whatever compute.cpu_threads
+    # says (fit reads it on the CPU only); on CPUs of its own the run chooses from them.
+    gpus = Resources(accelerator="gpu", devices=1, threads=3, gpu_slots=[["0"]])
+    assert step_costs.sweep_run_threads(setting, 11_000_000, gpus) == 3
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(cpu, "cgroup_cpu_quota", lambda: None)
+    own_cpus = Resources(accelerator="cpu", devices=1, threads=2, gpu_slots=None, cpu_slots=[[0, 1]])
+    assert step_costs.sweep_run_threads(setting, 11_000_000, own_cpus) == (2 if setting == "auto" else 4)
+    assert step_costs.sweep_run_threads(setting, 62_000, own_cpus) == (1 if setting == "auto" else 4)
 
 
 @pytest.mark.parametrize("waiting, loads, verdict", [
