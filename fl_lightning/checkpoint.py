@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from fl_lightning import atomic_files
-from fl_lightning.errors import ConfigError
+from fl_lightning.errors import ConfigError, RunWarning
 
 LAST = "last.ckpt"
 DIGEST = "sha256"
@@ -169,7 +169,7 @@ def restore_last(out_dir: Path, state: dict) -> None:
         return  # the resume read last.ckpt itself, or last.ckpt is the newest checkpoint
     problem = _last_checkpoint_problem(last, state["round"])
     if problem is not None:
-        warnings.warn(f"{problem}; rewritten from {newest} (round {state['round']})", stacklevel=2)
+        warnings.warn(f"{problem}; rewritten from {newest} (round {state['round']})", RunWarning, stacklevel=2)
         _link_last(newest)
 
 
@@ -248,7 +248,7 @@ def newest_good_checkpoint(out_dir: Path) -> Optional[dict]:
         try:
             state = load_checkpoint(path)
         except ValueError as err:
-            warnings.warn(f"{err}; trying the previous checkpoint", stacklevel=2)
+            warnings.warn(f"{err}; trying the previous checkpoint", RunWarning, stacklevel=2)
             continue
         print(f"resuming from {path} (round {state['round']})", file=sys.stderr, flush=True)
         return state

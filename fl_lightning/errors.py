@@ -14,6 +14,12 @@ class ConfigError(ValueError):
         self.field_name = field_name
 
 
+class RunWarning(UserWarning):
+    """A warning of fl-lightning's own, on what it found and did about it (a damaged checkpoint passed
+    over, W&B logging offline): the command line prints it as one line, `warning: <text>`
+    (`fl_lightning.cli.messages.one_line_warnings`), as it prints its errors."""
+
+
 class RunInterrupted(RuntimeError):
     """The run cannot go on for a cause outside its settings (a file it cannot write, a rank that is
     gone). What it saved is whole, and the same command resumes from its last good checkpoint: `fit`

@@ -28,7 +28,7 @@ from typing import Optional
 from fl_lightning.atomic_files import failures_reported_as_writes_of, write_text_atomically
 from fl_lightning.cluster import slurm_job_id
 from fl_lightning.config import LoggerArgs
-from fl_lightning.errors import UNWRITABLE_ERRNOS, ConfigError, WriteFailed
+from fl_lightning.errors import UNWRITABLE_ERRNOS, ConfigError, RunWarning, WriteFailed
 from fl_lightning.metric_names import TEST_ACCURACY, VAL_ACCURACY, best_keys, best_round, final_key
 from fl_lightning.run_dir import seedless_digest
 from fl_lightning.wandb_file import history_steps, is_finished, read_records
@@ -185,7 +185,7 @@ class WandbRun:
             self._refuse_unwritable_folder(err)
             if self.args.wandb_mode != "online":
                 return self._disable("start", err)
-            warnings.warn(f"W&B online init failed ({err}); logging offline instead", stacklevel=2)
+            warnings.warn(f"W&B online init failed ({err}); logging offline instead", RunWarning, stacklevel=2)
             import wandb
 
             wandb.teardown()  # the failed run still holds its id in the W&B service

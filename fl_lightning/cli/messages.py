@@ -1,21 +1,24 @@
 """Parse errors restated: every bad input ends in one line, `error: <field>: expected ..., got ...`.
 jsonargparse's and argparse's messages are rewritten here, with the expected value taken from the
-field's type and, for an unknown key, the closest valid names."""
+field's type and, for an unknown key, the closest valid names. fl-lightning's own warnings are one
+line too, `warning: <text>` (`one_line_warnings`)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import inspect
 import re
 import typing
+import warnings
 from pathlib import Path
 from typing import Callable, Literal, Mapping, Optional, Union
 
 from fl_lightning.algorithms import SHORT_NAMES, Algorithm
 from fl_lightning.config import TYPE_DESCRIPTIONS
 from fl_lightning.configurable import init_parameters, resolve_dotted_path, subclasses
-from fl_lightning.errors import ConfigError
+from fl_lightning.errors import ConfigError, RunWarning
 
 
 class UsageError(ConfigError):
@@ -24,6 +27,27 @@ class UsageError(ConfigError):
     def __init__(self, field_name: str, expected: str, got: str):
         ValueError.__init__(self, f"{field_name}: expected {expected}, got {got}")
         self.field_name = field_name
+
+
+@contextlib.contextmanager
+def one_line_warnings():
+    """While it lasts, fl-lightning's own warnings (`RunWarning`) are shown as one line, `warning: <text>`,
+    as the command's errors are, not as Python shows a warning (its file, line and code, which tell a
+    user nothing); every other warning (a library's) is shown as Python shows it. Only the wording
+    changes (`warnings.formatwarning`): where a warning goes and whether it is shown stay Python's (a
+    test's `pytest.warns` still records it)."""
+    format_warning = warnings.formatwarning
+
+    def format_one_line(message, category, filename, lineno, line=None) -> str:
+        if issubclass(category, RunWarning):
+            return f"warning: {message}\n"
+        return format_warning(message, category, filename, lineno, line)
+
+    warnings.formatwarning = format_one_line
+    try:
+        yield
+    finally:
+        warnings.formatwarning = format_warning
 
 
 _PARSER_KEY = re.compile(r'Parser key "([^"]+)"')

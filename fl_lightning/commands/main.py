@@ -16,6 +16,7 @@ import itertools
 import sys
 from typing import Optional
 
+from fl_lightning.cli.messages import one_line_warnings
 from fl_lightning.cli.parser import CommandParser, build_parser, parse_command_line
 from fl_lightning.cluster import RequeueFailed
 from fl_lightning.compare import compare
@@ -44,7 +45,11 @@ PLAN_COMMANDS = ("sweep", "table", "dashboard", "data", "publish")
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    with one_line_warnings():
+        _run(list(sys.argv[1:] if argv is None else argv))
+
+
+def _run(argv: list[str]) -> None:
     data_fit_line = fit_line_of(argv)  # `data --config FILE ...`: a fit command line, parsed as fit parses it
     if argv and argv[0] in PLAN_COMMANDS:
         argv = _plan_command_line(argv)

@@ -2,16 +2,29 @@
 word them, turned into one `<field>: expected ..., got ...` for a small command schema defined
 here, and the plain words for what a type annotation accepts."""
 
+import re
+import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional, Union
 
+import processes
 import pytest
+import quick_runs
 
 from fl_lightning.algorithms import SHORT_NAMES, Algorithm
-from fl_lightning.cli.messages import UsageError, class_in, describe_type, explain_parse_error, setting_names
+from fl_lightning.checkpoint import checkpoint_dir
+from fl_lightning.cli.messages import (
+    UsageError,
+    class_in,
+    describe_type,
+    explain_parse_error,
+    one_line_warnings,
+    setting_names,
+)
 from fl_lightning.config import FinitePositiveFloat, NonNegativeInt, PositiveInt
-from fl_lightning.errors import ConfigError
+from fl_lightning.errors import ConfigError, RunWarning
 
 
 @dataclass
@@ -240,3 +253,31 @@ def test_the_settings_of_a_command_are_its_parameters_and_its_groups_fields():
     assert setting_names(demo) == ["config", "print_config", "help", "required", "algorithm", "federation",
                                    "federation.rounds", "federation.clients_per_round", "federation.weighting",
                                    "seed", "shapes", "out_dir"]
+
+
+def test_fl_lightnings_own_warnings_are_one_line_and_a_librarys_as_python_shows_them():
+    python_format = warnings.formatwarning
+    with one_line_warnings():
+        assert warnings.formatwarning("a damaged checkpoint", RunWarning, "fit.py", 3) == (
+            "warning: a damaged checkpoint\n")
+        library = warnings.formatwarning("a library's", UserWarning, "library.py", 7, "warn()")
+    assert library == python_format("a library's", UserWarning, "library.py", 7, "warn()")
+    assert "library.py:7: UserWarning: a library's" in library
+    assert warnings.formatwarning is python_format
+
+
+@pytest.mark.slow
+def test_a_warning_on_resuming_a_run_is_one_line(run_copy):
+    """`fit` passing over a damaged last.ckpt, in a real process: the one line the docs show, without
+    Python's file, line and echoed code."""
+    folder = checkpoint_dir(run_copy)
+    (folder / "last.ckpt").unlink()
+    (folder / "last.ckpt").write_bytes(b"garbage")
+    completed = processes.run([sys.executable, "-m", "fl_lightning", *quick_runs.BASE, "--federation.rounds",
+                               str(quick_runs.ROUNDS), "--resume", "auto", "--out_dir", str(run_copy)], timeout=120)
+    assert completed.returncode == 0, completed.stderr
+    (warning,) = [line for line in completed.stderr.splitlines() if "last.ckpt" in line]
+    assert re.fullmatch(rf"warning: checkpoint {re.escape(str(folder / 'last.ckpt'))} is unreadable \(.*\); "
+                        rf"rewritten from {re.escape(str(folder))}/round_0+{quick_runs.ROUNDS}\.ckpt "
+                        rf"\(round {quick_runs.ROUNDS}\)", warning)
+    assert "UserWarning" not in completed.stderr and "warnings.warn" not in completed.stderr
