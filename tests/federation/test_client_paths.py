@@ -83,7 +83,7 @@ def federated_loop(algorithm_name: str, *, batch_norm: bool, client_path: str, l
                    client_sizes: tuple[int, ...] = CLIENT_SIZES, weighting=None, callbacks=None) -> FederatedLoop:
     algorithm = ALGORITHMS[algorithm_name]()
     torch.manual_seed(0)
-    network = SmallConvNet(batch_norm, bias=constraint is None)
+    network = SmallConvNet(batch_norm, bias=constraint is None or constraint.constrained == "displacement")
     generator = torch.Generator().manual_seed(1)
     images = torch.randint(0, 256, (sum(client_sizes), 3, 8, 8), dtype=torch.uint8, generator=generator)
     labels = torch.randint(0, NUM_CLASSES, (sum(client_sizes),), generator=generator)
@@ -171,6 +171,25 @@ def test_const_constrained_clients_grouped_match_the_loop(algorithm_name, group_
     grouped = rounds_of(federated_loop(**settings, client_path="grouped", constraint=CONST()))
     assert group_sizes == [4, 4, 4]
     assert_same_run(grouped, rounds_of(federated_loop(**settings, client_path="loop", constraint=CONST())))
+
+
+# CONST as its authors' code runs it (configs/const_authors_code.yaml) and their per-row variant: the
+# parameters mapped after each step, on clients that take unequal steps (the masked ones keep theirs).
+AFTER_STEP_CONST = {
+    "authors_code": dict(granularity="model", constrained="displacement", when="after_step",
+                         order="centre_then_orthogonalise", tensors="all"),
+    "strict": dict(constrained="displacement", when="after_step", order="strict_scale"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", AFTER_STEP_CONST)
+def test_const_mapped_after_each_step_grouped_matches_the_loop(variant, group_sizes):
+    settings = dict(algorithm_name="scaffold", batch_norm=False, local_epochs=2)
+    options = AFTER_STEP_CONST[variant]
+    grouped = rounds_of(federated_loop(**settings, client_path="grouped", constraint=CONST(**options)))
+    assert group_sizes == [4, 4, 4]
+    assert_same_run(grouped, rounds_of(federated_loop(**settings, client_path="loop", constraint=CONST(**options))))
 
 
 @pytest.mark.slow
