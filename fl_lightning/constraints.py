@@ -70,7 +70,8 @@ class CONST(Constraint):
       zero-sum only where 1^T G_c = 0 (with a centred G the two orders agree). `strict_scale` is
       `Constrainting_strict` as written: it removes cos(Dc, G_c) |D| / |G_c| times G_c, with |D|
       the norm of the *uncentred* displacement, i.e. |D| / |Dc| >= 1 times the exact component:
-      not a projection, and neither orthogonal to G_c nor zero-sum unless D has zero mean.
+      not a projection, and not orthogonal to G_c; it is `centre_then_orthogonalise` only where D
+      already has zero mean. Like the code, it maps rows of 2-D and 4-D weights (any ndim >= 2 here).
     - `tensors`: `matrices` constrains the conv and linear weights (every parameter with ndim >= 2)
       and leaves 1-D parameters free (the paper; `Constrainting_strict`); `all` constrains every
       parameter, biases and norm affine included (FedConst.py; needs `granularity` layer or model
