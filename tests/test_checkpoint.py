@@ -71,6 +71,22 @@ def test_a_corrupted_tensor_byte_is_caught_and_the_previous_checkpoint_used(run_
     assert [row["round"] for row in read_metrics(run_copy)] == [1, 2, 3, 4]
 
 
+def test_last_ckpt_damaged_in_place_is_its_newest_round_damaged_too_and_the_previous_one_is_used(run_copy, capsys):
+    """last.ckpt is a hard link of the newest numbered checkpoint (docs/reliability.md): bytes changed
+    in the file change both names, and the resume falls back to the checkpoint before them."""
+    folder = checkpoint_dir(run_copy)
+    *_, previous, newest = numbered_checkpoints(folder)
+    (folder / "last.ckpt").unlink()  # the run's copy holds two files: linked again, as fit leaves them
+    os.link(newest, folder / "last.ckpt")
+    flip_bytes_inside(folder / "last.ckpt", b"data/0")
+    with pytest.raises(ValueError, match="fails its sha256 check"):
+        load_checkpoint(newest)
+    with pytest.warns(UserWarning, match="trying the previous checkpoint"):
+        fit(run_copy)
+    assert f"resuming from {previous}" in capsys.readouterr().err
+    assert load_checkpoint(folder / "last.ckpt")["round"] == ROUNDS and os.path.samefile(folder / "last.ckpt", newest)
+
+
 def test_a_corrupted_client_state_shard_is_caught(tmp_path):
     out_dir = tmp_path / "run"
     fit(out_dir, "--algorithm", "scaffold")
