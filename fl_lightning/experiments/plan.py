@@ -21,6 +21,7 @@
       seeds: [100]                              # the tuning runs' seeds, none of `seeds`
       select: val_accuracy                      # a validation metric; the lowest wins for a loss
       at: final                                 # optional: final, best or last:K, as table's --at
+      choose_from: all                          # optional: all (a complete stage), or finished (tuning.py)
       methods:                                  # a method -> {dotted setting: [values]}, the product its candidates
         FedAvg: {client_optimizer.lr: [0.01, 0.03, 0.1]}
 
@@ -147,6 +148,9 @@ class TuneGrid:
     at: str
     methods: dict[str, dict[str, list]]
     """Method -> dotted setting -> its values, in the plan's order."""
+    choose_from: str = "all"
+    """`all`: a choice waits for every tuning run of its cell to finish (or fail in the sweep that ran
+    it); `finished`: a stage that ended with runs unfinished (cancelled) chooses from the others."""
 
     def candidates(self, method: str) -> list[dict[str, Any]]:
         """The method's candidates in the plan's order (the product of its settings' values, the last
@@ -391,8 +395,8 @@ def read_tune(tune, raw: dict) -> Optional[TuneGrid]:
     """A plan's `tune:` checked (its methods' grids against `raw`, the plan read so far); None without one."""
     if tune is None:
         return None
-    if not isinstance(tune, dict) or set(tune) - {"seeds", "select", "at", "methods"}:
-        raise ConfigError("plan.tune", "a mapping of seeds, select, methods and optionally at", tune)
+    if not isinstance(tune, dict) or set(tune) - {"seeds", "select", "at", "choose_from", "methods"}:
+        raise ConfigError("plan.tune", "a mapping of seeds, select, methods and optionally at and choose_from", tune)
     seeds, plan_seeds = tune.get("seeds"), raw.get("seeds", [0])
     _check_seeds("plan.tune.seeds", seeds)
     if set(seeds) & set(plan_seeds):
@@ -406,12 +410,16 @@ def read_tune(tune, raw: dict) -> Optional[TuneGrid]:
         parse_at(at)
     except ConfigError as err:
         raise ConfigError("plan.tune.at", AT_CHOICES, at) from err
+    choose_from = tune.get("choose_from", "all")
+    if choose_from not in CHOOSE_FROM:
+        raise ConfigError("plan.tune.choose_from", f"one of {', '.join(CHOOSE_FROM)} (every candidate's runs finished, "
+                          "or a stage cut short chooses from the finished ones)", choose_from)
     methods = tune.get("methods")
     if not isinstance(methods, dict) or not methods:
         raise ConfigError("plan.tune.methods", "a mapping of method -> {dotted setting: [values]}", methods)
     for method, grid in methods.items():
         _check_tuned(f"plan.tune.methods.{method}", method, grid, raw)
-    return TuneGrid(seeds=seeds, select=select, at=at, methods=methods)
+    return TuneGrid(seeds=seeds, select=select, at=at, methods=methods, choose_from=choose_from)
 
 
 def _check_tuned(key: str, method, grid, raw: dict) -> None:
@@ -443,6 +451,7 @@ def same_setting(a: str, b: str) -> bool:
     return a == b or a.startswith(f"{b}.") or b.startswith(f"{a}.")
 
 
+CHOOSE_FROM = ("all", "finished")
 _CANDIDATE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9+=._-]*")
 _FOLDER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9+=.-]*")
 """A method's folder (its slug) or a setting value: one folder name, never `.`, `..` or a path."""

@@ -41,8 +41,8 @@ class ResolvedPoint:
     settings: Any = None
     """The parsed, not instantiated, settings of the `fl-lightning` command line (for dumping them)."""
     error: Optional[ConfigError] = None
-    unused: tuple[str, ...] = ()
-    """The groups of `config` that the run never reads (fit.unused_settings)."""
+    unused: dict[str, str] = dataclasses.field(default_factory=dict)
+    """The groups of `config` that the run never reads, each with why (fit.unused_settings)."""
 
     @property
     def rounds(self) -> Optional[int]:
@@ -151,7 +151,7 @@ def resolve_variant(plan: Plan, resolver: Optional[GridResolver] = None) -> list
              if entry.point.seed == plan.seeds[0]]
     restated = {key for key in plan.overrides
                 if all(entry.config is not None and plain.config is not None
-                       and _value(entry.config, key) == _value(plain.config, key) for entry, plain in pairs)}
+                       and value_of(entry.config, key) == value_of(plain.config, key) for entry, plain in pairs)}
     if plan.restate(restated):
         resolved = [resolver.resolve(point) for point in plan.grid()]
     check_overrides(plan, resolved, own)
@@ -207,7 +207,7 @@ def _set_by(plan: Plan, key: str, points: list[ResolvedPoint]) -> list[str]:
             setters.append(f"settings.{axis}")
     methods = [method for method, parts in plan.methods.items() if _names(parts, key)] or [
         entry.point.method for entry in _differing_group(points, key, lambda point: point.setting_name)
-        if _value(entry.config, key)]
+        if value_of(entry.config, key)]
     if methods:
         setters.append(f"method{'s' if len(methods) > 1 else ''} {', '.join(methods)}")
     tuned = [method for method, grid in (plan.tune.methods if plan.tune else {}).items()
@@ -234,7 +234,7 @@ def _names(parts: list[Part], key: str) -> bool:
     return any(_under(name, key) for part in parts if isinstance(part, dict) for name in flatten(part))
 
 
-def _value(config: dict, key: str) -> tuple:
+def value_of(config: dict, key: str) -> tuple:
     """What `config` holds of `key`: its value, or those of the settings under it; () when it has none."""
     return tuple(sorted((name, repr(value)) for name, value in flatten(config).items() if _under(name, key)))
 
@@ -247,7 +247,7 @@ def _differing_group(points: list[ResolvedPoint], key: str, group_of: Callable[[
     for entry in points:
         if entry.config is not None:
             groups.setdefault(group_of(entry.point), []).append(entry)
-    return next((group for group in groups.values() if len({_value(entry.config, key) for entry in group}) > 1), [])
+    return next((group for group in groups.values() if len({value_of(entry.config, key) for entry in group}) > 1), [])
 
 
 def accepted_config(plan: Path, resolved: ResolvedPoint) -> dict:

@@ -10,6 +10,7 @@ is two array jobs, the second starting after the first (tuning.submit_stages).
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import shutil
@@ -27,6 +28,25 @@ FIT_CONFIG_FILE = "sweep_fit.yaml"
 """A grid point's resolved `fit` settings, written into its run folder for a SLURM array task."""
 SWEEP_SCRIPT = Path("slurm") / "sweep.sbatch"
 """The array job's batch script, relative to the repository root (where jobs are submitted from)."""
+JOB_LIBRARY = Path("slurm") / "lib.sh"
+"""The functions the batch scripts share; its fl_activate is how a job finds fl-lightning."""
+
+
+def check_job_finds_fl_lightning() -> None:
+    """Refuse to submit array tasks that could not start fl-lightning, each to fail in the queue: a task
+    runs slurm/lib.sh's fl_activate (FL_ACTIVATE, then fl-lightning on PATH) in the environment sbatch
+    exports to it, this process's, from the folder it is submitted from; so it is run here, the same way."""
+    completed = subprocess.run(["bash", "-c", f'set -euo pipefail; source "{JOB_LIBRARY}"; fl_activate'],
+                               stdin=subprocess.DEVNULL, capture_output=True, text=True)
+    if completed.returncode == 0:
+        return
+    activate = Path(sys.executable).parent / "activate"
+    example = f"FL_ACTIVATE='source {activate}'" if activate.is_file() else "FL_ACTIVATE='source .venv/bin/activate'"
+    reason = completed.stderr.strip().splitlines()[-1:] or [f"fl_activate exited {completed.returncode}"]
+    raise ConfigError("FL_ACTIVATE", f"a command that puts fl-lightning on PATH in the jobs (e.g. {example} "
+                      "fl-lightning sweep ... --mode submit), or fl-lightning on this shell's PATH: the jobs run "
+                      "slurm/lib.sh's fl_activate in this environment",
+                      f"{os.environ.get('FL_ACTIVATE') or 'unset'}: {reason[0].removeprefix('error: ').split('. ')[0]}")
 
 
 def write_fit_config(resolved: ResolvedPoint) -> Path:

@@ -25,6 +25,8 @@ the first. Its grid points are the tuning runs (0 to T-1), then the plan's own.
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 from typing import Literal, Optional
 
@@ -46,7 +48,7 @@ from fl_lightning.experiments.resolve import (
     read_states,
 )
 from fl_lightning.experiments.runs import RunFolder, RunState
-from fl_lightning.experiments.slurm import write_fit_config
+from fl_lightning.experiments.slurm import check_job_finds_fl_lightning, write_fit_config
 from fl_lightning.experiments.tuning import TunedGrid, run_tuning_stage, submit_stages, tuned_grid
 
 SweepMode = Literal["run", "list", "estimate", "submit", "fit_config"]
@@ -174,7 +176,15 @@ def _fit_config_mode(plan: Path, grid: TunedGrid, options: SweepOptions) -> None
     resources.check_precision(grid.plan, grid.resolved)
     chosen = grid.to_run(options.index, options.tuning_ended)
     checked_folders(plan, chosen)
-    print(write_fit_config(chosen[0]))
+    path = write_fit_config(chosen[0])
+    try:
+        print(path, flush=True)
+    except BrokenPipeError:
+        # Its reader, the array task's shell, is gone (the task was cancelled while it started).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
+        print(f"grid point {options.index}: the job that asked for its settings ({path}) is gone (cancelled?); "
+              "nothing to launch", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
 
 
 def _submit_mode(plan: Path, grid: TunedGrid, options: SweepOptions) -> None:
@@ -182,6 +192,8 @@ def _submit_mode(plan: Path, grid: TunedGrid, options: SweepOptions) -> None:
     checked_folders(plan, grid.to_run(None, options.tuning_ended))
     _write_variant_file(grid.plan, options)
     resources.array_job(grid.plan, options)
+    if not options.dry_run:
+        check_job_finds_fl_lightning()
     submit_stages(plan, grid, options)
 
 

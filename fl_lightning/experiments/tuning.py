@@ -4,25 +4,27 @@ before the plan's own runs train with them (the plan's `tune:`, see plan.py).
     tune:
       seeds: [100]
       select: val_accuracy
+      choose_from: all          # optional: all (the default) or finished
       methods:
         FedAvg: {client_optimizer.lr: [0.01, 0.03, 0.1]}
 
 - A cell is a setting and a tuned method. Its tuning runs, one per candidate and tuning seed, are
   grid points 0 to T-1, in runs/<plan>/tune/<setting>/<method>/<candidate>/seed<k>, with the
   validation split that the plan's configs must give them (`data.validation`; a tuned plan without
-  one is refused, as is a `select` that the runs do not log).
-- The choice: each candidate's figure is its runs' `select` at `at` (table's --at: final, best or
-  last:K) averaged over the tuning seeds; the best figure wins (the lowest for a loss), the first
-  candidate in the plan's order on a tie. A candidate with a run that failed, diverged or logged
-  no finite value has no figure: it is named, never chosen. A cell none of whose candidates has a
-  figure has no choice: its own runs wait.
-- A choice is made only once every tuning run of its cell has ended: finished, or failed where the
-  stage is known to be over (a local sweep that ran it, or the final array job of `--slurm`, which
-  starts after the tuning job: `--tuning_ended`). It is written, atomically, to
-  runs/<plan>/tune/<setting>/<method>/selection.yaml with every candidate's figure and runs, and
-  the settings it was made from (`basis`): a plan whose tune grid, select, at or tuning seeds
-  changed, or whose tuning runs' settings did, finds it stale and makes it again, never using it.
-  Two sweeps making one choice write the same file.
+  one is refused, as is a `select` that the runs do not log, and a tuned setting that does not
+  reach the method's runs: check_tuned_settings).
+- The choice (selection.py): each candidate's figure is its runs' `select` at `at` (table's --at:
+  final, best or last:K) averaged over the tuning seeds; the best figure wins (the lowest for a
+  loss), the first candidate in the plan's order on a tie. A candidate with a run that failed in
+  the sweep that ran it, diverged or logged no finite value has no figure: it is named, never
+  chosen. A cell none of whose candidates has a figure has no choice: its own runs wait.
+- A choice is made only once every tuning run of its cell has ended, and from a complete stage: a
+  run left unfinished where the stage is known to be over (the final array job of `--slurm`, which
+  starts after the tuning job whatever became of it: `--tuning_ended`), cancelled or failed in a
+  job, leaves the cell without a choice (its tasks fail, naming it) until a submission finishes
+  it; with `choose_from: finished` the choice is made from the candidates whose runs finished, and
+  says so. It is made once, under the cell's lock (a second sweep or task finds it made), written
+  atomically to runs/<plan>/tune/<setting>/<method>/selection.yaml, and logged in a line.
 - The choice enters the plan's own runs of the cell as a mapping after the method's parts, so their
   config records it; their folders stay runs/<plan>/<setting>/<method>/seed<k>, and a run made with
   another choice is another experiment there (refused, as `fit` refuses it).
@@ -30,17 +32,15 @@ before the plan's own runs train with them (the plan's `tune:`, see plan.py).
 
 from __future__ import annotations
 
+import contextlib
 import math
-import statistics
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import IO, Optional
 
-import yaml
-
-from fl_lightning.atomic_files import write_text_atomically
 from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.local import (
     LOG_FILE,
@@ -51,7 +51,7 @@ from fl_lightning.experiments.local import (
     run_locally,
 )
 from fl_lightning.experiments.machine import SweepOptions
-from fl_lightning.experiments.plan import GridPoint, Plan, describe_candidate
+from fl_lightning.experiments.plan import GridPoint, Plan, describe_candidate, same_setting
 from fl_lightning.experiments.resolve import (
     GridResolver,
     ResolvedPoint,
@@ -59,6 +59,7 @@ from fl_lightning.experiments.resolve import (
     describe_point,
     read_states,
     resolve_variant,
+    value_of,
 )
 from fl_lightning.experiments.runs import (
     PER_CLIENT_METRICS,
@@ -68,169 +69,86 @@ from fl_lightning.experiments.runs import (
     parse_at,
     value_at,
 )
+from fl_lightning.experiments.selection import (
+    ENDED_UNFINISHED,
+    SELECTION_FILE,
+    Candidate,
+    Cell,
+    NotChosen,
+    Selection,
+    best_candidate,
+    describe_at,
+    read_selection,
+    run_basis,
+    write_selection,
+)
 from fl_lightning.experiments.slurm import submit
-from fl_lightning.metric_names import best_round, best_value, lower_is_better
-from fl_lightning.run_dir import experiment_digest
-from fl_lightning.yaml_text import load_yaml
+from fl_lightning.file_lock import FileLock, LockHeld
+from fl_lightning.metric_names import best_round
 
-SELECTION_FILE = "selection.yaml"
-Cell = tuple[str, str]
-"""(setting name, method)."""
-
-
-class NotChosen(ConfigError):
-    """A cell's choice cannot be made (yet): a tuning run has not ended, or no candidate has a figure."""
-
-    def __init__(self, cell: Cell, reason: str):
-        super().__init__("tune", f"the tuning runs of {cell[1]} | {cell[0]} ended, with a figure to choose by "
-                         "(fl-lightning sweep PLAN runs the tuning stage, then the plan's own runs)", reason)
-        self.reason = reason
-
-
-@dataclass
-class Candidate:
-    values: dict[str, Any]
-    runs: list[dict]
-    """Per tuning seed: seed, folder, value (None without one) and the settings it was made from."""
-    problem: Optional[str] = None
-    """Why it has no figure."""
-
-    @property
-    def figure(self) -> Optional[float]:
-        values = [run["value"] for run in self.runs]
-        return None if self.problem is not None else statistics.fmean(values)
-
-
-@dataclass
-class Selection:
-    """A cell's choice, as its selection.yaml holds it."""
-
-    setting: str
-    method: str
-    select: str
-    at: str
-    seeds: list[int]
-    chosen: dict[str, Any]
-    candidates: list[Candidate]
-    path: Path
-
-    def record(self) -> dict:
-        return {"setting": self.setting, "method": self.method, "select": self.select, "at": self.at,
-                "seeds": self.seeds, "chosen": self.chosen,
-                "candidates": [{"values": c.values, "figure": c.figure, **({"problem": c.problem} if c.problem else {}),
-                                "runs": c.runs} for c in self.candidates]}
-
-    def describe(self) -> str:
-        """`client_optimizer.lr=0.5 (val_accuracy 0.4152 at the final round; the others: client_optimizer.lr=0.05:
-        0.1003, client_optimizer.lr=0.2: seed 100: failed (its log: ...))`."""
-        others = [f"{describe_candidate(c.values)}: " + (f"{c.figure:.4g}" if c.problem is None else c.problem)
-                  for c in self.candidates if c.values != self.chosen]
-        figure = next(c.figure for c in self.candidates if c.values == self.chosen)
-        return (f"{describe_candidate(self.chosen)} ({self.select} {figure:.4g} {describe_at(self.at)}"
-                + (f"; the others: {', '.join(others)}" if others else "") + ")")
-
-
-def describe_at(at: str) -> str:
-    """`at the final round`, `at its best evaluation`, `over the last 5 evaluations`."""
-    rule, k = parse_at(at)
-    return {"final": "at the final round", "best": "at its best evaluation"}.get(rule, f"over the last {k} evaluations")
-
-
-def basis(plan: Plan, entries: list[ResolvedPoint]) -> dict:
-    """What a cell's choice is made from: the tune's rule and seeds, and per candidate its values and
-    the settings of its runs (those that define the experiment, the rounds and the evaluation
-    cadence); a selection.yaml with another is stale."""
-    candidates: dict[str, dict] = {}
-    for entry in entries:
-        key = repr(entry.point.tuned)
-        candidates.setdefault(key, {"values": entry.point.tuned, "runs": []})["runs"].append(_run_basis(entry))
-    return {"select": plan.tune.select, "at": plan.tune.at, "seeds": plan.tune.seeds,
-            "candidates": list(candidates.values())}
-
-
-def _run_basis(entry: ResolvedPoint) -> dict:
-    config = entry.config or {}
-    federation = config.get("federation") or {}
-    return {"seed": entry.point.seed, "experiment": experiment_digest(config) if config else None,
-            "rounds": federation.get("rounds"), "eval_every": federation.get("eval_every")}
-
-
-def _basis_of(record: dict) -> dict:
-    """The basis a selection.yaml was made from."""
-    keys = ("seed", "experiment", "rounds", "eval_every")
-    return {"select": record.get("select"), "at": record.get("at"), "seeds": record.get("seeds"),
-            "candidates": [{"values": c.get("values"), "runs": [{k: run.get(k) for k in keys} for run in c["runs"]]}
-                           for c in record.get("candidates") or []]}
-
-
-def _stale(recorded: dict, expected: dict) -> str:
-    """What differs between a selection's basis and the one expected (they differ), in a few words."""
-    for key, what in (("select", "select"), ("at", "at"), ("seeds", "tuning seeds")):
-        if recorded[key] != expected[key]:
-            return f"made with {what} {recorded[key]}, the plan's tune says {expected[key]}"
-    values = [[c["values"] for c in basis["candidates"]] for basis in (recorded, expected)]
-    if values[0] != values[1]:
-        return (f"made from the candidates {', '.join(map(describe_candidate, values[0]))}, the plan's tune has "
-                f"{', '.join(map(describe_candidate, values[1]))}")
-    return "made from tuning runs of other settings (the plan's configs, a setting or the method changed since)"
-
-
-def read_selection(plan: Plan, cell: Cell, entries: list[ResolvedPoint]) -> tuple[Optional[Selection], Optional[str]]:
-    """The cell's selection.yaml when it holds a choice made from `entries` as they are now (else None),
-    and why it is stale (None when there is none, or it is current)."""
-    path = plan.tune_folder(*cell) / SELECTION_FILE
-    if not path.is_file():
-        return None, None
-    expected = basis(plan, entries)
-    try:
-        record = load_yaml(path.read_text())
-        recorded = _basis_of(record)
-        candidates = [Candidate(c["values"], c["runs"], c.get("problem")) for c in record["candidates"]]
-        best = best_candidate(candidates, plan.tune.select)
-    except (OSError, yaml.YAMLError, TypeError, KeyError, AttributeError, statistics.StatisticsError) as err:
-        return None, f"{path} is unreadable ({type(err).__name__}: {err})"
-    if recorded != load_yaml(yaml.safe_dump(expected)):
-        return None, f"{path} is stale: {_stale(recorded, expected)}"
-    if best is None or best.values != record.get("chosen"):
-        return None, f"{path} is stale: its chosen values are not those of the best of its figures"
-    return Selection(cell[0], cell[1], plan.tune.select, plan.tune.at, plan.tune.seeds, best.values, candidates,
-                     path), None
+CHOICE_LOCK_FILE = ".selection.lock"
+"""Held in a cell's tuning folder while its choice is made: one sweep or array task makes it."""
 
 
 def choose(plan: Plan, cell: Cell, entries: list[ResolvedPoint], ended: bool, failed: frozenset[int] = frozenset()
-           ) -> Selection:
-    """The cell's choice from its tuning runs (`entries`), written to its selection.yaml; NotChosen when
-    a run has not ended (with `ended`, a run left unfinished and held by no process has: it failed or
-    was stopped) or no candidate has a figure. `failed`: the points whose runs failed in this sweep. A
-    tuning folder holding another experiment is refused."""
+           ) -> tuple[Selection, bool]:
+    """The cell's choice from its tuning runs (`entries`), written to its selection.yaml, and whether it
+    was made here (False: another sweep or task made it first). NotChosen when a run has not ended
+    (with `ended`, a run left unfinished and held by no process has), when one ended unfinished and
+    the plan chooses from every candidate, or when no candidate has a figure. `failed`: the points
+    whose runs failed in this sweep. A tuning folder holding another experiment is refused."""
     states = read_states(entries)
     check_folders(plan.path, entries, states)
-    candidates: dict[str, Candidate] = {}
-    for entry in entries:
-        run, problem = _run_figure(plan, cell, entry, states[entry.point.index], ended, entry.point.index in failed)
-        candidate = candidates.setdefault(repr(entry.point.tuned), Candidate(entry.point.tuned, []))
-        candidate.runs.append(run)
-        if problem is not None:
-            candidate.problem = "; ".join(filter(None, [candidate.problem, problem]))
-    listed = list(candidates.values())
-    chosen = best_candidate(listed, plan.tune.select)
-    if chosen is None:
-        raise NotChosen(cell, "no candidate has a figure: " + "; ".join(
-            f"{describe_candidate(c.values)}: {c.problem}" for c in listed))
-    selection = Selection(cell[0], cell[1], plan.tune.select, plan.tune.at, plan.tune.seeds, chosen.values, listed,
-                          plan.tune_folder(*cell) / SELECTION_FILE)
-    _write(plan, selection)
-    return selection
+    with _held(FileLock(plan.tune_folder(*cell) / CHOICE_LOCK_FILE)):
+        made, _ = read_selection(plan, cell, entries)
+        if made is not None:
+            return made, False
+        candidates: dict[str, Candidate] = {}
+        unfinished = []
+        for entry in entries:
+            run, problem = _run_figure(plan, cell, entry, states[entry.point.index], ended,
+                                       entry.point.index in failed)
+            candidate = candidates.setdefault(repr(entry.point.tuned), Candidate(entry.point.tuned, []))
+            candidate.runs.append(run)
+            if problem is not None:
+                candidate.problem = "; ".join(filter(None, [candidate.problem, problem]))
+                if ENDED_UNFINISHED in problem:
+                    unfinished.append(entry)
+        if unfinished and plan.tune.choose_from == "all":
+            raise NotChosen(cell, _incomplete(unfinished, states, len(entries)))
+        listed = list(candidates.values())
+        chosen = best_candidate(listed, plan.tune.select)
+        if chosen is None:
+            raise NotChosen(cell, "no candidate has a figure: " + "; ".join(
+                f"{describe_candidate(c.values)}: {c.problem}" for c in listed))
+        selection = Selection(cell[0], cell[1], plan.tune.select, plan.tune.at, plan.tune.seeds, chosen.values,
+                              listed, plan.tune_folder(*cell) / SELECTION_FILE)
+        write_selection(plan, selection)
+        return selection, True
 
 
-def best_candidate(candidates: list[Candidate], select: str) -> Optional[Candidate]:
-    """The candidate of the best figure (the lowest for a loss), the first in the plan's order on a tie;
-    None when none has a figure."""
-    scored = [candidate for candidate in candidates if candidate.problem is None]
-    if not scored:
-        return None
-    best = best_value([candidate.figure for candidate in scored], select)
-    return next(candidate for candidate in scored if candidate.figure == best)
+def _incomplete(unfinished: list[ResolvedPoint], states: dict[int, RunState], size: int) -> str:
+    first = unfinished[0].point
+    return (f"an incomplete tuning stage: {len(unfinished)} of {size} tuning run(s) {ENDED_UNFINISHED} (cancelled, "
+            f"failed or never run), first [{first.index}] {describe_point(first)} in {first.out_dir}: "
+            f"{states[first.index].describe()}; submit the plan again to finish them, or choose from the finished "
+            "candidates with tune.choose_from: finished")
+
+
+@contextlib.contextmanager
+def _held(lock: FileLock) -> Iterator[None]:
+    """The lock, waited for while another process holds it (it makes a choice: an instant)."""
+    lock.path.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        try:
+            lock.acquire()
+            break
+        except LockHeld:
+            time.sleep(POLL_SECONDS)
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _run_figure(plan: Plan, cell: Cell, entry: ResolvedPoint, state: RunState, ended: bool, failed: bool
@@ -238,7 +156,7 @@ def _run_figure(plan: Plan, cell: Cell, entry: ResolvedPoint, state: RunState, e
     """One tuning run's record (its value of `select` at `at`) and, without a value, why; NotChosen
     while it has not ended."""
     point = entry.point
-    record = {"seed": point.seed, "folder": str(point.out_dir), "value": None, **_run_basis(entry)}
+    record = {"seed": point.seed, "folder": str(point.out_dir), "value": None, **run_basis(entry)}
     holder = held_elsewhere(point.out_dir)
     if holder is not None and state.finished:
         # Another sweep holds a finished run's folder for an instant, to look at it (a sweep never
@@ -251,7 +169,7 @@ def _run_figure(plan: Plan, cell: Cell, entry: ResolvedPoint, state: RunState, e
     if not state.finished:
         if not ended:
             raise NotChosen(cell, f"[{point.index}] {describe_point(point)} in {point.out_dir} is {state.describe()}")
-        return record, f"seed {point.seed}: {state.describe()}, ended unfinished (failed, stopped or never run)"
+        return record, f"seed {point.seed}: {state.describe()}, {ENDED_UNFINISHED} (cancelled, failed or never run)"
     value = run_value(RunFolder(point.out_dir), plan.tune.select, plan.tune.at)
     if value is None or not math.isfinite(value):
         return record, f"seed {point.seed}: no finite {plan.tune.select} logged (diverged?)"
@@ -265,23 +183,6 @@ def run_value(run: RunFolder, metric: str, at: str) -> Optional[float]:
         best = best_round(run.history, metric)
         return None if best is None else best.value
     return value_at([value for _, value in run.points(metric)], at)
-
-
-def _write(plan: Plan, selection: Selection) -> None:
-    rule = (f"the best {plan.tune.select} ({'lowest' if lower_is_better(plan.tune.select) else 'highest'}) "
-            f"{describe_at(plan.tune.at)}, the mean over the tuning seeds, the first candidate on a tie")
-    header = (f"# The tuning choice of {selection.method} | {selection.setting} in plan {plan.name}: {rule}.\n"
-              "# Written by fl-lightning sweep once every tuning run of the cell had ended; a change of the\n"
-              "# plan's tune or of its tuning runs' settings makes it stale, and the sweep makes it again.\n")
-    text = yaml.dump(selection.record(), Dumper=_Dumper, sort_keys=False, default_flow_style=None)
-    write_text_atomically(selection.path, header + text)
-
-
-class _Dumper(yaml.SafeDumper):
-    """Writes a value that appears twice (the chosen values, a candidate's) twice, not as an alias."""
-
-    def ignore_aliases(self, data) -> bool:
-        return True
 
 
 def check_tuning(plan: Plan, tuning: list[ResolvedPoint]) -> None:
@@ -301,6 +202,31 @@ def check_tuning(plan: Plan, tuning: list[ResolvedPoint]) -> None:
     if plan.tune.select not in logged:
         raise ConfigError("plan.tune.select", f"a validation metric the tuning runs log ({', '.join(logged)}): the "
                           "choice is made on the validation split", plan.tune.select)
+
+
+def check_tuned_settings(plan: Plan, tuning: list[ResolvedPoint]) -> None:
+    """Refuse a tuned setting that does not reach its method's runs: the tuning runs of a cell on the
+    first tuning seed, their configs less the groups that their runs never read (fit.unused_settings),
+    hold a single value of it, so that every candidate trains alike and the first wins the tie.
+    Comparing what the candidates resolve to, rather than asking the algorithm alone, also refuses a
+    setting that anything else leaves alike; the algorithm names what its runs do not read."""
+    cells: dict[Cell, list[ResolvedPoint]] = {}
+    for entry in tuning:
+        if entry.config is not None and entry.point.seed == plan.tune.seeds[0]:
+            cells.setdefault(entry.point.cell, []).append(entry)
+    for (setting, method), entries in cells.items():
+        for key, values in plan.tune.methods[method].items():
+            if len({repr(value) for value in values}) < 2:
+                continue
+            read = [{group: part for group, part in entry.config.items() if group not in entry.unused}
+                    for entry in entries]
+            if len({value_of(config, key) for config in read}) > 1:
+                continue
+            unused = [why for group, why in entries[0].unused.items() if same_setting(group, key)]
+            why = (f"the runs of {method} never read it ({unused[0]})" if unused
+                   else f"the candidates of {method} resolve to one value of it ({setting})")
+            raise ConfigError(f"plan.tune.methods.{method}", "settings that reach the method's runs (one they do "
+                              "not read trains every candidate alike, and the first wins the tie)", f"{key}: {why}")
 
 
 def tuned_grid(plan: Plan) -> TunedGrid:
@@ -331,6 +257,8 @@ class TunedGrid:
     def __post_init__(self):
         self.tuning = [self.resolver.resolve(point) for point in self.plan.tuning_grid()]
         check_tuning(self.plan, self.tuning)
+        if self.plan.tune is not None:
+            check_tuned_settings(self.plan, self.tuning)
         for cell, entries in self.cells().items():
             selection, stale = read_selection(self.plan, cell, entries)
             if selection is not None:
@@ -380,14 +308,19 @@ class TunedGrid:
             return [*self.tuning_to_run(), *(entry for entry in self.final() if not entry.point.waiting)]
         point = self.points[index]
         if point.waiting:
-            self.choose(point.cell, ended)
+            # The job's log, not stdout: --mode fit_config's stdout is the config's path alone.
+            self.choose(point.cell, ended, log=sys.stderr)
         return [self.resolved[index]]
 
-    def choose(self, cell: Cell, ended: bool) -> Selection:
-        selection = choose(self.plan, cell, self.cells()[cell], ended, frozenset(self.failed))
+    def choose(self, cell: Cell, ended: bool, log: Optional[IO[str]] = None) -> Selection:
+        """The cell's choice, made (or found made by another sweep or task) and logged in a line to `log`
+        (default stdout)."""
+        selection, made_here = choose(self.plan, cell, self.cells()[cell], ended, frozenset(self.failed))
         self.made[cell] = selection
         self.stale.pop(cell, None)
         self._regrid()
+        print(f"tuning of {cell[1]} | {cell[0]}: chose {selection.describe()}; {selection.path}"
+              + ("" if made_here else " (made first by another sweep or task)"), file=log or sys.stdout, flush=True)
         return selection
 
     def choose_all(self) -> None:
@@ -396,15 +329,14 @@ class TunedGrid:
             if cell in self.made:
                 continue
             try:
-                selection = self.choose(cell, ended=True)
+                self.choose(cell, ended=True)
             except NotChosen as no_choice:
                 print(f"tuning of {cell[1]} | {cell[0]}: no choice, its runs wait: {no_choice.reason}",
                       file=sys.stderr, flush=True)
-                continue
-            print(f"tuning of {cell[1]} | {cell[0]}: chose {selection.describe()}; {selection.path}", flush=True)
 
     def describe_cells(self) -> list[str]:
-        """A line per cell: its choice, or what it waits for (`sweep --list`)."""
+        """A line per cell: its choice, or what it waits for (`sweep --list`); then how many choices are at
+        an edge of their grid."""
         lines = []
         for cell, entries in self.cells().items():
             if cell in self.made:
@@ -415,10 +347,15 @@ class TunedGrid:
             stale = f" ({self.stale[cell]})" if cell in self.stale else ""
             lines.append(f"tuning of {cell[1]} | {cell[0]}: no choice yet{stale}, {done} of {len(entries)} tuning "
                          "run(s) finished")
+        edges = sum(bool(selection.edges()) for selection in self.made.values())
+        if edges:
+            lines.append(f"{edges} of {len(self.made)} tuning choice(s) at an edge of their grid (said above): widen "
+                         "the grid")
         return lines
 
     def table_notes(self) -> list[str]:
-        """The values chosen, a line per tuned method, and the stale selections."""
+        """The values chosen, a line per tuned method; the choices made from the finished candidates
+        only, or at an edge of their grid; the stale selections."""
         if self.plan.tune is None:
             return []
         tune, notes = self.plan.tune, []
@@ -432,6 +369,9 @@ class TunedGrid:
             notes.append(f"tuned {method} on seed(s) {', '.join(map(str, tune.seeds))} by the best {tune.select} "
                          f"{describe_at(tune.at)} (every candidate's figure in "
                          f"{self.plan.tune_folder('<setting>', method) / SELECTION_FILE}): {chosen}")
+        for (setting, method), selection in self.made.items():
+            remarks = [selection.finished_only()] if selection.from_finished else []
+            notes += [f"{method} | {setting}: {remark}" for remark in [*remarks, *selection.edges()]]
         notes += [f"{method} | {setting}: no choice, {reason}" for (setting, method), reason in self.stale.items()]
         return notes
 
@@ -480,11 +420,14 @@ def _wait_for(points: list[GridPoint]) -> int:
 
 
 def submit_stages(plan_path: Path, grid: TunedGrid, options: SweepOptions) -> None:
-    """With --slurm: the tuning points of the cells still to choose as one array job, then the plan's
-    own runs as a second, which starts once the first has ended (afterany: a failed candidate is
-    named, not chosen) and whose tasks each make their cell's choice first (--tuning_ended)."""
+    """With --slurm: the unfinished tuning runs of the cells still to choose as one array job (those of a
+    stage cancelled midway among them), then the plan's own runs as a second, which starts once the
+    first has ended (afterany) and whose tasks each make their cell's choice first (--tuning_ended),
+    from a complete stage (or as tune.choose_from says)."""
     final = [point.index for point in grid.final_points]
-    tuning = [entry.point.index for entry in grid.tuning_to_run()]
+    to_choose = grid.tuning_to_run()
+    states = read_states(to_choose)
+    tuning = [entry.point.index for entry in to_choose if not states[entry.point.index].finished]
     if not tuning:
         submit(plan_path, final, options)
         return

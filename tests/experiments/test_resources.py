@@ -10,6 +10,7 @@ import pytest
 import yaml
 from commands import run_sweep
 from paths import QUICKSTART, REPOSITORY
+from sweeps import jobs_find_fl_lightning
 
 from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.plan import load_plan
@@ -42,6 +43,7 @@ def write_plan(path: Path, resources=None, configs=(), methods=None) -> Path:
 @pytest.fixture
 def at_repository_root(monkeypatch):
     monkeypatch.chdir(REPOSITORY)  # --slurm submits from the repository root (slurm/sweep.sbatch)
+    jobs_find_fl_lightning(monkeypatch)  # what a submission checks its jobs will find
 
 
 @pytest.mark.parametrize("resources, field, expected", [

@@ -16,7 +16,7 @@ import yaml
 from commands import run_sweep
 from hand_written_runs import write_checkpoint
 from paths import QUICKSTART, REPOSITORY
-from sweeps import TINY, files_of, finish, start_sweep
+from sweeps import TINY, files_of, finish, jobs_find_fl_lightning, start_sweep
 
 from fl_lightning.checkpoint import checkpoint_dir
 from fl_lightning.commands.main import main as fl_lightning_main
@@ -125,10 +125,15 @@ def record_run(entry, values: list, finished: bool = True) -> None:
                          for number, value in enumerate(values, start=1)])
 
 
-def tuned_grid(tmp_path: Path, select: str = "val_accuracy", at: str = "final") -> TunedGrid:
+def tuned_grid(tmp_path: Path, select: str = "val_accuracy", at: str = "final", **tune) -> TunedGrid:
     plan = write_plan(tmp_path / "plan.yaml", {"seeds": [100, 101], "select": select, "at": at,
-                                               "methods": {"FedAvg": {"client_optimizer.lr": list(ROWS)}}})
+                                               "methods": {"FedAvg": {"client_optimizer.lr": list(ROWS)}}, **tune})
     return TunedGrid(load_plan(plan, runs_root=tmp_path / "runs"))
+
+
+EDGES = {0.1: "client_optimizer.lr=0.1 is at the lower edge of its grid (0.1 to 0.3): widen it",
+         0.3: "client_optimizer.lr=0.3 is at the upper edge of its grid (0.1 to 0.3): widen it"}
+"""What the selection file says of a choice at an edge of ROWS."""
 
 
 @pytest.mark.parametrize("select, at, figures, chosen", [
@@ -151,6 +156,7 @@ def test_the_choice_is_the_best_mean_over_the_tuning_seeds_the_first_on_a_tie(se
     written = selection_of(grid.plan.tune_folder(*CELL))
     assert written["chosen"] == {"client_optimizer.lr": chosen} and (written["select"], written["at"]) == (select, at)
     assert [candidate["figure"] for candidate in written["candidates"]] == figures
+    assert written["edges"] == [EDGES[chosen]] and written["chosen_from"] == "every candidate"
     assert [[run["folder"] for run in candidate["runs"]] for candidate in written["candidates"]] == [
         [str(entry.point.out_dir) for entry in grid.tuning[position:position + 2]] for position in (0, 2, 4)]
     # The plan's own run now takes the choice, after the method's parts; a grid read afresh finds it.
@@ -161,7 +167,7 @@ def test_the_choice_is_the_best_mean_over_the_tuning_seeds_the_first_on_a_tie(se
 
 def test_a_candidate_without_a_figure_is_named_and_never_chosen(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    grid = tuned_grid(tmp_path)
+    grid = tuned_grid(tmp_path, choose_from="finished")
     first, second, third, fourth, fifth, sixth = grid.tuning
     record_run(first, [0.25])
     record_run(second, [0.25])
@@ -175,14 +181,16 @@ def test_a_candidate_without_a_figure_is_named_and_never_chosen(tmp_path, monkey
     assert waiting.value.reason == (f"[3] FedAvg (tuning client_optimizer.lr=0.2) | alpha-0.5 | seed 101 in "
                                     f"{fourth.point.out_dir} is partial at round 1/3")
     assert not (grid.plan.tune_folder(*CELL) / SELECTION_FILE).exists()
-    # Once it is over, a candidate with a run that ended unfinished or logged no finite value has no figure.
+    # Once it is over (tune.choose_from: finished), a candidate with a run that ended unfinished or logged no
+    # finite value has no figure.
     selection = grid.choose(CELL, ended=True)
     assert selection.chosen == {"client_optimizer.lr": 0.1}
     written = selection_of(grid.plan.tune_folder(*CELL))
     assert [(c["figure"], c.get("problem")) for c in written["candidates"]] == [
         (0.25, None),
-        (None, "seed 101: partial at round 1/3, ended unfinished (failed, stopped or never run)"),
+        (None, "seed 101: partial at round 1/3, ended unfinished (cancelled, failed or never run)"),
         (None, "seed 100: no finite val_accuracy logged (diverged?)")]
+    assert written["chosen_from"] == "the finished candidates"
     # None left: no choice, and nothing written.
     (grid.plan.tune_folder(*CELL) / SELECTION_FILE).unlink()
     shutil.rmtree(checkpoint_dir(first.point.out_dir))
@@ -206,6 +214,7 @@ def test_a_run_another_sweep_looks_at_is_running_only_while_unfinished_or_its_fi
         assert grid.choose(CELL, ended=True).chosen == {"client_optimizer.lr": 0.1}
     finally:
         looking.release()
+    (grid.plan.tune_folder(*CELL) / SELECTION_FILE).unlink()  # a choice made is not made again
     # The fit that finished it, still writing: the run is running.
     finishing = RunDirLock(first.out_dir)
     finishing.acquire()
@@ -234,6 +243,7 @@ def test_a_run_another_sweep_looks_at_is_running_only_while_unfinished_or_its_fi
     ({"rounds": 4}, "made from tuning runs of other settings"),
     ({"chosen": {"client_optimizer.lr": 0.3}}, "its chosen values are not those of the best of its figures"),
     ({"garbage": True}, "is unreadable"),
+    ({"bytes": True}, "is unreadable (UnicodeDecodeError: "),
 ], ids=lambda value: next(iter(value)) if isinstance(value, dict) else None)
 def test_a_stale_selection_is_never_used_and_is_made_again(change, reason, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -250,6 +260,8 @@ def test_a_stale_selection_is_never_used_and_is_made_again(change, reason, tmp_p
                                                            "chosen: {client_optimizer.lr: 0.3}"))
     elif "garbage" in change:
         selection.write_text("candidates: 3\n")
+    elif "bytes" in change:
+        selection.write_bytes(b"chosen: \xff\xfe\n")  # not UTF-8: read as text that is not YAML is
     else:
         plan["tune"].update(change)
     grid.plan.path.write_text(yaml.safe_dump(plan, sort_keys=False))
@@ -282,6 +294,165 @@ def test_a_choice_of_the_first_candidate_trains_the_plans_runs(tmp_path, capsys,
     status, out, err = run_sweep(capsys, str(grid.plan.path), "--runs_root", str(tmp_path / "runs"), "--list")
     assert status == 0, err
     assert re.split(r"\s{2,}", out.splitlines()[7])[4] == "not started" and "waiting" not in out
+
+
+def test_a_choice_is_made_once_when_two_sweeps_or_tasks_come_to_make_it(tmp_path, capsys, monkeypatch):
+    """Two array tasks of a cell that find no choice at once: the second, under the cell's lock, finds the
+    first's and writes nothing; each logs the choice in a line."""
+    monkeypatch.chdir(tmp_path)
+    first, second = tuned_grid(tmp_path), None
+    for entry in first.tuning:
+        record_run(entry, ROWS[entry.point.tuned["client_optimizer.lr"]][entry.point.seed - 100])
+    second = TunedGrid(first.plan)  # read before the first chose
+    assert CELL not in second.made
+    first.choose(CELL, ended=True)
+    path = first.plan.tune_folder(*CELL) / SELECTION_FILE
+    written = path.stat()
+    capsys.readouterr()
+    assert second.choose(CELL, ended=True).chosen == {"client_optimizer.lr": 0.1}
+    assert (path.stat().st_ino, path.stat().st_mtime_ns) == (written.st_ino, written.st_mtime_ns)
+    assert capsys.readouterr().out == (
+        "tuning of FedAvg | alpha-0.5: chose client_optimizer.lr=0.1 (val_accuracy 0.5 at the final round; the "
+        "others: client_optimizer.lr=0.2: 0.5, client_optimizer.lr=0.3: 0.25); " + EDGES[0.1] + f"; {path} (made "
+        "first by another sweep or task)\n")
+
+
+@pytest.mark.parametrize("values, edges", [
+    ([0.1, 0.2, 0.3], [EDGES[0.1]]),
+    ([0.3, 0.1, 0.2], [EDGES[0.1]]),  # the grid's order is not its range
+    ([0.05, 0.1, 0.3], []),
+    ([0.1, 0.3], []),  # with 2 values every choice is at an end
+])
+def test_a_choice_at_an_edge_of_its_grid_is_said_under_the_table_and_counted_in_the_list(values, edges, tmp_path,
+                                                                                          capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    plan = write_plan(tmp_path / "plan.yaml", {"seeds": [100, 101], "methods": {"FedAvg": {"client_optimizer.lr":
+                                                                                             values}}})
+    grid = TunedGrid(load_plan(plan, runs_root=tmp_path / "runs"))
+    for entry in grid.tuning:
+        lr = entry.point.tuned["client_optimizer.lr"]
+        record_run(entry, ROWS[lr][entry.point.seed - 100] if lr in ROWS else [0.0])
+    grid.choose_all()
+    assert selection_of(grid.plan.tune_folder(*CELL)).get("edges", []) == edges
+    notes = table(plan=str(plan), runs_root=tmp_path / "runs").notes
+    assert [note for note in notes if "edge of its grid" in note] == [f"FedAvg | alpha-0.5: {edge}" for edge in edges]
+    status, out, err = run_sweep(capsys, str(plan), "--runs_root", str(tmp_path / "runs"), "--list")
+    assert status == 0, err
+    counted = [line for line in out.splitlines() if "at an edge of their grid" in line]
+    assert counted == (["1 of 1 tuning choice(s) at an edge of their grid (said above): widen the grid"] if edges
+                       else [])
+
+
+def test_a_tuned_setting_the_method_does_not_read_is_refused_before_anything_trains(tmp_path, capsys, monkeypatch):
+    """CTP-FL's clients train no local model: every candidate of client_optimizer.lr would train alike, and
+    the first would win the tie."""
+    monkeypatch.chdir(tmp_path)
+    methods = {"FedAvg": [{"algorithm": "fedavg"}], "CTP-FL": [{"algorithm": "ctpfl"}]}
+    plan = write_plan(tmp_path / "plan.yaml", {"methods": {"CTP-FL": {"client_optimizer.lr": [0.1, 0.2]}}},
+                      methods=methods)
+    for command in (["sweep", "--dry_run"], ["table"]):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exited:
+            fl_lightning_main([command[0], str(plan), *command[1:], "--runs_root", str(tmp_path / "runs")])
+        assert exited.value.code == 2
+        assert capsys.readouterr().err == (
+            "error: plan.tune.methods.CTP-FL: expected settings that reach the method's runs (one they do not read "
+            "trains every candidate alike, and the first wins the tie), got 'client_optimizer.lr: the runs of CTP-FL "
+            "never read it (the clients of CTPFL train no local model)'\n")
+    assert not (tmp_path / "runs").exists()
+    # What CTP-FL reads is tuned; so is the client optimizer of a method that trains locally.
+    plan = write_plan(tmp_path / "plan.yaml", {"methods": {"CTP-FL": {"algorithm.init_args.span": [0.0, 0.5]},
+                                                           "FedAvg": {"client_optimizer.lr": [0.1, 0.2]}}},
+                      methods=methods)
+    status, out, err = run_sweep(capsys, str(plan), "--runs_root", str(tmp_path / "runs"), "--list")
+    assert status == 0, err
+
+
+# --- a stage cut short: cancelled on SLURM, chosen from every candidate or from the finished --------
+
+def cancelled_midway(tmp_path: Path, capsys, monkeypatch, **tune) -> tuple[Path, list[str], TunedGrid]:
+    """The plan submitted as two array jobs (a stand-in sbatch), then the tuning job cancelled once its
+    first 2 of 6 tasks had finished and its third had trained a round: (the submissions' record, the
+    sweep's arguments, the grid)."""
+    record = stand_in_sbatch(tmp_path, monkeypatch)
+    plan = write_plan(tmp_path / "plan.yaml", {"seeds": [100, 101], "methods": {"FedAvg": {"client_optimizer.lr":
+                                                                                           list(ROWS)}}, **tune})
+    arguments = [str(plan), "--runs_root", str(tmp_path / "runs")]
+    status, out, err = run_sweep(capsys, *arguments, "--mode", "submit")
+    assert status == 0, err
+    assert [line.split()[:2] for line in record.read_text().splitlines()] == [
+        ["--array=0-5", "slurm/sweep.sbatch"], ["--array=6-6", "--dependency=afterany:41"]]
+    grid = TunedGrid(load_plan(plan, runs_root=tmp_path / "runs"))
+    for entry in grid.tuning[:2]:
+        record_run(entry, ROWS[0.1][entry.point.seed - 100])
+    record_run(grid.tuning[2], [0.5], finished=False)
+    return record, arguments, grid
+
+
+def final_task(capsys, arguments: list[str]) -> tuple[int, str, str]:
+    """The second array job's task of the plan's own run: its point's settings, its cell's choice first."""
+    return run_sweep(capsys, *arguments, "--mode", "fit_config", "--index", "6", "--tuning_ended", "true")
+
+
+def test_a_tuning_job_cancelled_midway_chooses_nothing_and_the_next_submission_finishes_it(
+        tmp_path, capsys, monkeypatch, in_repository_root):
+    record, arguments, grid = cancelled_midway(tmp_path, capsys, monkeypatch)
+    # The second job starts at once (afterany): its task fails, naming the stage, and chooses nothing.
+    status, out, err = final_task(capsys, arguments)
+    assert status == 2 and out == ""
+    assert ("got 'an incomplete tuning stage: 4 of 6 tuning run(s) ended unfinished (cancelled, failed or never "
+            f"run), first [2] FedAvg (tuning client_optimizer.lr=0.2) | alpha-0.5 | seed 100 in "
+            f"{grid.tuning[2].point.out_dir}: partial at round 1/3; submit the plan again to finish them, or choose "
+            "from the finished candidates with tune.choose_from: finished'") in err
+    assert not (grid.plan.tune_folder(*CELL) / SELECTION_FILE).exists()
+    status, out, err = run_sweep(capsys, *arguments, "--mode", "list")
+    assert "1 waiting for their tuning choice" in out and "no choice yet, 2 of 6 tuning run(s) finished" in out
+    # Submitted again: the tuning runs left unfinished, then the plan's own run after them.
+    status, out, err = run_sweep(capsys, *arguments, "--mode", "submit")
+    assert status == 0, err
+    assert [line.split()[:2] for line in record.read_text().splitlines()[2:]] == [
+        ["--array=2-5", "slurm/sweep.sbatch"], ["--array=6-6", "--dependency=afterany:43"]]
+    for entry in grid.tuning[2:]:
+        shutil.rmtree(entry.point.out_dir, ignore_errors=True)
+        record_run(entry, ROWS[entry.point.tuned["client_optimizer.lr"]][entry.point.seed - 100])
+    status, out, err = final_task(capsys, arguments)
+    assert status == 0, err
+    assert "tuning of FedAvg | alpha-0.5: chose client_optimizer.lr=0.1 (val_accuracy 0.5 at the final round" in err
+    written = selection_of(grid.plan.tune_folder(*CELL))
+    assert [c["figure"] for c in written["candidates"]] == [0.5, 0.5, 0.25]
+    assert written["chosen_from"] == "every candidate"
+
+
+def test_a_plan_that_chooses_from_the_finished_says_so_and_a_complete_stage_replaces_that_choice(
+        tmp_path, capsys, monkeypatch, in_repository_root):
+    record, arguments, grid = cancelled_midway(tmp_path, capsys, monkeypatch, choose_from="finished")
+    status, out, err = final_task(capsys, arguments)
+    assert status == 0, err
+    finished_only = "chosen from the finished candidates only (1 of 3: tune.choose_from: finished)"
+    assert "tuning of FedAvg | alpha-0.5: chose client_optimizer.lr=0.1 (val_accuracy 0.5 at the final round" in err
+    assert finished_only in err  # the job's log
+    written = selection_of(grid.plan.tune_folder(*CELL))
+    assert written["chosen_from"] == "the finished candidates"
+    assert [c.get("problem", "")[:30] for c in written["candidates"]] == ["", "seed 100: partial at round 1/3",
+                                                                          "seed 100: not started, ended u"]
+    assert f"FedAvg | alpha-0.5: {finished_only}" in table(plan=arguments[0], runs_root=tmp_path / "runs").notes
+    # The plan back to choosing from every candidate: that choice is stale, and its stage is finished first.
+    plan = yaml.safe_load(Path(arguments[0]).read_text())
+    del plan["tune"]["choose_from"]
+    Path(arguments[0]).write_text(yaml.safe_dump(plan, sort_keys=False))
+    stale = TunedGrid(load_plan(Path(arguments[0]), runs_root=tmp_path / "runs"))
+    assert "made from the finished candidates only, and the plan's tune chooses from every candidate" in \
+        stale.stale[CELL]
+    status, out, err = run_sweep(capsys, *arguments, "--mode", "submit")
+    assert status == 0, err
+    assert record.read_text().splitlines()[2].split()[0] == "--array=2-5"
+
+
+def test_a_bad_choose_from_is_refused(tmp_path):
+    plan = write_plan(tmp_path / "plan.yaml", {"choose_from": "some", "methods": {"FedAvg": {"client_optimizer.lr":
+                                                                                               [0.1, 0.2]}}})
+    with pytest.raises(ConfigError, match=re.escape("plan.tune.choose_from: expected one of all, finished")):
+        load_plan(plan)
 
 
 # --- the smoke plan, end to end ----------------------------------------------------------------------
@@ -321,6 +492,10 @@ def check_smoke_table(runs: Path, chosen: dict) -> None:
                   f"client_optimizer.lr={first} (alpha-0.5), client_optimizer.lr={second} (alpha-0.1)")
         expected.append(f"tuned {method} on seed(s) 100 by the best val_accuracy at the final round (every candidate's "
                         f"figure in {runs}/smoke/tune/<setting>/{folder}/selection.yaml): {values}")
+    edges = {0.05: "lower", 0.5: "upper"}
+    expected += [f"{method} | {setting}: client_optimizer.lr={lr} is at the {edges[lr]} edge of its grid (0.05 to "
+                 "0.5): widen it" for setting in ("alpha-0.5", "alpha-0.1") for method in SMOKE_METHODS
+                 if (lr := chosen[method][setting]) in edges]
     assert result.notes == expected
 
 
@@ -361,6 +536,7 @@ def stand_in_sbatch(tmp_path: Path, monkeypatch) -> Path:
     (bin_dir / "sbatch").write_text(f'#!/bin/bash\necho "$*" >> {record}\n'
                                     f'echo "Submitted batch job $(( 40 + $(wc -l < {record}) ))"\n')
     (bin_dir / "sbatch").chmod(0o755)
+    jobs_find_fl_lightning(monkeypatch)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     return record
 

@@ -454,9 +454,12 @@ def test_smoke_plan_tunes_trains_every_point_and_tabulates(tmp_path):
     assert result.methods == ["FedAvg", "FedAvg + CONST"]
     assert result.settings == ["alpha-0.5", "alpha-0.1"]
     assert all(cell.n == 3 for cell in result.cells.values())
-    assert [note.split(" (every candidate's figure in ")[0] for note in result.notes] == [
+    tuned = [note for note in result.notes if note.startswith("tuned ")]
+    assert [note.split(" (every candidate's figure in ")[0] for note in tuned] == [
         f"tuned {method} on seed(s) 100 by the best val_accuracy at the final round"
         for method in ("FedAvg", "FedAvg + CONST")]
+    # The others: the choices at an edge of the smoke plan's grid of three client lrs.
+    assert all(" edge of its grid (0.05 to 0.5): widen it" in note for note in result.notes if note not in tuned)
     # Its three seeds pair up: each column of FedAvg + CONST has its interval of the difference to FedAvg.
     for setting in result.settings:
         versus = result.cells["FedAvg + CONST", setting].versus

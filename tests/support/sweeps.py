@@ -18,6 +18,8 @@ ROUNDS = 3
 TINY = {"model.options": {"hidden": 16, "depth": 1}, "federation.rounds": ROUNDS, "federation.local_steps": 2,
         "checkpoint.every": 1, "logger.wandb_mode": "disabled"}
 TIMEOUT_S = 120
+FL_LIGHTNING_BIN = Path(sys.executable).parent
+"""Where the tests' environment has its scripts, fl-lightning among them."""
 
 # Holds a run after round 1 (its checkpoint written) while its run folder has a file `hold`, until the
 # run is asked to stop: the sweep is interrupted at a known point, whatever the machine's speed.
@@ -67,12 +69,20 @@ def finish(process: processes.Popen) -> int:
             process.kill()
 
 
+def jobs_find_fl_lightning(monkeypatch) -> None:
+    """fl-lightning on PATH, as in a shell with the tests' environment activated: a submission checks
+    that its jobs will find it (slurm/lib.sh's fl_activate), and the tests may run without it on PATH."""
+    monkeypatch.delenv("FL_ACTIVATE", raising=False)
+    monkeypatch.setenv("PATH", f"{FL_LIGHTNING_BIN}{os.pathsep}{os.environ['PATH']}")
+
+
 def stand_in_sbatch(tmp_path: Path, monkeypatch) -> Path:
     record = tmp_path / "sbatch_args.txt"
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "sbatch").write_text(f'#!/bin/bash\nprintf "%s\\n" "$@" > {record}\necho "Submitted batch job 42"\n')
     (bin_dir / "sbatch").chmod(0o755)
+    jobs_find_fl_lightning(monkeypatch)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.chdir(REPOSITORY)  # jobs are submitted from the repository root
     return record
