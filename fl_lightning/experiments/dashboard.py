@@ -35,7 +35,9 @@ W&B does not know is refused; an empty one is unset); the report is then built f
 W&B (`--offline`, `WANDB_MODE` offline or disabled, or no W&B API key) that is all, and the
 command that creates the report later is printed: the same command, where W&B can be reached. A
 report that W&B refuses, or cannot be reached for, leaves the spec and that command too, and the
-command exits 1.
+command exits 1. A note counts the plan's runs that W&B lacks, from what each run folder records
+(`wandb_standing`), and names `fl-lightning publish` (fl_lightning.experiments.publish), which sends
+them and builds the report.
 """
 
 from __future__ import annotations
@@ -151,6 +153,11 @@ class PlanReport:
     runs_root: Path
     override: Optional[list[str]]
 
+    def plan_options(self) -> list[str]:
+        """The options of a command line that finds the same runs: --runs_root unless the default, --override."""
+        root = [] if self.runs_root == Path("runs") else ["--runs_root", str(self.runs_root)]
+        return root + [f"--override={setting}" for setting in self.override or []]
+
 
 def plan_report(plan: Path, project: Optional[str], runs_root: Path, override: Optional[list[str]]) -> PlanReport:
     """The plan's grid points resolved as `fit` resolves them (a plan with a point `fit` would refuse, or
@@ -178,8 +185,7 @@ def create_plan_report(report: PlanReport, command: list[str], entity: Optional[
                           per_client_eval=runs.per_client_eval)
     path = Path(out) if out is not None else report.runs_root / loaded.name / SPEC_FILE
     _write_spec(spec, path, report)
-    later = shlex.join([*command, *_options(entity, project, title, band, runs),
-                        *[f"--override={setting}" for setting in report.override or []]])
+    later = shlex.join([*command, *_options(entity, project, title, band, runs), *report.plan_options()])
     _create(spec, path, later, offline)
     return spec
 
@@ -197,7 +203,8 @@ def _write_spec(spec: dict, path: Path, report: PlanReport) -> None:
     if lacking:
         how = ", ".join(f"{count} {where}" for where, count in sorted(lacking.items()))
         print(f"note: W&B lacks {sum(lacking.values())} of the plan's {len(report.resolved)} runs ({how}); "
-              f"`fl-lightning publish {report.plan.path}` sends the logs of those that have run and builds this report")
+              f"`{shlex.join(['fl-lightning', 'publish', str(report.plan.path), *report.plan_options()])}` sends "
+              "the logs of those that have run and builds this report")
 
 
 def _create(spec: dict, path: Path, later: str, offline: bool) -> None:
@@ -226,12 +233,12 @@ def wandb_standing(entry: ResolvedPoint) -> str:
     folder = entry.point.out_dir
     recorded = recorded_config(folder)
     if recorded is None:
-        return f"not run yet (logger.wandb_mode: {entry.config['logger']['wandb_mode']})"
+        return f"not run yet, with logger.wandb_mode {entry.config['logger']['wandb_mode']}"
     if recorded["logger"]["wandb_mode"] == "online" or "online" in read_published(folder):
         return IN_WANDB
     if recorded["logger"]["wandb_mode"] == "offline" or "offline" in read_published(folder):
         return "logged offline, not sent"
-    return "logged without W&B (logger.wandb_mode: disabled)"
+    return "logged with logger.wandb_mode disabled"
 
 
 def dashboard_spec(plan: Plan, project: str, entity: Optional[str], title: Optional[str],

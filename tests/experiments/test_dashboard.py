@@ -103,7 +103,8 @@ def test_the_smoke_plans_spec_has_a_section_per_setting_filtered_by_its_tag_and_
     assert "not created in W&B (--offline)" in printed
     assert "\n  fl-lightning dashboard configs/plans/smoke.yaml\n" in printed
     # The smoke plan's runs leave W&B off: the report would stay empty.
-    assert "logger.wandb_mode: disabled" in printed
+    assert ("note: W&B lacks 12 of the plan's 12 runs (12 not run yet, with logger.wandb_mode disabled); "
+            "`fl-lightning publish configs/plans/smoke.yaml` sends the logs") in printed
 
 
 def test_the_report_built_from_the_spec_filters_groups_and_bands_each_section(tmp_path):
@@ -308,8 +309,8 @@ def test_the_note_tells_what_each_run_logged_as_its_folder_records_it(tmp_path, 
     path.write_text(yaml.safe_dump(plan_data))
     (point,) = load_plan(path, runs_root=tmp_path / "runs").grid()
     dashboard(path, offline=True, runs_root=tmp_path / "runs")
-    assert ("note: W&B lacks 1 of the plan's 1 runs (1 not run yet (logger.wandb_mode: disabled)); "
-            f"`fl-lightning publish {path}` sends the logs") in capsys.readouterr().out
+    assert ("note: W&B lacks 1 of the plan's 1 runs (1 not run yet, with logger.wandb_mode disabled); "
+            f"`fl-lightning publish {path} --runs_root {tmp_path / 'runs'}` sends the logs") in capsys.readouterr().out
     main([*point.fit_arguments(), "--logger.wandb_mode", "offline"])
     capsys.readouterr()
     dashboard(path, offline=True, runs_root=tmp_path / "runs")

@@ -91,7 +91,7 @@ def test_each_run_is_published_as_the_wandb_run_fit_logs_then_the_report(plan_co
     assert "published 2 of 2 runs\n" in printed
     assert f"wandb sync {published[0][0].parent} {published[1][0].parent}" in printed
     assert (plan_copy / "runs" / "tiny" / "dashboard.json").is_file()
-    assert f"\n  fl-lightning publish {plan_copy / 'tiny.yaml'}\n" in printed
+    assert f"\n  fl-lightning publish {plan_copy / 'tiny.yaml'} --runs_root {plan_copy / 'runs'}\n" in printed
 
 
 def test_a_second_publish_sends_nothing_twice(plan_copy, capsys):
