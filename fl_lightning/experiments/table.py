@@ -97,7 +97,7 @@ from fl_lightning.experiments.runs import check_metric, parse_at
 from fl_lightning.experiments.table_cells import Cell, Table, mark_best, order_methods, pair_with_baseline
 from fl_lightning.experiments.table_latex import latex_table
 from fl_lightning.experiments.table_outcomes import COUNTED, Outcomes, Verdict, judge
-from fl_lightning.experiments.table_sources import Loaded, load_entries
+from fl_lightning.experiments.table_sources import Loaded, describe_setting, load_entries
 
 
 def table(plan: Union[str, list[str]], metric: Optional[str] = None, at: str = "final",
@@ -191,7 +191,10 @@ def _laid_out(loaded: Loaded, verdicts: list[Verdict], metric: str, at: str, sho
                  cells=cells, curves=curves, percent=shown.percent, decimals=shown.decimals,
                  reference=has_reference,
                  notes=outcomes.notes(metric) + _baseline_notes(baseline, apart, uncompared) + loaded.notes,
-                 baseline=baseline, baseline_of=baseline_of, plan=loaded.name, overrides=loaded.overrides)
+                 baseline=baseline, baseline_of=baseline_of, plan=loaded.name, overrides=loaded.overrides,
+                 setting=describe_setting([verdict.entry.config or verdict.run.config for verdict in verdicts
+                                           if verdict.outcome == COUNTED and verdict.value is not None]),
+                 choices=loaded.choices, tuning=loaded.tuning)
 
 
 def _baseline_notes(baseline: Optional[str], apart: list[str], uncompared: list[str]) -> list[str]:

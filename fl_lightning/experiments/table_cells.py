@@ -74,20 +74,30 @@ class Table:
     """The plan's (or its variant's) name; "" for run folders."""
     overrides: dict[str, Any] = field(default_factory=dict)
     """The overrides that make the plan's variant: the table says its runs are not at the plan's settings."""
+    setting: str = ""
+    """What the runs counted share of the setting a paper states (table_sources.describe_setting)."""
+    choices: dict[tuple[str, str], str] = field(default_factory=dict)
+    """(row, setting) -> the values its tuning stage chose, where one has."""
+    tuning: str = ""
+    """How the tuning stages chose (`on seed 100, by the best val_accuracy`); "" without one."""
 
     def cell(self, method: str, setting: str) -> Cell:
         return self.cells[method, setting]
 
-    def paired_text(self, method: str, setting: str, signed: Optional[Callable[[float], str]] = None,
-                    dash: str = "–", mark: str = " *") -> str:
+    def paired_text(self, method: str, setting: str) -> str:
         """The cell's paired difference to the baseline (paired_difference_text), `baseline` in the
-        baseline's own cells; `signed` writes a signed number (default `+1.20`)."""
+        baseline's own cells."""
+        return joined(*self.paired_parts(method, setting, lambda value: self.number(value, sign=True)))
+
+    def paired_parts(self, method: str, setting: str, signed: Callable[[float], str], dash: str = "–"
+                     ) -> tuple[str, str, bool]:
+        """The cell's paired difference to the baseline in parts (paired_difference_parts), `baseline` in
+        the baseline's own cells; `signed` writes a signed number."""
         if method not in self.baseline_of:
-            return "baseline" if method in self.baseline_of.values() else dash
+            return ("baseline" if method in self.baseline_of.values() else dash), "", False
         if not self.cells[method, setting].n:
-            return dash
-        return paired_difference_text(self.cells[method, setting].versus,
-                                      signed or (lambda value: self.number(value, sign=True)), dash, mark)
+            return dash, "", False
+        return paired_difference_parts(self.cells[method, setting].versus, signed, dash)
 
     def number(self, value: Optional[float], sign: bool = False) -> str:
         if value is None:
@@ -176,17 +186,30 @@ def paired_difference_text(versus: PairedDifference, signed: Callable[[float], s
     """`+1.20 [+0.31, +2.09] *` (the mean difference, its 95% interval and `mark` where the interval
     excludes 0), or the mean alone, its pairs counted, where there is no interval to show (shown_interval):
     `+1.20 (2 pairs)`, `+1.20 (3 pairs; seed 3 unpaired)`; `dash` without any value."""
+    return joined(*paired_difference_parts(versus, signed, dash), mark=mark)
+
+
+def joined(mean: str, detail: str, marked: bool, mark: str = " *") -> str:
+    """A paired difference's parts (paired_difference_parts) as one text: `+1.20 [+0.31, +2.09] *`."""
+    return " ".join(filter(None, [mean, detail])) + (mark if marked else "")
+
+
+def paired_difference_parts(versus: PairedDifference, signed: Callable[[float], str], dash: str = "–"
+                            ) -> tuple[str, str, bool]:
+    """What paired_difference_text shows, in parts: the mean difference (`dash`, or `no seed paired`,
+    without one), what qualifies it (its interval `[+0.31, +2.09]`, else its pairs counted `(2 pairs)`,
+    `(3 pairs; seed 3 unpaired)`, or ""), and whether it is marked (its interval excludes 0)."""
     if versus.n == 0:
-        return "no seed paired" if versus.unpaired else dash
+        return ("no seed paired" if versus.unpaired else dash), "", False
     mean, pairs = signed(versus.mean), f"{versus.n} pair{'s' * (versus.n > 1)}"
     if versus.unpaired:
         unpaired = f"seed{'s' * (len(versus.unpaired) > 1)} {', '.join(map(str, versus.unpaired))} unpaired"
-        return f"{mean} ({pairs}; {unpaired})"
+        return mean, f"({pairs}; {unpaired})", False
     interval = shown_interval(versus)
     if interval is None:
-        return f"{mean} ({pairs})"
+        return mean, f"({pairs})", False
     low, high = map(signed, interval)
-    return f"{mean} [{low}, {high}]" + (mark if versus.excludes_zero else "")
+    return mean, f"[{low}, {high}]", versus.excludes_zero
 
 
 def shown_interval(versus: PairedDifference) -> Optional[tuple[float, float]]:

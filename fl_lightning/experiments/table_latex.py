@@ -2,11 +2,24 @@
 `\\input{table.tex}` in a paper whose preamble has `\\usepackage{booktabs}` (nothing else is needed).
 
 It shows what table.md shows: per cell the mean ± sample std (bold: the best of its column), with a
-reference the paper's number and the difference to it, with `--baseline` the paired difference and
-its 95% interval (`$^{*}$` where the interval excludes 0). When every cell counts the same number of
-seeds, the caption says how many and the cells leave it out; otherwise each cell has its (n). The
-caption is the Markdown's (the variant and its overrides first, when it is one); the notes under
-the Markdown table (runs left out, not started, ...) follow the float as comments.
+reference the paper's number and the difference to it, with `--baseline` the mean paired difference
+(`$^{*}$` where its 95% interval excludes 0) and, on a row of its own under it, the interval (or
+where there is none, the pairs counted). When every cell counts the same number of
+seeds, the caption says how many and the cells leave it out; otherwise each cell has its (n).
+
+The caption says what a reader of the paper needs: the metric and the setting that the runs share
+(model, dataset, N clients, S per round, K local steps or E epochs, rounds:
+table_sources.describe_setting; what differs between columns or blocks is in their labels), what ±
+is and, with a baseline, what the difference and its interval are, in a sentence or two. The values
+a tuning stage chose follow the tabular in the float, in small type, visible in the PDF. The notes
+under the Markdown table (runs left out, not started, ...) are for the researcher, not the reader:
+they follow the float as comments.
+
+It fits the page: the tabular is measured when the paper is compiled (`\\setbox0`), set in a `table`
+of one column where it fits one, in a `table*` across both columns of a two-column paper where it does
+not, and in smaller type with narrower column gaps where it is wider than the text (footnotesize, then
+scriptsize, then tiny, until it fits; wider still, split it into several tables; macros
+`\\flTabular`, `\\flTableFloat` and `\\flTableSize`, defined anew by each table.tex).
 
 Every text (method names such as `FedAvg + CONST` or `CTP-FL h=0`, column labels such as `α = 0.5`,
 the caption) is escaped: LaTeX's special characters (`& % $ # _ { } ~ ^ \\`, `< > |`), `--` (which
@@ -18,7 +31,9 @@ from __future__ import annotations
 
 import re
 import unicodedata
+from typing import Optional
 
+from fl_lightning.experiments.statistics import MIN_PAIRS
 from fl_lightning.experiments.table_cells import Cell, Table
 
 _SPECIAL = {"\\": r"\textbackslash{}", "{": r"\{", "}": r"\}", "$": r"\$", "&": r"\&", "#": r"\#", "%": r"\%",
@@ -50,26 +65,82 @@ def latex_text(text: str) -> str:
     return _SYMBOL_EQUALS_NUMBER.sub(r"$\1 = \2$", escaped)
 
 
+SMALLER = (r"\footnotesize\setlength{\tabcolsep}{3pt}", r"\scriptsize\setlength{\tabcolsep}{2pt}",
+           r"\tiny\setlength{\tabcolsep}{1pt}")
+"""The sizes a tabular wider than the text is set in, each tried in turn until one fits."""
+
+
 def latex_table(table: Table) -> str:
     seeds = {cell.n for cell in table.cells.values() if cell.n}
-    same_n = len(seeds) == 1
+    same_n = seeds.pop() if len(seeds) == 1 else None
     per_setting = 1 + 2 * table.reference + (table.baseline is not None)
     columns = 1 + per_setting * len(table.settings)
-    caption = " ".join(table.caption()) + (f" Each cell: {seeds.pop()} seed(s)." if same_n else "")
     label = re.sub(r"[^A-Za-z0-9:.-]+", "-", table.plan or "table")
-    lines = ["% fl-lightning table; \\input it where the preamble has \\usepackage{booktabs}.",
-             r"\begin{table}[t]", r"\centering", rf"\caption{{{latex_text(caption)}}}", rf"\label{{tab:{label}}}",
-             rf"\begin{{tabular}}{{l{'c' * (columns - 1)}}}", r"\toprule"]
-    lines += _header(table, per_setting)
-    lines.append(r"\midrule")
+    # No space may enter the box that measures the tabular: its macro opens and closes on the tabular's lines.
+    tabular = [rf"\def\flTabular{{\begin{{tabular}}{{l{'c' * (columns - 1)}}}", r"\toprule",
+               *_header(table, per_setting), r"\midrule"]
     for method in table.methods:
-        row = [latex_text(method)]
-        for setting in table.settings:
-            row += _cells(table, method, setting, same_n)
-        lines.append(" & ".join(row) + r" \\")
-    lines += [r"\bottomrule", r"\end{tabular}", r"\end{table}"]
+        tabular += _rows(table, method, same_n is not None)
+    tabular += [r"\bottomrule", r"\end{tabular}}"]
+    float_body = [r"\centering", rf"\caption{{{caption(table, same_n)}}}", rf"\label{{tab:{label}}}",
+                  r"\flTableSize\flTabular"]
+    tuned = tuned_values(table)
+    if tuned:
+        float_body.append(rf"\par\smallskip{{\footnotesize {tuned}\par}}")
+    lines = ["% fl-lightning table: \\input it where the preamble has \\usepackage{booktabs} (nothing else). It is",
+             "% set in one column (table) where it fits, else across both (table*), and in smaller type where it",
+             "% is wider than the text.", r"\def\flTableSize{}", *tabular, r"\def\flTableFloat{", *float_body, "}",
+             r"\setbox0=\hbox{\flTabular}",
+             *(rf"\ifdim\wd0>\textwidth\def\flTableSize{{{size}}}\setbox0=\hbox{{\flTableSize\flTabular}}\fi"
+               for size in SMALLER),
+             r"\ifdim\wd0>\columnwidth", r"\begin{table*}[t]\flTableFloat\end{table*}",
+             r"\else", r"\begin{table}[t]\flTableFloat\end{table}", r"\fi"]
     lines += [f"% {note}" for note in table.notes]
     return "\n".join(lines) + "\n"
+
+
+def caption(table: Table, same_n: Optional[int]) -> str:
+    """What a reader of the paper needs, in LaTeX: the metric and the setting the runs share
+    (table_sources.describe_setting), what ± is, and with a baseline what the paired difference and its
+    interval are; with a reference what the paper's number and Δ are."""
+    metric = table.metric.replace("_", " ").capitalize() + (" (%)" if table.percent else "")
+    at = {"final": "at the final round", "best": "at the best evaluation"}.get(
+        table.at, f"mean of the last {table.at.partition(':')[2]} evaluations")
+    seeds = f"over {same_n} seed{'s' * (same_n > 1)}" if same_n else "over the seeds counted (n)"
+    text = [f"{metric}, {at}" + (f"; {table.setting}" if table.setting else "") + ".",
+            f"Mean ± sample std {seeds}; bold: the best of each column."]
+    if table.reference:
+        own = " (at the paper's own settings)" if table.overrides else ""
+        text.append(f"Paper: the published number{own}; Δ: ours minus the paper's.")
+    caption = latex_text(" ".join(text))
+    if table.baseline is not None:
+        caption += " " + latex_text(
+            f"vs {table.baseline}: the mean over seeds of the difference to the {table.baseline} run of the same "
+            f"seed (the same partition and client sampling), with its 95% confidence interval (Student's t) below "
+            "it; ")
+        caption += "$^{*}$" + latex_text(f": the interval excludes 0 (fewer than {MIN_PAIRS} pairs, or a seed "
+                                         "unpaired: the pairs counted instead).")
+    return caption
+
+
+def tuned_values(table: Table) -> str:
+    """The values the tuning stages chose, in LaTeX, a method after another: `Tuned on a validation
+    split, on seed 100, by the best val_accuracy: FedAvg: client_optimizer.lr=0.5 (α = 0.5),
+    client_optimizer.lr=0.2 (α = 0.1); FedAvg + CONST: client_optimizer.lr=0.5.`; "" without any."""
+    methods = []
+    for method in table.methods:
+        chosen = {setting: table.choices[method, setting] for setting in table.settings
+                  if (method, setting) in table.choices}
+        if not chosen:
+            continue
+        if len(chosen) == len(table.settings) and len(set(chosen.values())) == 1:
+            methods.append(f"{method}: {next(iter(chosen.values()))}")
+        else:
+            methods.append(f"{method}: " + ", ".join(f"{values} ({table.labels[setting]})"
+                                                      for setting, values in chosen.items()))
+    if not methods:
+        return ""
+    return latex_text(f"Tuned on a validation split, {table.tuning}: " + "; ".join(methods) + ".")
 
 
 def _header(table: Table, per_setting: int) -> list[str]:
@@ -85,15 +156,25 @@ def _header(table: Table, per_setting: int) -> list[str]:
     return [" & ".join(["", *groups]) + r" \\", " ".join(rules), " & ".join(["Method", *names * len(labels)]) + r" \\"]
 
 
-def _cells(table: Table, method: str, setting: str, same_n: bool) -> list[str]:
-    cell = table.cells[method, setting]
-    cells = [_value(table, cell, same_n)]
-    if table.reference:
-        cells += [_math(table.number(cell.paper)), _math(table.number(cell.diff, sign=True))]
-    if table.baseline is not None:  # its words are plain ASCII ("2 pairs; seed 3 unpaired"), its numbers LaTeX's
-        cells.append(table.paired_text(method, setting, signed=lambda value: _math(table.number(value, sign=True)),
-                                       dash="--", mark="$^{*}$"))
-    return cells
+def _rows(table: Table, method: str, same_n: bool) -> list[str]:
+    """The method's row; with a baseline, a second row under it where a paired difference has an interval
+    (or its pairs counted) to show, under the difference."""
+    first, second = [latex_text(method)], [""]
+    for setting in table.settings:
+        cell = table.cells[method, setting]
+        first.append(_value(table, cell, same_n))
+        if table.reference:
+            first += [_math(table.number(cell.paper)), _math(table.number(cell.diff, sign=True))]
+        second += [""] * (1 + 2 * table.reference)
+        if table.baseline is not None:  # its words are plain ASCII ("2 pairs; seed 3 unpaired"), its numbers LaTeX's
+            mean, detail, marked = table.paired_parts(
+                method, setting, signed=lambda value: _math(table.number(value, sign=True)), dash="--")
+            first.append(mean.removesuffix("$") + "^{*}$" if marked else mean)  # a marked mean is a number: $+1.20^{*}$
+            second.append(detail)
+    rows = [" & ".join(first) + r" \\"]
+    if any(second):
+        rows.append(" & ".join(second) + r" \\")
+    return rows
 
 
 def _value(table: Table, cell: Cell, same_n: bool) -> str:

@@ -16,7 +16,7 @@ from typing import Any, Optional, Union
 
 from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.overrides import SET_BY_THE_PLAN, value_text
-from fl_lightning.experiments.plan import GridPoint, load_plan, same_setting
+from fl_lightning.experiments.plan import GridPoint, describe_candidate, load_plan, same_setting
 from fl_lightning.experiments.reference import paper_numbers
 from fl_lightning.experiments.resolve import GridResolver, accepted_config, resolve_variant
 from fl_lightning.experiments.runs import RunFolder, find_runs
@@ -95,6 +95,10 @@ class Loaded:
     """What the plans' tuning stages chose (tuning.TunedGrid.table_notes)."""
     tuned: list[str] = field(default_factory=list)
     """The settings the plans tune (they differ between a plan's cells, never telling plans apart)."""
+    choices: dict[tuple[str, str], str] = field(default_factory=dict)
+    """(row, setting) -> the values its tuning stage chose (`client_optimizer.lr=0.2`), where one has."""
+    tuning: str = ""
+    """How the plans' tuning stages chose (`on seed 100, by the best val_accuracy`); "" without one."""
 
     def baselines(self, method: str) -> dict[str, str]:
         """Row -> the row its cells are compared with by `--baseline method`: the row of that name, or
@@ -156,7 +160,12 @@ def _from_plan(path: Path, runs_root: Path, overrides: Optional[list[str]] = Non
                    methods=list(plan.methods), settings=settings, labels=labels, metric=plan.metric,
                    reference=reference, out=plan.runs_root / plan.name, plan_file=path, name=plan.name,
                    overrides=plan.variant_overrides, plan_files=[path], notes=tuned.table_notes(),
-                   tuned=[key for grid in (plan.tune.methods.values() if plan.tune else []) for key in grid])
+                   tuned=[key for grid in (plan.tune.methods.values() if plan.tune else []) for key in grid],
+                   choices={(method, setting): describe_candidate(selection.chosen)
+                            for (setting, method), selection in tuned.made.items()},
+                   tuning="" if plan.tune is None else (f"on seed{'s' * (len(plan.tune.seeds) > 1)} "
+                                                        f"{', '.join(map(str, plan.tune.seeds))}, by the best "
+                                                        f"{plan.tune.select}"))
 
 
 def _from_plans(paths: list[Path], runs_root: Path, overrides: Optional[list[str]]) -> Loaded:
@@ -175,8 +184,10 @@ def _from_plans(paths: list[Path], runs_root: Path, overrides: Optional[list[str
     blocks = _row_blocks(parts)
     entries, methods, settings, owner, row_blocks = [], [], [], {}, {}
     papers: dict[tuple[str, str], Optional[float]] = {}
+    row_of = []
     for part, block in zip(parts, blocks):
         rows = {method: f"{block}: {method}" if block else method for method in part.methods}
+        row_of.append(rows)
         row_blocks.update({row: block for row in rows.values() if block})
         for row, setting in itertools.product(rows.values(), part.settings):
             if (row, setting) in owner:
@@ -203,7 +214,10 @@ def _from_plans(paths: list[Path], runs_root: Path, overrides: Optional[list[str
                    reference=None, out=Path(runs_root) / name, name=name, blocks=row_blocks,
                    overrides={key: value for part in parts for key, value in part.overrides.items()},
                    plan_files=paths, papers=papers if any(part.reference is not None for part in parts) else None,
-                   notes=[note for part in parts for note in part.notes])
+                   notes=[note for part in parts for note in part.notes],
+                   choices={(rows[method], setting): chosen for part, rows in zip(parts, row_of)
+                            for (method, setting), chosen in part.choices.items()},
+                   tuning="; ".join(dict.fromkeys(part.tuning for part in parts if part.tuning)))
 
 
 def _row_blocks(parts: list[Loaded]) -> list[str]:
@@ -292,6 +306,34 @@ def _parse_setting_name(name: str) -> Optional[dict[str, str]]:
             return None
         setting[axis] = value
     return setting or None
+
+
+MODEL_NAMES = {"linear": "linear model", "mlp": "MLP", "lenet5": "LeNet-5", "resnet18": "ResNet-18",
+               "vit_tiny": "ViT-Tiny"}
+
+
+def describe_setting(configs: list[dict]) -> str:
+    """What every run of `configs` shares of the setting a paper states: `LeNet-5 on CIFAR-10, N = 100
+    clients, S = 10 per round, K = 50 local steps (or E = 1 local epochs), 300 rounds`. What differs
+    between them (a column's dataset, a block's model) is left out: the labels say it; "" for none."""
+    flat = [flatten(config) for config in configs]
+
+    def shared(key: str):
+        values = [settings.get(key) for settings in flat]
+        return values[0] if values and values[0] is not None and all(v == values[0] for v in values) else None
+
+    model, dataset = shared("model.name"), shared("data.name")
+    model = None if model is None else MODEL_NAMES.get(model, _block_value("model.name", model))
+    dataset = None if dataset is None else DATASET_NAMES.get(dataset.lower(), _block_value("data.name", dataset))
+    parts = [" on ".join(filter(None, [model, dataset]))] if model or dataset else []
+    steps, epochs = shared("federation.local_steps"), shared("federation.local_epochs")
+    for value, text in ((shared("federation.num_clients"), "N = {} clients"),
+                        (shared("federation.clients_per_round"), "S = {} per round"),
+                        (steps, "K = {} local steps"), (None if steps else epochs, "E = {} local epochs"),
+                        (shared("federation.rounds"), "{} rounds")):
+        if value is not None:
+            parts.append(text.format(value_text(value)))
+    return ", ".join(parts)
 
 
 DATASET_NAMES = {"cifar10": "CIFAR-10", "cifar100": "CIFAR-100", "tinyimagenet": "Tiny-ImageNet",
