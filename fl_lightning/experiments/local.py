@@ -323,6 +323,8 @@ class _Loop:
                 self.finished.append(point)
                 print(f"[{point.index}] finished at round {state.round}: {describe_point(point)} in {seconds:.1f} s",
                       flush=True)
+                if self.progress is not None:
+                    self.progress.run_ended(point, seconds)
             return
         if run.signalled:
             self.stopped.append(point)

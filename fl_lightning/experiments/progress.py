@@ -4,7 +4,11 @@ folders wherever they ran (SLURM's tasks too), and for the progress lines of a l
 
 A run without a timed round of its own is counted at the mean pace of the runs of its method that
 have one, else of all that have one; the pace leaves checkpoints out, and counts the rounds a run
-has yet to train from its last round logged.
+has yet to train from its last round logged. A local sweep knows more: how long each run it finished
+took from its process's start to its exit. What that holds besides the run's rounds at their pace
+(the interpreter's start, imports, data loading, the first round's warm-up, checkpoints, the exit;
+`ProgressLines.run_ended`) is added, at the mean of the runs finished so far, to each run that has
+yet to start or to log its first round: on a plan of short runs it is most of the time left.
 """
 
 from __future__ import annotations
@@ -33,10 +37,13 @@ class RunLeft:
     rounds_left: int
     seconds_per_round: Optional[float]
     """Its own pace, if it logged a timed round."""
+    starting: bool = False
+    """It has yet to start, or to log its first round: what a run takes besides its rounds is ahead of it."""
 
 
-def seconds_left(runs: list[RunLeft]) -> Optional[float]:
-    """The training left in all of `runs`, one after another; None when none has a timed round."""
+def seconds_left(runs: list[RunLeft], besides_rounds: float = 0.0) -> Optional[float]:
+    """The time left in all of `runs`, one after another: their rounds left at their pace, and
+    `besides_rounds` seconds for each starting run; None when none has a timed round."""
     by_method: dict[str, list[float]] = {}
     for run in runs:
         if run.seconds_per_round is not None:
@@ -45,7 +52,8 @@ def seconds_left(runs: list[RunLeft]) -> Optional[float]:
         return None
     overall = [seconds for paces in by_method.values() for seconds in paces]
     return sum(run.rounds_left * (run.seconds_per_round if run.seconds_per_round is not None
-                                  else statistics.fmean(by_method.get(run.method, overall))) for run in runs)
+                                  else statistics.fmean(by_method.get(run.method, overall)))
+               + (besides_rounds if run.starting else 0.0) for run in runs)
 
 
 def duration(seconds: Optional[float]) -> str:
@@ -65,8 +73,9 @@ def duration(seconds: Optional[float]) -> str:
 
 class ProgressLines:
     """A local sweep's progress, a line at a time so that its log reads as well as its terminal: the
-    runs finished of all, each running run's round and time left, and the sweep's (its runs' training
-    left, shared between its `jobs`)."""
+    runs finished of all, each running run's round and time left, and the sweep's (its runs' rounds
+    left, and what the runs it finished took besides their rounds for each run yet to start, shared
+    between its `jobs`)."""
 
     def __init__(self, rounds: dict[int, int], start_rounds: dict[int, int], jobs: int, total: int,
                  clock: Callable[[], float] = time.monotonic):
@@ -77,6 +86,8 @@ class ProgressLines:
         self.paces: dict[int, Pace] = {}
         self.methods: dict[int, str] = {}
         self.sizes: dict[int, int] = {}
+        self.besides_rounds: dict[int, float] = {}
+        """Index -> the seconds a finished run took besides its rounds at its pace."""
         self.checked = self.printed = -math.inf
         self.news = False
         """A running run logged a round that no line has shown yet."""
@@ -110,10 +121,21 @@ class ProgressLines:
         # Runs done meanwhile give their method's pace to its runs yet to start.
         done = [RunLeft(self.methods[index], 0, pace.seconds_per_round) for index, pace in self.paces.items()
                 if index not in to_train]
-        total = seconds_left([*done, *(self._run_left(point) for point in [*running, *pending])])
+        besides = statistics.fmean(self.besides_rounds.values()) if self.besides_rounds else 0.0
+        total = seconds_left([*done, *(self._run_left(point) for point in [*running, *pending])], besides)
         return (f"progress: {finished}/{self.total} runs finished" + (f", {failed} failed" if failed else "")
                 + (f"; running {', '.join(shown)}" if shown else "")
                 + f"; the sweep: {duration(None if total is None else total / self.jobs)} left")
+
+    def run_ended(self, point: GridPoint, seconds: float) -> None:
+        """The sweep's run of `point` finished, `seconds` after its process started: what it took besides
+        the rounds it trained, at the pace of its metrics.jsonl read to the end, counts for the runs to start."""
+        self.sizes.pop(point.index, None)
+        pace = self._read(point)
+        if pace is None or pace.seconds_per_round is None:
+            return
+        trained = pace.round - self.start_rounds.get(point.index, 0)
+        self.besides_rounds[point.index] = max(seconds - trained * pace.seconds_per_round, 0.0)
 
     def _read(self, point: GridPoint) -> Optional[Pace]:
         """The run's pace, read again when its metrics.jsonl changed size."""
@@ -136,4 +158,4 @@ class ProgressLines:
         """The point's rounds to train, at its pace or, before its first round, its method's."""
         pace = self.paces.get(point.index)
         return RunLeft(point.method, max(self.rounds[point.index] - self._reached(point), 0),
-                       None if pace is None else pace.seconds_per_round)
+                       None if pace is None else pace.seconds_per_round, starting=pace is None)

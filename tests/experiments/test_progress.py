@@ -11,7 +11,7 @@ from sweeps import log_rounds, write_plan
 
 from fl_lightning.experiments import progress as progress_module
 from fl_lightning.experiments.plan import load_plan
-from fl_lightning.experiments.progress import ProgressLines
+from fl_lightning.experiments.progress import ProgressLines, RunLeft, seconds_left
 from fl_lightning.experiments.resolve import resolve_grid
 
 pytestmark = pytest.mark.usefixtures("outside_slurm")  # a sweep here never submits or runs as a task
@@ -79,3 +79,30 @@ def test_list_shows_each_runs_round_and_time_left_from_its_folder(tmp_path, caps
     # [1]'s round and [2]'s three at FedAvg's pace (4 s, and 2 s): 1 x 4 + 3 x 3
     assert out.splitlines()[-1] == ("training left: about 13 s one run at a time, at the pace of the rounds logged "
                                     "by 2 run(s) (a run not started yet at its method's)")
+
+
+def test_runs_yet_to_start_are_counted_with_what_the_finished_runs_took_besides_their_rounds(tmp_path):
+    plan = write_plan(tmp_path / "plan.yaml", {"FedAvg": []}, seeds=[0, 1, 2, 3])
+    points = load_plan(plan, runs_root=tmp_path / "runs").grid()
+    clock = Clock()
+    progress = ProgressLines({point.index: 3 for point in points}, {point.index: 0 for point in points}, jobs=1,
+                             total=4, clock=clock)
+    # [0] trained its 3 rounds (a warm-up round of 9 s, then 3 s a round) in 20 s from its start to its
+    # exit: 20 - 3 x 3 = 11 s besides its rounds at its pace (start-up, warm-up, checkpoints, exit).
+    log_rounds(points[0].out_dir, [9.0, 2.0, 4.0])
+    progress.run_ended(points[0], 20.0)
+    # [1] is at round 2; [2] and [3] have yet to start.
+    log_rounds(points[1].out_dir, [8.0, 3.0])
+    clock.now += 1
+    assert progress.line(points[1:2], points[2:], finished=1, failed=0) == (
+        "progress: 1/4 runs finished; running [1] round 2/3 (3 s left); the sweep: "
+        f"{1 * 3 + 2 * (3 * 3 + 11):.0f} s left")
+
+
+def test_the_time_left_adds_what_a_run_takes_besides_its_rounds_to_each_run_yet_to_start():
+    runs = [RunLeft("FedAvg", 2, 3.0), RunLeft("FedAvg", 3, None, starting=True),
+            RunLeft("FedProx", 3, None, starting=True)]
+    # 2 x 3 s; then 3 rounds at FedAvg's 3 s, and at the only pace there is, each with 5 s besides.
+    assert seconds_left(runs, besides_rounds=5.0) == 2 * 3 + 2 * (3 * 3 + 5)
+    assert seconds_left(runs) == 2 * 3 + 2 * 3 * 3
+    assert seconds_left([RunLeft("FedAvg", 3, None, starting=True)], besides_rounds=5.0) is None
