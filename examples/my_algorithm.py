@@ -10,6 +10,7 @@ import torch
 from fl_lightning.algorithms.base import PSEUDO_GRADIENT, Algorithm, train_locally
 from fl_lightning.clients import ClientRound, clip_to_norm
 from fl_lightning.errors import ConfigError
+from fl_lightning.server_optimizers import ServerState
 
 
 class ClippedFedAvg(Algorithm):
@@ -24,16 +25,16 @@ class ClippedFedAvg(Algorithm):
         """
         if not clip_norm > 0:  # refused before any data is loaded, naming the setting
             raise ConfigError("algorithm.init_args.clip_norm", "a number > 0", clip_norm)
-        self.clip_norm = clip_norm
-        self.update_norm = float("nan")
+        self.clip_norm = clip_norm  # hyper-parameters only: the object is frozen once built
 
     def client_update(self, client: ClientRound) -> dict[str, torch.Tensor]:
         local_params = train_locally(client)  # local SGD from the global model x
         return {PSEUDO_GRADIENT: clip_to_norm(client.global_params - local_params, self.clip_norm)}
 
-    def server_update(self, params: torch.Tensor, aggregate: dict[str, torch.Tensor]) -> None:
-        self.update_norm = aggregate[PSEUDO_GRADIENT].norm().item()
-        self.server_optimizer.step(params, aggregate[PSEUDO_GRADIENT])  # x <- x - lr * mean change
+    def server_update(self, state: ServerState, params: torch.Tensor, aggregate: dict[str, torch.Tensor]) -> None:
+        # What the server keeps is the run's `state` (checkpointed with it), never the algorithm's.
+        state.tensors["update_norm"] = aggregate[PSEUDO_GRADIENT].norm()
+        state.step(params, aggregate[PSEUDO_GRADIENT])  # x <- x - lr * mean change
 
-    def round_metrics(self) -> dict[str, float]:
-        return {"update_norm": self.update_norm}
+    def round_metrics(self, state: ServerState) -> dict[str, float]:
+        return {"update_norm": state.tensors["update_norm"].item()}

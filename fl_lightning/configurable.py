@@ -83,3 +83,29 @@ class Configurable:
     @property
     def class_path(self) -> str:
         return class_path_of(type(self))
+
+
+class _FrozenOnceBuilt(type):
+    """Marks an instance frozen once its outermost constructor has returned."""
+
+    def __call__(cls, *args, **kwargs):
+        instance = super().__call__(*args, **kwargs)
+        object.__setattr__(instance, "_frozen", True)
+        return instance
+
+
+class FrozenConfigurable(Configurable, metaclass=_FrozenOnceBuilt):
+    """A Configurable that is hyper-parameters only: its constructor sets its attributes, and nothing
+    writes one afterwards, so one instance may serve any number of runs. What changes while a run
+    trains is the run's, kept outside it (`fl_lightning.server_optimizers.ServerState`)."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if self.__dict__.get("_frozen"):
+            raise AttributeError(f"{type(self).__name__} holds hyper-parameters only and is frozen once built: "
+                                 f"cannot set {name!r} (a run's state is kept by the run)")
+        super().__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if self.__dict__.get("_frozen"):
+            raise AttributeError(f"{type(self).__name__} is frozen once built: cannot delete {name!r}")
+        super().__delattr__(name)

@@ -18,7 +18,6 @@ from typing import Literal, Optional, Union
 
 import torch
 import yaml
-from jsonargparse import lazy_instance
 from jsonargparse.typing import NonNegativeInt
 
 from fl_lightning.algorithms import Algorithm
@@ -55,7 +54,7 @@ from fl_lightning.config import (
     LoggerArgs,
     ModelArgs,
 )
-from fl_lightning.configurable import Configurable, resolve_dotted_path
+from fl_lightning.configurable import Configurable
 from fl_lightning.constraints import Constraint
 from fl_lightning.cpu import ThreadChoice, cpu_rank, run_threads
 from fl_lightning.data import class_histogram, plot_partition
@@ -94,7 +93,7 @@ def fit(
     data: DataArgs = DataArgs(),
     federation: FederationArgs = FederationArgs(),
     client_optimizer: ClientOptimizerArgs = ClientOptimizerArgs(),
-    server_optimizer: ServerOptimizer = lazy_instance(ServerSGD),
+    server_optimizer: ServerOptimizer = ServerSGD(),  # frozen: one instance serves every call
     constraint: Optional[Constraint] = None,
     fabric: FabricArgs = FabricArgs(),
     compute: ComputeArgs = ComputeArgs(),
@@ -171,9 +170,9 @@ def train_run(checked: FitConfig) -> torch.Tensor:
 
 @dataclasses.dataclass
 class FitConfig:
-    """What fit's arguments come to before anything is loaded: the run's settings (its server optimizer
-    a fresh instance of the signature's shared default), as config.yaml and its checkpoints record them
-    (what a resume compares), its folder, how it resumes, and its method's name."""
+    """What fit's arguments come to before anything is loaded: the run's settings, as config.yaml and
+    its checkpoints record them (what a resume compares), its folder, how it resumes, and its method's
+    name."""
 
     settings: RunSettings
     config: dict
@@ -188,7 +187,6 @@ def fit_config(settings: RunSettings, *, out_dir: Optional[Path], resume: Option
     """A run's settings and folder (see `fit`) checked, as far as neither the data nor this machine's
     devices are needed, and turned into the config it records: what `fit` trains, and what a sweep
     checks each grid point against before any run starts."""
-    settings = dataclasses.replace(settings, server_optimizer=_materialise(settings.server_optimizer))
     settings = dataclasses.replace(settings, logger=with_environment_mode(settings.logger))  # WANDB_MODE comes first
     settings.algorithm.server_optimizer_for(settings.server_optimizer)  # refuses one the algorithm cannot step with
     _validate_settings(settings, resume, overwrite)
@@ -412,15 +410,6 @@ def _ranks_per_node(ranks: Ranks) -> int:
     if isinstance(ranks.per_node, int):
         return ranks.per_node
     return torch.cuda.device_count() if torch.cuda.is_available() else 1
-
-
-def _materialise(default: ServerOptimizer) -> ServerOptimizer:
-    """A fresh instance in place of the signature's shared lazy default, so that no optimizer state
-    carries over between calls of `fit` in one process."""
-    if not hasattr(default, "lazy_get_init_data"):
-        return default
-    init = default.lazy_get_init_data()
-    return resolve_dotted_path(init.class_path)(**dict(init.get("init_args") or {}))
 
 
 def _check_writable(out_dir: Path) -> None:

@@ -3,34 +3,63 @@
 Every algorithm hands the server a pseudo-gradient g (for FedAvg g = sum_i p_i (x - y_i), for
 CTP-FL g = v): plain averaging is SGD with lr 1, FedAvgM is SGD with momentum, and FedAdam,
 FedYogi and FedAdagrad follow Reddi et al. 2021 (Algorithm 2, no bias correction, v_0 = tau^2).
+
+A server optimizer is hyper-parameters only (frozen once built); what it keeps between rounds
+(momentum, moments) is the run's, in its `ServerState` beside the algorithm's own server tensors.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import torch
 
-from fl_lightning.configurable import Configurable
+from fl_lightning.configurable import FrozenConfigurable
 from fl_lightning.errors import ConfigError
 
+OptimizerState = dict[str, torch.Tensor]
 
-class ServerOptimizer(Configurable):
-    """Applies x <- x - step(g) in place; keeps its state in `self.state` for checkpoints."""
+
+class ServerOptimizer(FrozenConfigurable):
+    """Applies x <- x - step(g) in place, reading and writing its state in the run's `state`."""
 
     def __init__(self, lr: float = 1.0):
         _check_positive("lr", lr)
         self.lr = lr
-        self.state: dict[str, torch.Tensor] = {}
 
-    def step(self, params: torch.Tensor, pseudo_gradient: torch.Tensor) -> None:
+    def step(self, state: OptimizerState, params: torch.Tensor, pseudo_gradient: torch.Tensor) -> None:
         raise NotImplementedError
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().cpu().clone() for k, v in self.state.items()}
 
-    def load_state_dict(self, state: dict[str, torch.Tensor], device: torch.device) -> None:
-        self.state = {k: v.to(device) for k, v in state.items()}
+@dataclass
+class ServerState:
+    """What the server of one run keeps between rounds, on every rank: made by `Algorithm.setup`, owned
+    by the round loop (which checkpoints it) and read by the clients of a round (`ClientRound.server`)."""
+
+    optimizer: ServerOptimizer
+    """The server optimizer the run steps with (`Algorithm.server_optimizer_for` of the configured one)."""
+    num_clients: int
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    """The algorithm's own (SCAFFOLD's control c, CTP-FL's direction v, FedDyn's h)."""
+    optimizer_state: OptimizerState = field(default_factory=dict)
+    """The server optimizer's (its momentum, its moments)."""
+
+    def step(self, params: torch.Tensor, pseudo_gradient: torch.Tensor) -> None:
+        """The server optimizer's step of `params` in place on `pseudo_gradient`."""
+        self.optimizer.step(self.optimizer_state, params, pseudo_gradient)
+
+    def state_dict(self) -> dict:
+        """The checkpoint's `algorithm` entry."""
+        return {"server_state": _on_host(self.tensors), "server_optimizer": _on_host(self.optimizer_state)}
+
+    def load_state_dict(self, saved: dict, device: torch.device) -> None:
+        self.tensors = {k: v.to(device) for k, v in saved["server_state"].items()}
+        self.optimizer_state = {k: v.to(device) for k, v in saved["server_optimizer"].items()}
+
+
+def _on_host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu().clone() for k, v in tensors.items()}
 
 
 def _check_positive(name: str, value: float) -> None:
@@ -55,12 +84,12 @@ class ServerSGD(ServerOptimizer):
         self.momentum = momentum
         self.nesterov = nesterov
 
-    def step(self, params: torch.Tensor, pseudo_gradient: torch.Tensor) -> None:
+    def step(self, state: OptimizerState, params: torch.Tensor, pseudo_gradient: torch.Tensor) -> None:
         direction = pseudo_gradient
         if self.momentum:
-            buffer = self.state.get("momentum")
+            buffer = state.get("momentum")
             buffer = pseudo_gradient.clone() if buffer is None else buffer.mul_(self.momentum).add_(pseudo_gradient)
-            self.state["momentum"] = buffer
+            state["momentum"] = buffer
             direction = pseudo_gradient + self.momentum * buffer if self.nesterov else buffer
         params.sub_(self.lr * direction)
 
@@ -78,13 +107,13 @@ class _AdaptiveServerOptimizer(ServerOptimizer):
     def second_moment(self, v: torch.Tensor, delta_sq: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def step(self, params: torch.Tensor, pseudo_gradient: torch.Tensor) -> None:
+    def step(self, state: OptimizerState, params: torch.Tensor, pseudo_gradient: torch.Tensor) -> None:
         delta = -pseudo_gradient  # Reddi et al. write the update as Delta = mean(y_i - x)
-        m = self.state.get("first_moment", torch.zeros_like(delta))
-        v = self.state.get("second_moment", torch.full_like(delta, self.tau**2))
+        m = state.get("first_moment", torch.zeros_like(delta))
+        v = state.get("second_moment", torch.full_like(delta, self.tau**2))
         m = self.beta1 * m + (1 - self.beta1) * delta
         v = self.second_moment(v, delta * delta)
-        self.state["first_moment"], self.state["second_moment"] = m, v
+        state["first_moment"], state["second_moment"] = m, v
         params.add_(self.lr * m / (v.sqrt() + self.tau))
 
 

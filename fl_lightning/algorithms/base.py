@@ -1,5 +1,9 @@
 """The algorithm interface: a client rule, a server rule, and the state each keeps.
 
+A configured algorithm is hyper-parameters only (frozen once built, so one serves any number of
+runs): the server's state of a run is the `ServerState` that `setup` returns and the round loop
+owns, passed to `server_update` and `round_metrics` and read by clients as `ClientRound.server`.
+
 Shared mechanics (sampling, weights, flattening, the all-reduce, checkpoints) live in
 `fl_lightning.federation`; an algorithm module holds only what makes it different.
 """
@@ -14,14 +18,14 @@ from torch import nn
 from fl_lightning.choices import Weighting
 from fl_lightning.clients import Batch, ClientRound
 from fl_lightning.config import FederationArgs
-from fl_lightning.configurable import Configurable
-from fl_lightning.server_optimizers import ServerOptimizer
+from fl_lightning.configurable import FrozenConfigurable
+from fl_lightning.server_optimizers import ServerOptimizer, ServerState
 
 PSEUDO_GRADIENT = "pseudo_gradient"
 SHORT_NAMES: dict[str, type["Algorithm"]] = {}
 
 
-class Algorithm(Configurable):
+class Algorithm(FrozenConfigurable):
     """Base class. A subclass sets its uploads and overrides `client_update` (and, if its server
     does more than step the server optimizer on the pseudo-gradient, `server_update`).
 
@@ -40,9 +44,6 @@ class Algorithm(Configurable):
     summed_uploads: ClassVar[tuple[str, ...]] = ()
     client_state: ClassVar[tuple[str, ...]] = ()
     """Names of per-client vectors that persist across rounds (e.g. SCAFFOLD's c_i)."""
-
-    server_optimizer: ServerOptimizer
-    num_clients: int
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -68,14 +69,14 @@ class Algorithm(Configurable):
         any data is loaded (FedAvgM adds its momentum here)."""
         return configured
 
-    def setup(self, server_optimizer: ServerOptimizer, num_params: int, num_clients: int, device: torch.device) -> None:
-        """Called once on every rank before the first round (and before a resume loads state)."""
-        server_optimizer.state = {}  # a fresh run starts from zero; a resume loads the saved state
-        self.server_optimizer = server_optimizer
-        self.num_clients = num_clients
-        self.server_state: dict[str, torch.Tensor] = self.initial_server_state(num_params, device)
+    def setup(self, server_optimizer: ServerOptimizer, num_params: int, num_clients: int,
+              device: torch.device) -> ServerState:
+        """The server's state of a fresh run, made once on every rank before the first round (a resume
+        then loads the saved one into it)."""
+        return ServerState(server_optimizer, num_clients, self.initial_server_state(num_params, device))
 
     def initial_server_state(self, num_params: int, device: torch.device) -> dict[str, torch.Tensor]:
+        """The algorithm's own server tensors before the first round (`ServerState.tensors`)."""
         return {}
 
     @property
@@ -91,23 +92,14 @@ class Algorithm(Configurable):
     def client_update(self, client: ClientRound) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
-    def server_update(self, params: torch.Tensor, aggregate: dict[str, torch.Tensor]) -> None:
-        """Update the global parameters in place from the aggregated uploads (same on every rank)."""
-        self.server_optimizer.step(params, aggregate[PSEUDO_GRADIENT])
+    def server_update(self, state: ServerState, params: torch.Tensor, aggregate: dict[str, torch.Tensor]) -> None:
+        """Update the global parameters and the server's `state` in place from the aggregated uploads
+        (same on every rank)."""
+        state.step(params, aggregate[PSEUDO_GRADIENT])
 
-    def round_metrics(self) -> dict[str, float]:
+    def round_metrics(self, state: ServerState) -> dict[str, float]:
         """Extra per-round scalars to log after `server_update`."""
         return {}
-
-    def state_dict(self) -> dict:
-        return {
-            "server_state": {k: v.detach().cpu().clone() for k, v in self.server_state.items()},
-            "server_optimizer": self.server_optimizer.state_dict(),
-        }
-
-    def load_state_dict(self, state: dict, device: torch.device) -> None:
-        self.server_state = {k: v.to(device) for k, v in state["server_state"].items()}
-        self.server_optimizer.load_state_dict(state["server_optimizer"], device)
 
 
 Direction = Callable[[torch.Tensor, torch.Tensor, Batch], torch.Tensor]

@@ -28,7 +28,7 @@ from fl_lightning.algorithms.base import PSEUDO_GRADIENT, Algorithm
 from fl_lightning.clients import ClientRound, clip_to_norm
 from fl_lightning.config import FederationArgs
 from fl_lightning.errors import ConfigError
-from fl_lightning.server_optimizers import ServerSGD
+from fl_lightning.server_optimizers import ServerSGD, ServerState
 
 
 class CTPFL(Algorithm):
@@ -67,17 +67,17 @@ class CTPFL(Algorithm):
                 federation.local_epochs,
             )
 
-    @property
-    def effective_span(self) -> float:
-        return self.server_optimizer.lr if self.span is None else self.span
+    def effective_span(self, server: ServerState) -> float:
+        """h: `span`, or the lr of the server optimizer the run steps with."""
+        return server.optimizer.lr if self.span is None else self.span
 
     def initial_server_state(self, num_params: int, device: torch.device) -> dict[str, torch.Tensor]:
         return {"direction": torch.zeros(num_params, device=device)}
 
-    def query_offsets(self, num_steps: int) -> list[float]:
+    def query_offsets(self, num_steps: int, span: float) -> list[float]:
         if num_steps == 1:
             return [0.0]
-        return [k * self.effective_span / (num_steps - 1) for k in range(num_steps)]
+        return [k * span / (num_steps - 1) for k in range(num_steps)]
 
     @property
     def fuses_clients(self) -> bool:
@@ -89,9 +89,10 @@ class CTPFL(Algorithm):
         the clients of a rank evaluate each of them in one pass over their concatenated batches,
         each normalising with its own batch statistics; fused (`fuses_clients`), that pass has one
         backward, of the weighted sum of their losses."""
-        direction = self.server_state["direction"]
+        direction = client.server.tensors["direction"]
         gradient_sum = 0.0
-        for offset, batch in zip(self.query_offsets(client.num_steps), client.batches()):
+        offsets = self.query_offsets(client.num_steps, self.effective_span(client.server))
+        for offset, batch in zip(offsets, client.batches()):
             query = client.global_params - offset * direction
             _, gradient = client.loss_and_grad(query, batch)
             gradient_sum = gradient_sum + self.with_weight_decay(gradient, query)
@@ -100,16 +101,16 @@ class CTPFL(Algorithm):
     def with_weight_decay(self, gradient: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
         return gradient + self.weight_decay * query if self.weight_decay else gradient
 
-    def server_update(self, params: torch.Tensor, aggregate: dict[str, torch.Tensor]) -> None:
-        optimizer = self.server_optimizer
+    def server_update(self, state: ServerState, params: torch.Tensor, aggregate: dict[str, torch.Tensor]) -> None:
+        optimizer = state.optimizer
         if isinstance(optimizer, ServerSGD) and not optimizer.momentum:  # the step is gamma times the aggregate
-            self.server_state["direction"] = aggregate[PSEUDO_GRADIENT].clone()
-            optimizer.step(params, self.server_state["direction"])
+            state.tensors["direction"] = aggregate[PSEUDO_GRADIENT].clone()
+            state.step(params, state.tensors["direction"])
             return
         previous = params.clone()
-        optimizer.step(params, aggregate[PSEUDO_GRADIENT])
-        self.server_state["direction"] = (previous - params) / optimizer.lr
+        state.step(params, aggregate[PSEUDO_GRADIENT])
+        state.tensors["direction"] = (previous - params) / optimizer.lr
 
-    def round_metrics(self) -> dict[str, float]:
-        norm = self.server_state["direction"].norm().item()
-        return {"direction_norm": norm, "span": self.effective_span, "displacement": self.effective_span * norm}
+    def round_metrics(self, state: ServerState) -> dict[str, float]:
+        norm, span = state.tensors["direction"].norm().item(), self.effective_span(state)
+        return {"direction_norm": norm, "span": span, "displacement": span * norm}

@@ -18,6 +18,7 @@ import torch
 from fl_lightning.algorithms.base import PSEUDO_GRADIENT, Algorithm, train_locally
 from fl_lightning.clients import ClientRound
 from fl_lightning.errors import ConfigError
+from fl_lightning.server_optimizers import ServerState
 
 MEAN_LOCAL_STEP = "mean_local_step"
 """A client's (x - y_i) / (lr K_i): its average local step direction."""
@@ -51,16 +52,16 @@ class FedAvgMomentum(Algorithm):
         return {"global_direction": torch.zeros(num_params, device=device)}
 
     def client_update(self, client: ClientRound) -> dict[str, torch.Tensor]:
-        global_share = (1 - self.gradient_weight) * self.server_state["global_direction"]
+        global_share = (1 - self.gradient_weight) * client.server.tensors["global_direction"]
         local_params = train_locally(
             client, direction=lambda _, gradient, __: self.gradient_weight * gradient + global_share
         )
         update = client.global_params - local_params
         return {PSEUDO_GRADIENT: update, MEAN_LOCAL_STEP: update / (client.optimizer_args.lr * client.num_steps)}
 
-    def server_update(self, params: torch.Tensor, aggregate: dict[str, torch.Tensor]) -> None:
-        self.server_state["global_direction"] = aggregate[MEAN_LOCAL_STEP].clone()
-        super().server_update(params, aggregate)
+    def server_update(self, state: ServerState, params: torch.Tensor, aggregate: dict[str, torch.Tensor]) -> None:
+        state.tensors["global_direction"] = aggregate[MEAN_LOCAL_STEP].clone()
+        super().server_update(state, params, aggregate)
 
-    def round_metrics(self) -> dict[str, float]:
-        return {"global_direction_norm": self.server_state["global_direction"].norm().item()}
+    def round_metrics(self, state: ServerState) -> dict[str, float]:
+        return {"global_direction_norm": state.tensors["global_direction"].norm().item()}

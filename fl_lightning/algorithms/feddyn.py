@@ -19,6 +19,7 @@ import torch
 from fl_lightning.algorithms.base import PSEUDO_GRADIENT, Algorithm, train_locally
 from fl_lightning.clients import ClientRound
 from fl_lightning.errors import ConfigError
+from fl_lightning.server_optimizers import ServerState
 
 SERVER_H = "h"
 CLIENT_H = "h_k"
@@ -54,8 +55,8 @@ class FedDyn(Algorithm):
         client.state[CLIENT_H] = client_h - self.alpha * local_change
         return {PSEUDO_GRADIENT: -local_change, LOCAL_CHANGE: local_change}
 
-    def server_update(self, params: torch.Tensor, aggregate: dict[str, torch.Tensor]) -> None:
-        h = self.server_state[SERVER_H]
-        h -= self.alpha / self.num_clients * aggregate[LOCAL_CHANGE]
+    def server_update(self, state: ServerState, params: torch.Tensor, aggregate: dict[str, torch.Tensor]) -> None:
+        h = state.tensors[SERVER_H]
+        h -= self.alpha / state.num_clients * aggregate[LOCAL_CHANGE]
         # aggregate[PSEUDO_GRADIENT] = x - mean y_k, so this is x - (mean y_k - h / alpha).
-        self.server_optimizer.step(params, aggregate[PSEUDO_GRADIENT] + h / self.alpha)
+        state.step(params, aggregate[PSEUDO_GRADIENT] + h / self.alpha)

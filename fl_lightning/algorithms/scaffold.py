@@ -19,6 +19,7 @@ import torch
 
 from fl_lightning.algorithms.base import PSEUDO_GRADIENT, Algorithm, train_locally
 from fl_lightning.clients import ClientRound
+from fl_lightning.server_optimizers import ServerState
 
 CONTROL = "control"
 CONTROL_DELTA = "control_delta"
@@ -53,7 +54,7 @@ class SCAFFOLD(Algorithm):
         return {CONTROL: torch.zeros(num_params, device=device)}
 
     def client_update(self, client: ClientRound) -> dict[str, torch.Tensor]:
-        server_control = self.server_state[CONTROL]
+        server_control = client.server.tensors[CONTROL]
         client_control = client.state.get(CONTROL, torch.zeros_like(server_control))
         drift_correction = server_control - client_control
         local_params = train_locally(client, direction=lambda _, gradient, __: gradient + drift_correction)
@@ -69,6 +70,6 @@ class SCAFFOLD(Algorithm):
             return momentum_steps(client.num_steps, args.momentum, args.nesterov) * args.lr
         return client.num_steps * args.lr
 
-    def server_update(self, params: torch.Tensor, aggregate: dict[str, torch.Tensor]) -> None:
-        super().server_update(params, aggregate)
-        self.server_state[CONTROL] += aggregate[CONTROL_DELTA] / self.num_clients
+    def server_update(self, state: ServerState, params: torch.Tensor, aggregate: dict[str, torch.Tensor]) -> None:
+        super().server_update(state, params, aggregate)
+        state.tensors[CONTROL] += aggregate[CONTROL_DELTA] / state.num_clients

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from fl_lightning.config import ClientOptimizerArgs
+from fl_lightning.server_optimizers import ServerState
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -187,6 +188,9 @@ class ClientRound:
     pass replaces it with the updated statistics, and it is averaged into the global buffers."""
     state: dict[str, torch.Tensor]
     """Persistent per-client state of stateful algorithms, written back after the round."""
+    server: ServerState
+    """The server's state as the round began (read only): its tensors (SCAFFOLD's control, CTP-FL's
+    direction) and the server optimizer the run steps with."""
     optimizer_args: ClientOptimizerArgs
     projection: Optional[Callable[[torch.Tensor], torch.Tensor]]
     """The round's constraint projection of local directions (FedCONST), or None."""

@@ -80,7 +80,7 @@ class DisplacementBias(Diagnostic):
         self._gradient_sum = torch.zeros_like(params)  # sum_i p_i g_i on this rank
         self._client_bias_sum = 0.0
         self._seconds = 0.0
-        self._previous_direction_norm = loop.algorithm.server_state["direction"].norm().item()  # |v^r|
+        self._previous_direction_norm = loop.server_state.tensors["direction"].norm().item()  # |v^r|
 
     def on_client_end(self, fabric, loop, client, uploads: dict, weight: float) -> None:
         if not self._measuring:
@@ -104,7 +104,7 @@ class DisplacementBias(Diagnostic):
             self._gradient_sum, torch.tensor([self._client_bias_sum], device=self._gradient_sum.device)]))
         gradient, client_bias = reduced[:-1], reduced[-1].item()
         self.gradient = gradient  # g(x^r), kept for inspection until the next measured round
-        direction = loop.algorithm.server_state["direction"]  # v^{r+1} = sum_i p_i u_i
+        direction = loop.server_state.tensors["direction"]  # v^{r+1} = sum_i p_i u_i
         bias = (direction - gradient).norm().item()
         gradient_norm = gradient.norm().item()
         cosine = torch.nn.functional.cosine_similarity(direction, gradient, dim=0, eps=1e-30).item()
@@ -113,7 +113,7 @@ class DisplacementBias(Diagnostic):
                         "ctpfl/client_bias": client_bias,
                         "ctpfl/cosine": cosine,
                         "ctpfl/gradient_norm": gradient_norm})
-        displacement = loop.algorithm.effective_span * self._previous_direction_norm
+        displacement = loop.algorithm.effective_span(loop.server_state) * self._previous_direction_norm
         if displacement > 0:
             metrics["ctpfl/bias_curvature"] = 2 * bias / displacement
         metrics["ctpfl/seconds"] = self._seconds + time.perf_counter() - started

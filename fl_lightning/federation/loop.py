@@ -43,14 +43,16 @@ from fl_lightning.lost_ranks import RankProcesses
 
 
 class FederatedLoop:
-    """One rank's federation: the global model, the algorithm's state, the clients this rank owns,
+    """One rank's federation: the global model, the server's state, the clients this rank owns,
     and the rounds run so far. Callbacks get it as `loop`; what they may use of it:
 
     - the run: `inputs` (the RankInputs: `inputs.settings`, the whole RunSettings, `inputs.data`),
       `hyperparameters` (as config.yaml records them), `out_dir`, `rounds` (asked for), `start_round`
       (0, or the round resumed from), `history` (one metrics row per round; `completed_rounds`);
-    - the model: `module`, `global_model` (its flat parameters and buffers), `algorithm` (its server
-      state), `client_states` (this rank's clients' state, for stateful algorithms: `stateful`);
+    - the model: `module`, `global_model` (its flat parameters and buffers), `algorithm` (the
+      configured one: hyper-parameters), `server_state` (the run's `ServerState`: the algorithm's
+      server tensors, the server optimizer and its state), `client_states` (this rank's clients'
+      state, for stateful algorithms: `stateful`);
     - the rank's clients and evaluation: `trainer` (a training batch, the loss at flat parameters),
       `client_path`, `evaluation` (test batches) and `evaluate()`;
     - stops: `request_stop(reason, ...)`, `stopping`, `stopped_early`, `final_stop`,
@@ -67,14 +69,14 @@ class FederatedLoop:
         self.module = fabric.to_device(inputs.module)
         self.global_model = FlatGlobalModel.bind(self.module, device)
         self.algorithm = settings.algorithm
-        self.algorithm.setup(inputs.server_optimizer, self.global_model.param_layout.numel,
-                             settings.federation.num_clients, device)
+        self.server_state = self.algorithm.setup(inputs.server_optimizer, self.global_model.param_layout.numel,
+                                                 settings.federation.num_clients, device)
         state = inputs.resume_state
         self.start_round = 0 if state is None else state["round"]
         self.history: list[dict] = [] if state is None else list(state["metrics"])
         if state is not None:
             self.module.load_state_dict(state["model"])
-            self.algorithm.load_state_dict(state["algorithm"], device)
+            self.server_state.load_state_dict(state["algorithm"], device)
         self.stateful = bool(self.algorithm.client_state)
         saved_states = {} if state is None else state["client_states"]
         self.client_states = ClientStates({c: s for c, s in saved_states.items()
@@ -168,7 +170,7 @@ class FederatedLoop:
         aggregate = buffer.reduced(fabric)
         self._check_finite(round_index, clients, "the aggregated update of clients",
                            [aggregate[name] for name in algorithm.weighted_uploads + algorithm.summed_uploads])
-        algorithm.server_update(self.global_model.params, aggregate)
+        algorithm.server_update(self.server_state, self.global_model.params, aggregate)
         self.global_model.buffers.copy_(aggregate["buffers"])
         # Checked before anything is saved: a non-finite model must never become "the last good checkpoint".
         self._check_finite(round_index, clients, "the global model after the server step of clients",
@@ -180,7 +182,8 @@ class FederatedLoop:
         # A run stopped for good is not requeued: the requeued job would have nothing to train.
         self.requeue_agreed = aggregate[REQUEUE_REQUESTED].item() > 0 and self.final_stop is None
         metrics = {"round": round_index + 1, "train_loss": aggregate["train_loss"].item(),
-                   **algorithm.round_metrics(), "round_seconds": time.perf_counter() - started - hooks_seconds}
+                   **algorithm.round_metrics(self.server_state),
+                   "round_seconds": time.perf_counter() - started - hooks_seconds}
         self.history.append(metrics)
         return metrics
 
@@ -188,7 +191,8 @@ class FederatedLoop:
         """This rank's clients of the round, each set up only when the algorithm asks for it."""
         fabric = self.fabric
         for client_id in clients_of_rank(clients, fabric.global_rank, fabric.world_size, self.stateful):
-            yield self.trainer.client_round(client_id, round_index, self.client_states.get(client_id, fabric.device))
+            yield self.trainer.client_round(client_id, round_index, self.client_states.get(client_id, fabric.device),
+                                            self.server_state)
 
     def _check_finite(self, round_index: int, clients: list[int], what: str, tensors: list[torch.Tensor]) -> None:
         if all(torch.isfinite(t).all() for t in tensors):
@@ -212,7 +216,7 @@ class FederatedLoop:
             save_checkpoint({
                 "round": completed,
                 "model": {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()},
-                "algorithm": self.algorithm.state_dict(),
+                "algorithm": self.server_state.state_dict(),
                 "partition": as_lists(data.partition),
                 **({} if data.validation is None else {"validation": as_lists(data.validation)}),
                 "run_id": self.inputs.run_id,

@@ -23,6 +23,7 @@ from fl_lightning.clients.run import (
     seeded_generator,
 )
 from fl_lightning.federation.setup import RunSettings
+from fl_lightning.server_optimizers import ServerState
 
 if TYPE_CHECKING:  # fl_lightning.module imports Lightning, which the command line need not wait for
     from fl_lightning.module import ClassificationModule
@@ -158,8 +159,10 @@ class LocalTrainer:
         # running statistics it computes are dropped (the CE pass already counted this batch).
         return self._call_with_buffers(self.features_call, params, buffers, inputs, training)[0].float()
 
-    def client_round(self, client_id: int, round_index: int, state: dict[str, torch.Tensor]) -> ClientRound:
-        """The client's share of round `round_index`, starting from the global model and `state`.
+    def client_round(self, client_id: int, round_index: int, state: dict[str, torch.Tensor],
+                     server: ServerState) -> ClientRound:
+        """The client's share of round `round_index`, starting from the global model, its `state` and
+        the `server`'s.
         Everything it draws comes from one stream: its batch order, then its augmentations."""
         settings, global_model = self.settings, self.global_model
         generator = seeded_generator(settings.seed, CLIENT_STREAM, round_index, client_id)
@@ -177,6 +180,7 @@ class LocalTrainer:
             global_params=global_model.params,
             buffers=global_model.buffers.clone(),
             state=state,
+            server=server,
             optimizer_args=settings.client_optimizer,
             projection=projection,
             step_projection=step_projection,

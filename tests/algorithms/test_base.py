@@ -1,6 +1,8 @@
 """What every algorithm shares: its short name registered, its hyper-parameters checked as config errors
-naming the field, and a stateful method's per-client state (SCAFFOLD, FedDyn, MOON) kept across ranks
-and resumes."""
+naming the field and frozen once built (a run's state is the run's), and a stateful method's per-client
+state (SCAFFOLD, FedDyn, MOON) kept across ranks and resumes."""
+
+import pickle
 
 import processes
 import pytest
@@ -16,9 +18,11 @@ from fl_lightning.algorithms.fedprox import FedProx
 from fl_lightning.algorithms.fedsam import FedSAM
 from fl_lightning.algorithms.moon import MOON
 from fl_lightning.algorithms.scaffold import SCAFFOLD
-from fl_lightning.config import ClientOptimizerArgs, FabricArgs
+from fl_lightning.config import ClientOptimizerArgs, FabricArgs, ModelArgs
+from fl_lightning.constraints import CONST
 from fl_lightning.errors import ConfigError
 from fl_lightning.fit import fit
+from fl_lightning.server_optimizers import FedAdam, ServerSGD
 
 STATEFUL = {
     "scaffold": (SCAFFOLD, "linear"),
@@ -91,3 +95,40 @@ def test_bad_hyperparameters_are_config_errors(make, field):
     assert error.value.field_name == field
 
 
+
+
+def configured_objects():
+    """A stateful algorithm, a server optimizer that keeps moments and a constraint, built as a config builds them."""
+    return SCAFFOLD(), FedAdam(lr=0.05), CONST()
+
+
+def test_configured_objects_serve_two_fits_in_one_process_and_keep_nothing_of_either(cifar_root, tmp_path):
+    """The run's state lives in the run: the second fit with the same configured objects trains, bitwise,
+    what a fit with fresh objects trains, and fit leaves the objects as they were built."""
+    configured = configured_objects()
+    built = [dict(vars(one)) for one in configured]
+
+    def run(name, objects):
+        algorithm, server_optimizer, constraint = objects
+        setup = small_setup(cifar_root, tmp_path / name, rounds=2)
+        setup.update(model=ModelArgs(name="linear", bias=False), client_optimizer=ClientOptimizerArgs(lr=0.05,
+                                                                                                      momentum=0.5))
+        return fit(algorithm=algorithm, server_optimizer=server_optimizer, constraint=constraint, **setup)
+
+    first, second = run("first", configured), run("second", configured)
+    assert [vars(one) for one in configured] == built
+    fresh = run("fresh", configured_objects())
+    assert torch.equal(first, fresh) and torch.equal(second, fresh)
+
+
+@pytest.mark.parametrize("make", [SCAFFOLD, FedAvgM, lambda: MOON(projection_dim=PROJECTION), ServerSGD, FedAdam],
+                         ids=["SCAFFOLD", "FedAvgM", "MOON", "ServerSGD", "FedAdam"])
+def test_algorithms_and_server_optimizers_are_frozen_once_built(make):
+    """Hyper-parameters only: no attribute is written or removed after construction, also after the
+    pickling that hands them to spawned ranks."""
+    for configured in (make(), pickle.loads(pickle.dumps(make()))):
+        with pytest.raises(AttributeError, match="frozen once built"):
+            configured.server_state = {}
+        with pytest.raises(AttributeError, match="frozen once built"):
+            del configured.init_args
+        assert configured.init_args == make().init_args

@@ -29,6 +29,7 @@ from fl_lightning.federation.trainer import LocalTrainer, TrainingData
 from fl_lightning.fit import fit
 from fl_lightning.models import FeatureClassifier, create_model
 from fl_lightning.module import ClassificationModule
+from fl_lightning.server_optimizers import ServerSGD
 
 
 def moon_initial_params(num_classes):
@@ -174,8 +175,9 @@ def test_moon_represents_the_global_and_previous_models_in_eval_mode():
     settings = RunSettings(algorithm, federation=federation, client_optimizer=ClientOptimizerArgs(lr=lr), seed=SEED)
     trainer = LocalTrainer(fabric, module, TrainingData(inputs, labels, UnchangedFeatures()), model,
                            [torch.arange(num_samples)], settings)
+    server = algorithm.setup(ServerSGD(), model.params.numel(), 1, model.params.device)
     client = trainer.client_round(0, 1, {"previous_model": previous_params.clone(),
-                                       "previous_buffers": previous_buffers.clone()})
+                                       "previous_buffers": previous_buffers.clone()}, server)
     local = model.params - algorithm.client_update(client)[PSEUDO_GRADIENT]
 
     def unpack(params):

@@ -68,7 +68,7 @@ def augmented_ctpfl_client():
     module, images, labels, partition, _ = tiny_network_problem()
     _, loop = federated_loop(module, images, labels, partition, CTPFL(), [], local_steps=5, batch_size=4,
                              augment=True, num_classes=3)
-    return loop, loop.trainer.client_round(2, 7, {}), partition
+    return loop, loop.trainer.client_round(2, 7, {}, loop.server_state), partition
 
 
 def test_batches_looked_at_again_are_the_clients_own_and_leave_its_generator_alone():
@@ -119,11 +119,11 @@ def test_the_measured_bias_on_a_quadratic_is_minus_h_over_2_H_v(span, weight_dec
     fabric.call("on_fit_start", fabric, loop)
     curvature = HESSIAN + weight_decay * torch.eye(DIMENSION, dtype=torch.float64)  # weight decay adds wd I
     for round_index in range(4):
-        previous = loop.algorithm.server_state["direction"].clone().double()  # v^r
+        previous = loop.server_state.tensors["direction"].clone().double()  # v^r
         fabric.call("on_round_start", fabric, loop, round_index)
         metrics = loop.run_round(round_index)
         fabric.call("on_round_end", fabric, loop, metrics)
-        measured = loop.algorithm.server_state["direction"].double() - diagnostic.gradient.double()
+        measured = loop.server_state.tensors["direction"].double() - diagnostic.gradient.double()
         expected = -span / 2 * curvature @ previous
         torch.testing.assert_close(measured, expected, atol=2e-5, rtol=1e-4)
         assert metrics["ctpfl/bias"] == pytest.approx(expected.norm().item(), abs=2e-5, rel=1e-4)
@@ -151,11 +151,11 @@ def test_the_direction_is_unbiased_for_the_path_averaged_gradient_under_full_par
     # 100 rounds: the bias of the directions against grad F(x^r) is then over 200 standard errors.
     for round_index in range(100):
         loop.global_model.params.copy_(x)
-        loop.algorithm.server_state["direction"] = v.clone()
+        loop.server_state.tensors["direction"] = v.clone()
         fabric.call("on_round_start", fabric, loop, round_index)
         metrics = loop.run_round(round_index)
         fabric.call("on_round_end", fabric, loop, metrics)
-        directions.append(loop.algorithm.server_state["direction"].double())
+        directions.append(loop.server_state.tensors["direction"].double())
         gradients.append(diagnostic.gradient.double())
     directions, gradients = torch.stack(directions), torch.stack(gradients)
     offsets = [k * span / 3 for k in range(4)]  # t_k = k h / (K - 1), K = 4

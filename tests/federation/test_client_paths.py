@@ -429,7 +429,7 @@ def test_channels_last_images_give_the_same_model():
     settings = dict(algorithm_name="fedavg", batch_norm=True, local_steps=2, client_path="loop")
     plain = federated_loop(**settings)
     channels_last = federated_loop(**settings, channels_last=True)
-    client = channels_last.trainer.client_round(0, 0, {})
+    client = channels_last.trainer.client_round(0, 0, {}, channels_last.server_state)
     inputs, _ = next(client.batches())
     assert inputs.is_contiguous(memory_format=torch.channels_last) and not inputs.is_contiguous()
     assert_same_run(rounds_of(channels_last), rounds_of(plain))

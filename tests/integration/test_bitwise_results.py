@@ -168,8 +168,8 @@ def uniform_aggregation(clients, sizes, weighting):
 
 
 def server_step_too_long(original):
-    def step(self, params, aggregate):
-        original(self, params, {name: value * 1.0001 for name, value in aggregate.items()})
+    def step(self, state, params, aggregate):
+        original(self, state, params, {name: value * 1.0001 for name, value in aggregate.items()})
     return step
 
 
