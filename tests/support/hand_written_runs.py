@@ -119,6 +119,11 @@ def run_folder(plan_file: Path, setting: str, method: str, seed: int) -> Path:
     return plan_file.parent / "runs" / "demo" / setting / method / f"seed{seed}"
 
 
+def rows_by_method(rows: list[dict]) -> dict[str, dict]:
+    """table.csv's rows by their method."""
+    return {row["method"]: row for row in rows}
+
+
 T_975 = {2: 4.302653, 3: 3.182446}
 """Student's t, 0.975 quantile, by degrees of freedom (as statistics tables print it)."""
 
