@@ -211,12 +211,12 @@ def fit_config_of(arguments: dict) -> FitConfig:
     return fit_config(settings, **{name: arguments[name] for name in FOLDER_ARGUMENTS})
 
 
-def unused_settings(settings: RunSettings) -> dict[str, str]:
-    """The groups of settings that a run of `settings` records but never reads, each with why: the
+def unused_settings(algorithm: type[Algorithm]) -> dict[str, str]:
+    """The groups of settings that a run of `algorithm` records but never reads, each with why: the
     client optimizer of an algorithm whose clients train no local model (Algorithm.trains_locally)."""
-    if settings.algorithm.trains_locally:
+    if algorithm.trains_locally:
         return {}
-    return {"client_optimizer": f"the clients of {type(settings.algorithm).__name__} train no local model"}
+    return {"client_optimizer": f"the clients of {algorithm.__name__} train no local model"}
 
 
 def method_name(algorithm: str, constrained: bool) -> str:

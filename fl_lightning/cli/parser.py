@@ -19,7 +19,8 @@ from fl_lightning.cli.arguments import (
     expand_short_names,
 )
 from fl_lightning.cli.messages import explain_parse_error
-from fl_lightning.fit import fit
+from fl_lightning.configurable import resolve_dotted_path
+from fl_lightning.fit import fit, unused_settings
 from fl_lightning.models import registered_models
 
 FIT_ALONE = {"fit": fit}
@@ -48,7 +49,7 @@ def build_parser(commands: Mapping[str, Callable] = FIT_ALONE) -> CommandParser:
     subcommands = parser.add_subcommands(required=True)
     for name, command in commands.items():
         description = inspect.getdoc(command).split("\n\n")[0]
-        subparser = ArgumentParser(description=description, epilog=_epilog(name))
+        subparser = (FitParser if command is fit else ArgumentParser)(description=description, epilog=_epilog(name))
         subparser.add_argument("--config", action=ActionConfigFile, help="Path to a configuration file.")
         subcommands.add_subcommand(name, subparser, help=description)
         parser.subcommand_parsers[name] = subparser
@@ -57,6 +58,22 @@ def build_parser(commands: Mapping[str, Callable] = FIT_ALONE) -> CommandParser:
         subparser.add_function_arguments(command, as_group=False, as_positional=False, sub_configs=True)
     parser.parser_mode = CONFIG_MODE  # also sets the subcommands'
     return parser
+
+
+class FitParser(ArgumentParser):
+    """`fit`'s parser, whose dump (`--print_config`) marks each group of settings that the run never
+    reads (fit.unused_settings: CTP-FL's client optimizer), which it would otherwise show as if used;
+    a comment, so that the printed config still reads back as it is."""
+
+    def dump(self, cfg: Namespace, *args, **kwargs) -> str:
+        text = super().dump(cfg, *args, **kwargs)
+        algorithm = cfg.get("algorithm")
+        class_path = getattr(algorithm, "class_path", None)
+        if not isinstance(class_path, str):
+            return text
+        for group, why in unused_settings(resolve_dotted_path(class_path)).items():
+            text = text.replace(f"\n{group}:", f"\n# {group}: not read by this run ({why})\n{group}:", 1)
+        return text
 
 
 def _epilog(command: str) -> Optional[str]:

@@ -81,7 +81,7 @@ class GridResolver:
             arguments = self._parser.instantiate(settings).fit
             arguments.pop("config", None)
             checked = fit_config_of(arguments)
-            return ResolvedPoint(point, checked.config, settings, unused=unused_settings(checked.settings))
+            return ResolvedPoint(point, checked.config, settings, unused=unused_settings(type(checked.settings.algorithm)))
         except ConfigError as err:
             return ResolvedPoint(point, None, error=err)
 

@@ -308,3 +308,18 @@ def test_help_and_a_refused_config_never_import_lightning(tmp_path):
                                capture_output=True, text=True, timeout=300)
     assert completed.stdout.splitlines()[-3:] == ["exit 0", "exit 2", "[]"], completed.stderr
     assert "error: federation.clients_per_round: expected an integer from 1 to" in completed.stderr
+
+
+@pytest.mark.parametrize("algorithm, marked", [("ctpfl", True), ("fedavg", False)])
+def test_print_config_marks_the_client_optimizer_of_an_algorithm_that_trains_no_local_model(algorithm, marked,
+                                                                                            capsys, tmp_path):
+    """CTP-FL's clients train no local model: its run records client_optimizer and never reads it. The
+    printed config says so in a comment, and still reads back as it is."""
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", QUICKSTART, "--algorithm", algorithm, "--client_optimizer.lr", "0.3",
+              "--print_config"])
+    printed = capsys.readouterr().out
+    comment = "# client_optimizer: not read by this run (the clients of CTPFL train no local model)\nclient_optimizer:"
+    assert (comment in printed) == marked and "\nclient_optimizer:\n  lr: 0.3\n" in printed
+    (tmp_path / "printed.yaml").write_text(printed)
+    assert parse("--config", str(tmp_path / "printed.yaml")).client_optimizer.lr == 0.3
