@@ -55,9 +55,11 @@ sampled, so a method is compared with the baseline seed by seed, d_s = value_s -
 (statistics.py). After each setting's columns a column `vs METHOD` shows the mean of the d_s and its
 95% confidence interval (Student's t, n - 1 degrees of freedom), `*` where the interval excludes 0;
 below 3 pairs, or where a seed of either side has no pair, the mean alone with its pairs counted
-and the seeds unpaired, no interval and no mark (table_cells.shown_interval). The baseline's own
-cells say `baseline`. In a table of several plans, a method name is the baseline of each block of
-rows that has it (`lenet5: FedAvg` for `lenet5: ...`).
+and the seeds unpaired, no interval and no mark (table_cells.shown_interval). A seed whose run and
+the baseline's stand at other rounds (one counted unfinished, --include_partial) is not paired, and
+the notes name it (table_cells.pair_with_baseline). The baseline's own cells say `baseline`. In a
+table of several plans, a method name is the baseline of each block of rows that has it (`lenet5:
+FedAvg` for `lenet5: ...`); the notes name the blocks that have none, compared with nothing.
 
 A plan variant (`--override`, overrides.py) is not the plan's scale: the first line of the caption
 names its overrides (the paper's numbers are the plan's), as do the plot's title and table.csv, and
