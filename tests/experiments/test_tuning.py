@@ -566,8 +566,9 @@ def test_the_smoke_plan_tunes_on_slurm_as_two_array_jobs_the_second_after_the_fi
     # A task of the second job before the tuning job ran: no choice to make, nothing resolved.
     status, out, err = run_sweep(capsys, str(SMOKE), "--runs_root", runs, "--index", "12", "--fit_config", "true",
                                  "--tuning_ended", "true")
-    assert status == 2 and out == "" and "got 'no candidate has a figure: client_optimizer.lr=0.05: seed 100: not " \
-        "started, ended unfinished (failed, stopped or never run)" in err
+    assert status == 2 and out == "" and "got 'an incomplete tuning stage: 3 of 3 tuning run(s) ended unfinished " \
+        "(cancelled, failed or never run), first [0] FedAvg (tuning client_optimizer.lr=0.05) | alpha-0.5 | seed 100 " \
+        "in " in err
     assert not (tmp_path / "runs" / "smoke" / "tune" / "alpha-0.5" / "fedavg" / SELECTION_FILE).exists()
     # The tuning job's tasks, then the second's, each as slurm/sweep.sbatch runs it.
     for index in range(12):
