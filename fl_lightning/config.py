@@ -113,7 +113,8 @@ class ComputeArgs:
     """torch's intra-op threads of each rank on the CPU. `auto`: one thread for a model of fewer than a
     million parameters (faster for such models, and unharmed by other work on the machine), else the
     CPUs each rank may use (affinity, cgroup quota, SLURM_CPUS_PER_TASK, shared by the node's ranks);
-    OMP_NUM_THREADS in the environment takes precedence over `auto` (fl_lightning/cpu.py)."""
+    OMP_NUM_THREADS in the environment takes precedence over `auto`. A rank on a GPU leaves its host threads
+    to OpenMP (OMP_NUM_THREADS) and reads none of this (docs/performance.md, "CPU threads of a rank")."""
 
 
 @dataclass

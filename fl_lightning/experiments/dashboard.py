@@ -122,7 +122,7 @@ def dashboard(
     no API key) only the spec, and prints the command that creates the report later.
 
     Args:
-        plan: the plan file (YAML; see fl_lightning/experiments/plan.py) whose sweep runs the report shows.
+        plan: the plan file (YAML; docs/experiments.md, "The plan file") whose sweep runs the report shows.
         entity: W&B entity (user or team) of the report and the runs; default the API key's default entity.
         project: W&B project of the runs (and the report); default the plan's runs' logger.project.
         title: the report's title; default "<plan>: methods compared".

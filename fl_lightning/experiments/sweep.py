@@ -85,12 +85,14 @@ def sweep(
     """Run every grid point of a sweep plan (methods x settings x seeds) that has not finished yet, here or on SLURM.
 
     Args:
-        plan: the plan file (YAML: name, configs, methods, settings, seeds; see fl_lightning/experiments/plan.py).
+        plan: the plan file (YAML: name, configs, methods, settings, seeds, and optionally reference, metric,
+            resources and tune; each key in docs/experiments.md, "The plan file").
         mode: run (train here the points not finished), list (every grid point's state, round, time left and
-            folder), estimate (time the grid's kinds of local step here and price the plan: estimate.py),
+            folder), estimate (price the plan before it runs, from its kinds of local step and a run's start-up
+            timed here; docs/experiments.md, "The budget before submitting"),
             submit (one SLURM array job of slurm/sweep.sbatch, task I point I; two with tune:) or fit_config
             (write point --index's resolved `fit` settings, what an array task launches). Each mode takes only
-            its own options (MODE_OPTIONS).
+            its own options (docs/experiments.md, "Running a plan").
         jobs: runs at a time. Locally (default 1), processes on this machine; submitted, array tasks at
             once (sbatch --array=...%jobs; default: as many as SLURM allows).
         gpus_per_run: GPUs (and ranks) of each run; default the plan's resources.gpus_per_run, else 0. A
@@ -110,8 +112,12 @@ def sweep(
             e.g. federation.rounds=20 or data.root=/scratch/data. One that changes the experiment makes a
             variant of the plan, <plan>@<hint>-<digest>, with run folders of its own (printed).
         tuning_ended: the tuning stage has ended (the second array job of a submitted plan is told so): a choice
-            still to make counts a tuning run left unfinished as failed, not waited for (tuning.py).
-        list, estimate, slurm, fit_config: --mode list, estimate, submit and fit_config as they were given.
+            still to make counts a tuning run left unfinished as failed, not waited for (docs/experiments.md,
+            "Tuning each method per setting").
+        list: an alias of --mode list.
+        estimate: an alias of --mode estimate.
+        slurm: an alias of --mode submit.
+        fit_config: an alias of --mode fit_config.
     """
     mode = chosen_mode(mode, list=list, estimate=estimate, slurm=slurm, fit_config=fit_config)
     check_mode_options(mode, jobs=jobs, gpus_per_run=gpus_per_run, threads_per_run=threads_per_run, index=index,

@@ -124,6 +124,23 @@ def test_help_describes_every_option_and_lists_algorithms_and_models(capsys):
     assert all(name in listed for name in SHORT_NAMES) and all(name in listed for name in registered_models())
 
 
+def test_every_sweep_option_is_described_and_the_old_mode_flags_name_their_mode(capsys):
+    with pytest.raises(SystemExit):
+        main(["sweep", "--help"])
+    entries = help_entries(capsys.readouterr().out)
+    assert [option for option, description in entries.items() if not description] == []
+    assert [entries[flag] for flag in ("--list", "--estimate", "--slurm", "--fit_config")] == [
+        "an alias of --mode list.", "an alias of --mode estimate.", "an alias of --mode submit.",
+        "an alias of --mode fit_config."]
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_help_sends_users_to_the_docs_never_to_source_files(capsys, command):
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    assert re.findall(r"[\w/]+\.py\b", capsys.readouterr().out) == []
+
+
 @pytest.mark.parametrize("argv", [["--algorithm.help", "scaffold"], ["--algorithm.help=fedprox"],
                                   ["--algorithm.help", "CTPFL"]])
 def test_algorithm_help_takes_a_short_name(capsys, argv):
