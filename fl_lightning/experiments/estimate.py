@@ -1,4 +1,4 @@
-"""`fl-lightning sweep PLAN --estimate`: a plan's budget on this machine, before it is run or submitted.
+"""`fl-lightning sweep PLAN --mode estimate`: a plan's budget on this machine, before it is run or submitted.
 
 Every kind of local step of the grid (step_costs.py: the model, data, batch size, method and precision
 a step's cost depends on) is timed once, here, in this process, with the device and threads a sweep
@@ -12,6 +12,10 @@ the plan (and per tuned method, `FedAvg (tuning)`) and in total:
 
 - seconds per round, wall and CPU (the CPU time of the timed steps: the work, which a busy
   machine inflates far less than the wall time; a line says how busy the machine was while timing);
+- wall seconds per run: its start-up (a real `fit` process of the plan's first point of each
+  dataset, timed here: step_costs.time_start_up), its rounds, its evaluations (one timed per kind,
+  x the rounds it evaluates: every `federation.eval_every` and the last) and its checkpoints (one
+  timed per kind, x those it writes); the total wall time is the runs', `--jobs` at a time;
 - rounds, CPU core-hours (CPU seconds x rounds, over the runs) and, on GPUs, GPU-hours (wall
   seconds x rounds x GPUs);
 - peak memory of a run while it trains (the GPU's, or the process's resident set on the CPU) and the
@@ -21,9 +25,10 @@ the plan (and per tuned method, `FedAvg (tuning)`) and in total:
   checkpoints a finished run keeps (the newest `checkpoint.keep` of those written every
   `checkpoint.every` rounds and after the last; last.ckpt is a link to the newest).
 
-The figures are a round's training alone, as a run's `round_seconds` (without evaluation and
-checkpoints). The estimate says how long it will take before it starts (about KIND_OVERHEAD_SECONDS +
-TIMED_SECONDS a kind); Ctrl-C stops it and prints the points priced so far.
+A round's figures are its training alone, as a run's `round_seconds`; a run's and the total wall
+time add what a run costs besides. The estimate says how long it will take before it starts (about
+KIND_OVERHEAD_SECONDS + TIMED_SECONDS a kind, and a `fit` start a dataset); Ctrl-C stops it and
+prints the points priced so far.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ from fl_lightning.experiments.local import note_unused_gpus
 from fl_lightning.experiments.machine import Resources, SweepOptions, plan_resources
 from fl_lightning.experiments.plan import Plan, describe_candidate
 from fl_lightning.experiments.resolve import ResolvedPoint, describe_point
-from fl_lightning.experiments.step_costs import StepCost, Stretch, client_steps, kind_of, time_kind
+from fl_lightning.experiments.step_costs import StepCost, Stretch, client_steps, kind_of, time_kind, time_start_up
 
 SAMPLED_ROUNDS = 100
 """Rounds whose clients are drawn to count a point's local steps per round."""
@@ -66,6 +71,12 @@ class PricedPoint:
     holding: int
     """The clients that will hold state (of a stateful method): num_clients, or clients_per_round x rounds."""
     kept: int
+    start_up: float = 0.0
+    """Wall seconds of the run besides its rounds, evaluations and checkpoints (its dataset's, timed)."""
+    evaluations: int = 0
+    """Rounds it evaluates the global model after."""
+    checkpoints: int = 0
+    """Checkpoints it writes."""
 
     @property
     def rounds(self) -> int:
@@ -78,6 +89,12 @@ class PricedPoint:
     @property
     def wall_per_round(self) -> float:
         return self.cost.wall_per_unit * self.units_per_round
+
+    @property
+    def run_seconds(self) -> float:
+        """The run's wall seconds from its process's start to its exit."""
+        return (self.start_up + self.rounds * self.wall_per_round + self.evaluations * self.cost.eval_seconds
+                + self.checkpoints * self.cost.checkpoint_seconds)
 
     @property
     def client_state_bytes(self) -> int:
@@ -104,17 +121,22 @@ def estimate_plan(plan: Plan, resolved: list[ResolvedPoint], options: SweepOptio
     _announce(plan, resolved, len(kinds), machine)
     load, started = os.getloadavg()[0], time.perf_counter()
     costs: dict[str, StepCost] = {}
+    start_ups: dict[str, float] = {}
     try:
         with tempfile.TemporaryDirectory(prefix="fl-lightning-estimate-") as folder:
             for number, (kind, entries) in enumerate(kinds.items()):
-                costs[kind] = _time(entries[0], machine, Path(folder) / f"kind{number}")
+                cost = _time(entries[0], machine, Path(folder) / f"kind{number}")
+                if dataset_of(entries[0]) not in start_ups:
+                    start_ups[dataset_of(entries[0])] = _time_start_up(entries[0], machine,
+                                                                       Path(folder) / f"start{number}", cost)
+                costs[kind] = cost
     except KeyboardInterrupt:
         untimed = sorted({e.point.method for k, entries in kinds.items() if k not in costs for e in entries})
         print(f"interrupted: {len(costs)} of {len(kinds)} kind(s) timed; not priced: {', '.join(untimed)}",
               file=sys.stderr, flush=True)
-        _report(resolved, costs, machine, jobs, load, started)
+        _report(resolved, costs, start_ups, machine, jobs, load, started)
         raise SystemExit(130) from None
-    return _report(resolved, costs, machine, jobs, load, started)
+    return _report(resolved, costs, start_ups, machine, jobs, load, started)
 
 
 def _announce(plan: Plan, resolved: list[ResolvedPoint], kinds: int, machine: Resources) -> None:
@@ -122,10 +144,12 @@ def _announce(plan: Plan, resolved: list[ResolvedPoint], kinds: int, machine: Re
     stretches = 2 if machine.gpu_slots is None and machine.threads > 1 else 1
     seconds = kinds * (KIND_OVERHEAD_SECONDS + stretches * step_costs.TIMED_SECONDS)
     also = ", then as long on one thread where its runs take more" if stretches == 2 else ""
+    datasets = len({dataset_of(entry) for entry in resolved})
     print(f"estimate of plan {plan.name} ({len(resolved)} runs, {len({e.point.method for e in resolved})} "
           f"method(s)): {kinds} kind(s) of local step to time here {machine.describe()}, at most about "
           f"{seconds:.0f} s (each: a warm-up round of one step per client, then up to "
-          f"{step_costs.TIMED_SECONDS:g} s of steps{also})", flush=True)
+          f"{step_costs.TIMED_SECONDS:g} s of steps{also}), and the start-up of a run of {datasets} dataset(s): "
+          "a `fit` process each, for one round", flush=True)
     waiting = {entry.point.method: entry.point.tuned for entry in resolved if entry.point.waiting}
     if waiting:
         print("note: runs whose tuning choice is not made yet are priced at their method's first candidate: "
@@ -141,6 +165,19 @@ def group_by_kind(resolved: list[ResolvedPoint]) -> dict[str, list[ResolvedPoint
     return kinds
 
 
+def dataset_of(entry: ResolvedPoint) -> str:
+    """What a run's start-up depends on besides the imports: the dataset it loads and splits."""
+    data = entry.config["data"]
+    return f"{data['name']} in {data['root']}"
+
+
+def _time_start_up(entry: ResolvedPoint, machine: Resources, out_dir: Path, cost: StepCost) -> float:
+    seconds = time_start_up(entry, machine, out_dir, cost)
+    print(f"timed the start-up of a run of {dataset_of(entry)} ([{entry.point.index}], a `fit` process to its exit, "
+          f"less its round, evaluation and checkpoint): {seconds:.3g} s", flush=True)
+    return seconds
+
+
 def _time(entry: ResolvedPoint, machine: Resources, out_dir: Path) -> StepCost:
     point = entry.point
     try:
@@ -154,16 +191,18 @@ def _time(entry: ResolvedPoint, machine: Resources, out_dir: Path) -> StepCost:
     return cost
 
 
-def _report(resolved: list[ResolvedPoint], costs: dict[str, StepCost], machine: Resources, jobs: int,
-            load: float, started: float) -> list[PricedPoint]:
-    priced = _price(resolved, costs, machine)
+def _report(resolved: list[ResolvedPoint], costs: dict[str, StepCost], start_ups: dict[str, float],
+            machine: Resources, jobs: int, load: float, started: float) -> list[PricedPoint]:
+    priced = _price(resolved, costs, start_ups, machine)
     if priced:
         _print_budget(priced, machine, jobs)
-    _print_machine(costs, load, time.perf_counter() - started)
+    if costs:  # interrupted before a kind was timed, there is nothing to say of the timing
+        _print_machine(costs, load, time.perf_counter() - started)
     return priced
 
 
-def _price(resolved: list[ResolvedPoint], costs: dict[str, StepCost], machine: Resources) -> list[PricedPoint]:
+def _price(resolved: list[ResolvedPoint], costs: dict[str, StepCost], start_ups: dict[str, float],
+           machine: Resources) -> list[PricedPoint]:
     units: dict[str, float] = {}
     priced = []
     for entry in resolved:
@@ -178,8 +217,16 @@ def _price(resolved: list[ResolvedPoint], costs: dict[str, StepCost], machine: R
             units[key] = units_per_round(cost, DataArgs(**config["data"]), federation, config["seed"], machine.devices)
         holding = min(federation.num_clients, federation.clients_per_round * federation.rounds)
         priced.append(PricedPoint(entry=entry, cost=cost, units_per_round=units[key], ranks=machine.devices,
-                                  holding=holding, kept=_checkpoints_kept(config["checkpoint"], entry.rounds)))
+                                  holding=holding, kept=_checkpoints_kept(config["checkpoint"], entry.rounds),
+                                  start_up=start_ups[dataset_of(entry)],
+                                  evaluations=evaluated_rounds(federation.eval_every, entry.rounds),
+                                  checkpoints=len(_checkpoints_written(config["checkpoint"], entry.rounds))))
     return priced
+
+
+def evaluated_rounds(every: int, rounds: int) -> int:
+    """The rounds a run evaluates the global model after: every `every`-th and the last."""
+    return rounds // every + (rounds % every != 0)
 
 
 def units_per_round(cost: StepCost, data: DataArgs, federation: FederationArgs, seed: int, ranks: int) -> float:
@@ -200,18 +247,21 @@ def units_per_round(cost: StepCost, data: DataArgs, federation: FederationArgs, 
     return work / len(rounds)
 
 
+def _checkpoints_written(checkpoint: dict, rounds: int) -> set[int]:
+    """The rounds a run writes a checkpoint after: every `every`-th and the last."""
+    return set(range(checkpoint["every"], rounds + 1, checkpoint["every"])) | {rounds}
+
+
 def _checkpoints_kept(checkpoint: dict, rounds: int) -> int:
-    """The numbered checkpoints a finished run keeps: one every `every` rounds and one after the last,
-    the newest `keep` of them."""
-    written = set(range(checkpoint["every"], rounds + 1, checkpoint["every"])) | {rounds}
-    return min(checkpoint["keep"], len(written))
+    """The numbered checkpoints a finished run keeps: the newest `keep` of those it writes."""
+    return min(checkpoint["keep"], len(_checkpoints_written(checkpoint, rounds)))
 
 
 def _print_budget(priced: list[PricedPoint], machine: Resources, jobs: int) -> None:
     on_gpus = machine.gpu_slots is not None
     memory = "GPU memory" if on_gpus else "memory"
-    header = ("method", "runs", "s/round", "CPU s/round", "rounds", "CPU core-h", *(("GPU h",) if on_gpus else ()),
-              f"peak {memory}", "client state", "checkpoint", "kept", "disk per run")
+    header = ("method", "runs", "s/round", "CPU s/round", "rounds", "s/run", "CPU core-h",
+              *(("GPU h",) if on_gpus else ()), f"peak {memory}", "client state", "checkpoint", "kept", "disk per run")
     by_method: dict[str, list[PricedPoint]] = {}
     for point in priced:
         grid_point = point.entry.point
@@ -226,10 +276,10 @@ def _print_budget(priced: list[PricedPoint], machine: Resources, jobs: int) -> N
 
 def _print_total(priced: list[PricedPoint], machine: Resources, jobs: int) -> None:
     cpu_hours = sum(_hours(point, point.cpu_per_round) for point in priced)
-    wall_hours = sum(_hours(point, point.wall_per_round) for point in priced)
+    wall_hours = sum(point.run_seconds for point in priced) / 3600
     disk = sum(point.disk_bytes for point in priced)
     if machine.gpu_slots is not None:  # the client state is kept in the host's memory
-        devices = f", {wall_hours * machine.devices:.3g} GPU hours"
+        devices = f", {sum(_hours(p, p.wall_per_round) for p in priced) * machine.devices:.3g} GPU hours"
         memory = (f"peak GPU memory {_size(max(point.cost.peak_bytes for point in priced))} per run, and up to "
                   f"{_size(max(point.client_state_bytes for point in priced))} of client state in host memory")
     else:
@@ -238,12 +288,28 @@ def _print_total(priced: list[PricedPoint], machine: Resources, jobs: int) -> No
                   "with its client state")
     print(f"total: {len(priced)} runs, {cpu_hours:.3g} CPU core-hours{devices}, {wall_hours / jobs:.3g} h of wall "
           f"time ({jobs} at a time), {_size(disk)} of checkpoints, {memory}", flush=True)
+    print(_besides_rounds(priced), flush=True)
+
+
+def _besides_rounds(priced: list[PricedPoint]) -> str:
+    """What the runs' wall time holds besides their rounds (the CPU and GPU hours are the rounds')."""
+    terms = [("start-up", [p.start_up for p in priced], len(priced), "runs"),
+             ("evaluation", [p.cost.eval_seconds for p in priced], sum(p.evaluations for p in priced),
+              "evaluations"),
+             ("checkpoint", [p.cost.checkpoint_seconds for p in priced], sum(p.checkpoints for p in priced),
+              "checkpoints")]
+    hours = {"start-up": sum(p.start_up for p in priced) / 3600,
+             "evaluation": sum(p.evaluations * p.cost.eval_seconds for p in priced) / 3600,
+             "checkpoint": sum(p.checkpoints * p.cost.checkpoint_seconds for p in priced) / 3600}
+    return "of the runs' wall time, besides their rounds: " + "; ".join(
+        f"{name} {_spread(seconds)} s x {count} {what}, {hours[name]:.3g} h" for name, seconds, count, what in terms)
 
 
 def _method_row(method: str, points: list[PricedPoint], on_gpus: bool) -> tuple[str, ...]:
     gpu_hours = sum(_hours(point, point.wall_per_round * point.ranks) for point in points)
     return (method, str(len(points)), _spread([p.wall_per_round for p in points]),
             _spread([p.cpu_per_round for p in points]), "/".join(map(str, sorted({p.rounds for p in points}))),
+            _spread([p.run_seconds for p in points]),
             f"{sum(_hours(point, point.cpu_per_round) for point in points):.3g}",
             *((f"{gpu_hours:.3g}",) if on_gpus else ()),
             _size(max(p.cost.peak_bytes for p in points)), _size(max(p.client_state_bytes for p in points)),

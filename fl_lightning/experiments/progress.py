@@ -1,5 +1,5 @@
 """Where a sweep is: each run's round and the training left at the pace of the rounds it logged
-(`runs.Pace`: metrics.jsonl's round_seconds and eval_seconds), for `sweep --list`, which reads the run
+(`runs.Pace`: metrics.jsonl's round_seconds and eval_seconds), for `sweep --mode list`, which reads the run
 folders wherever they ran (SLURM's tasks too), and for the progress lines of a local sweep.
 
 A run without a timed round of its own is counted at the mean pace of the runs of its method that

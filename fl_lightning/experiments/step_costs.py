@@ -1,4 +1,4 @@
-"""A plan's kinds of local step, timed in this process: what `fl-lightning sweep --estimate` prices the
+"""A plan's kinds of local step, timed in this process: what `fl-lightning sweep --mode estimate` prices the
 rounds of its runs with (estimate.py).
 
 A kind is what the cost of one local step depends on: the model, the dataset's images and their
@@ -16,7 +16,14 @@ rank's loop (`FederatedLoop`) on the device and with the CPU threads of a sweep 
 - the same round again, its clients now holding their state as in a run's later rounds, with
   enough local steps to last about TIMED_SECONDS: its CPU time (every thread of this process: the
   work done, which other programs' load inflates far less than the wall time) and its wall time;
-- a checkpoint of it: the size of its main file, and of its client-state shards per client.
+- an evaluation of the global model (the test split, and the held-out samples with a validation
+  split), and a checkpoint: their wall seconds, the checkpoint's size and its client-state shards'
+  per client.
+
+What a run costs besides its rounds is timed with a real `fit` process of the plan's first point of
+each dataset (`time_start_up`), started as a sweep starts its runs, for one round of one local step:
+its wall seconds from start to exit less that round, its evaluation and its checkpoint are the
+start-up (interpreter, imports, settings, data loading and split, run files) and the end of a run.
 
 The unit of work is a client's step where a rank computes its clients one after another (the loop
 path: LOOP_CLIENTS clients are timed, a step costs the same whichever client takes it), and a
@@ -33,9 +40,10 @@ import math
 import re
 import resource
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Union
+from typing import Callable, Literal, Union
 
 import numpy as np
 import torch
@@ -43,9 +51,12 @@ import torch
 from fl_lightning.checkpoint import checkpoint_dir, numbered_checkpoints
 from fl_lightning.config import FederationArgs
 from fl_lightning.cpu import run_threads
-from fl_lightning.experiments.local import run_environment
+from fl_lightning.errors import ConfigError
+from fl_lightning.experiments import local
+from fl_lightning.experiments.local import TAIL_LINES, run_environment
 from fl_lightning.experiments.machine import Resources
-from fl_lightning.experiments.resolve import ResolvedPoint, fit_parser
+from fl_lightning.experiments.resolve import ResolvedPoint, describe_point, fit_parser
+from fl_lightning.experiments.runs import RunFolder
 from fl_lightning.federation.setup import rank_inputs
 from fl_lightning.fit import fit_config_of
 from fl_lightning.run_dir import flatten
@@ -117,6 +128,10 @@ class StepCost:
     """In the checkpoint's client-state shards, of a client that holds state."""
     train_labels: np.ndarray
     """The dataset's training labels, which the split over clients is drawn from."""
+    eval_seconds: float = 0.0
+    """Wall seconds of one evaluation of the global model (an evaluated round's eval_seconds)."""
+    checkpoint_seconds: float = 0.0
+    """Wall seconds of writing one checkpoint."""
 
     @property
     def cpu_per_unit(self) -> float:
@@ -173,11 +188,17 @@ def sweep_run_threads(setting: Union[int, Literal["auto"]], parameters: int, mac
     return int(environment["OMP_NUM_THREADS"]) if choice is None else choice.threads
 
 
+SRUN_HINT = "The `srun` command is available on your system but is not used"
+"""Lightning's warning wherever an srun binary exists: about a run under SLURM, none of the estimate's."""
+
+
 def _fabric(machine: Resources, precision: str):
     from lightning.fabric import Fabric
 
     # One device, the first of the run's first slot (CUDA_VISIBLE_DEVICES is this process's).
-    return Fabric(accelerator=machine.accelerator, devices=1, precision=precision)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=SRUN_HINT)
+        return Fabric(accelerator=machine.accelerator, devices=1, precision=precision)
 
 
 def _time_loop(loop, grouped: bool, device: torch.device, most_steps: int, rounds: int, threads: int
@@ -187,9 +208,10 @@ def _time_loop(loop, grouped: bool, device: torch.device, most_steps: int, round
     steps = max(1, min(MAX_TIMED_STEPS, most_steps, int(TIMED_SECONDS / max(warm_up, 1e-3))))
     timed = _timed_rounds(loop, steps, threads)
     work = _timed_rounds(loop, steps, 1) if device.type == "cpu" and threads > 1 else timed
+    evaluation = _wall_seconds(loop.evaluate)
     # Sized as a finished run's checkpoint, whose metrics hold a row a round.
     loop.history = [{**loop.history[-1], "round": number} for number in range(1, rounds + 1)]
-    loop.save_checkpoint()
+    checkpoint_seconds = _wall_seconds(loop.save_checkpoint)
     peak = _peak_memory_bytes(device)
     states = loop.client_states.by_client
     state_bytes = sum(tensor.nelement() * tensor.element_size() for state in states.values()
@@ -198,7 +220,44 @@ def _time_loop(loop, grouped: bool, device: torch.device, most_steps: int, round
     holding = max(len(states), 1)
     return StepCost(grouped=grouped, stateful=loop.stateful, work=work, timed=timed, peak_bytes=peak,
                     checkpoint_bytes=checkpoint, state_bytes_per_client=state_bytes / holding,
-                    shard_bytes_per_client=shards / holding, train_labels=loop.inputs.data.train.labels.numpy())
+                    shard_bytes_per_client=shards / holding, train_labels=loop.inputs.data.train.labels.numpy(),
+                    eval_seconds=evaluation, checkpoint_seconds=checkpoint_seconds)
+
+
+def _wall_seconds(call: Callable[[], object]) -> float:
+    started = time.perf_counter()
+    call()
+    return time.perf_counter() - started
+
+
+def time_start_up(entry: ResolvedPoint, machine: Resources, out_dir: Path, cost: StepCost) -> float:
+    """Wall seconds a run of `entry` takes besides its rounds, evaluations and checkpoints: a real `fit`
+    process of it, started as a sweep starts a run (its environment and CPUs), for one round of one
+    local step in `out_dir` with W&B off, from its start to its exit, less that round, its evaluation
+    and `cost`'s checkpoint."""
+    point = dataclasses.replace(entry.point, out_dir=out_dir, overrides={
+        **entry.point.overrides, "federation.rounds": 1, "federation.local_steps": 1, "federation.local_epochs": None,
+        "logger.wandb_mode": "disabled"})
+    out_dir.mkdir(parents=True)
+    log = out_dir / "start_up.log"
+    with open(log, "wb") as handle:
+        started = time.perf_counter()
+        process = local.start_run_process(local.fit_command(point, machine), run_environment(machine, 0), handle,
+                                          None if machine.cpu_slots is None else machine.cpu_slots[0])
+        try:
+            status = process.wait()
+        finally:
+            if process.poll() is None:  # interrupted: the run is in a session of its own
+                process.kill()
+                process.wait()
+        seconds = time.perf_counter() - started
+    rows = RunFolder(out_dir).history if status == 0 else []
+    if not rows or not isinstance(rows[0].get("round_seconds"), (int, float)):
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-TAIL_LINES:])
+        raise ConfigError("estimate", "a point whose fit runs a round",
+                          f"[{entry.point.index}] {describe_point(entry.point)} exited {status}:\n{tail}")
+    trained = rows[0]["round_seconds"] + (rows[0].get("eval_seconds") or 0.0)
+    return max(seconds - trained - cost.checkpoint_seconds, 0.0)
 
 
 def _timed_rounds(loop, steps: int, threads: int, once: bool = False) -> Stretch:

@@ -1,4 +1,4 @@
-"""`fl-lightning sweep PLAN --estimate`: the kinds of local step a grid is timed at (the smoke plan's
+"""`fl-lightning sweep PLAN --mode estimate`: the kinds of local step a grid is timed at (the smoke plan's
 two, a method's hyper-parameter values no kind of their own), a method that computes more per step
 priced above FedAvg (by the CPU time of its steps, measured in one process), a point's work per round
 and its checkpoints against a real run of it, the client state of a stateful method at the plan's
@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import warnings
 from pathlib import Path
 
 import pytest
@@ -36,9 +37,10 @@ pytestmark = pytest.mark.usefixtures("in_repository_root")
 
 
 @pytest.fixture(autouse=True)
-def short_timing(monkeypatch):
-    """A tenth of the timed seconds of a kind: what the tests compare does not need more, and the
-    CPU (no GPU visible, on any machine)."""
+def short_timing(monkeypatch, forked_runs):
+    """A tenth of the timed seconds of a kind: what the tests compare does not need more, the CPU (no
+    GPU visible, on any machine), and the `fit` process that times a run's start-up forked (see
+    CONTRIBUTING: a fresh interpreter is most of what a test costs)."""
     monkeypatch.setattr(step_costs, "TIMED_SECONDS", 0.2)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
 
@@ -154,6 +156,16 @@ def test_a_points_work_and_checkpoints_are_those_of_a_real_run_of_it(tmp_path, c
     assert size(row["disk per run"]) == pytest.approx(size(row["checkpoint"]), rel=0.01)
     assert size(row["peak memory"]) > 50 * 2 ** 20  # a process with torch loaded
     assert row["client state"] == "0 B"
+    # The run's wall seconds: its start-up (a `fit` process timed for one round), its 3 rounds, the 3
+    # rounds it evaluates (eval_every 1) and its one checkpoint.
+    start_up = float(re.search(r"^timed the start-up of a run of digits in data \(\[0\], .*\): ([\d.e+-]+) s$", out,
+                               re.M).group(1))
+    besides = re.search(r"^of the runs' wall time, besides their rounds: start-up ([\d.e+-]+) s x 1 runs, .*; "
+                        r"evaluation ([\d.e+-]+) s x 3 evaluations, .*; checkpoint ([\d.e+-]+) s x 1 checkpoints, ",
+                        out, re.M)
+    assert float(besides.group(1)) == start_up > 0
+    assert float(row["s/run"]) == pytest.approx(start_up + 3 * float(row["s/round"]) + 3 * float(besides.group(2))
+                                                + float(besides.group(3)), rel=0.02)
 
 
 @pytest.mark.slow
@@ -190,10 +202,50 @@ def test_on_gpus_a_run_is_priced_in_gpu_hours_of_all_its_gpus(capsys):
     assert float(row["GPU h"]) == pytest.approx(3.6 * 3 * 4 / 3600, rel=0.01)
     assert float(row["CPU s/round"]) == pytest.approx(0.02 * 360 * 4)  # the host's work, on every rank
     assert row["peak GPU memory"] == "1.0 GiB"
-    assert out.splitlines()[-1] == (f"total: 1 runs, {0.02 * 360 * 4 * 3 / 3600:.3g} CPU core-hours, "
+    assert out.splitlines()[-2] == (f"total: 1 runs, {0.02 * 360 * 4 * 3 / 3600:.3g} CPU core-hours, "
                                     f"{3.6 * 3 * 4 / 3600:.3g} GPU hours, {3.6 * 3 / 3600:.3g} h of wall time (1 at a "
                                     "time), 1.0 MiB of checkpoints, peak GPU memory 1.0 GiB per run, and up to 0 B of "
                                     "client state in host memory")
+
+
+def test_a_runs_wall_time_adds_its_start_up_evaluations_and_checkpoints_to_its_rounds(capsys, monkeypatch):
+    # The smoke plan's runs: 3 rounds, each evaluated (eval_every 1), one checkpoint (every 3); 100 client
+    # steps a round of 0.01 s; a start-up of 7 s, an evaluation of 0.5 s and a checkpoint of 0.25 s timed.
+    resolved = resolve_grid(load_plan(SMOKE).grid())
+    monkeypatch.setattr(estimate_module, "units_per_round", lambda *args: 100.0)
+    kinds = {step_costs.kind_of(entry.config): cost(grouped=False, eval_seconds=0.5, checkpoint_seconds=0.25)
+             for entry in resolved}
+    cpus = Resources(accelerator="cpu", devices=1, threads=1, gpu_slots=None)
+    priced = estimate_module._price(resolved, kinds, {"digits in data": 7.0}, cpus)
+    assert {(p.start_up, p.evaluations, p.checkpoints) for p in priced} == {(7.0, 3, 1)}
+    run = 7.0 + 3 * 100 * 0.01 + 3 * 0.5 + 1 * 0.25
+    assert [p.run_seconds for p in priced] == pytest.approx([run] * 12)
+    estimate_module._print_budget(priced, cpus, jobs=2)
+    lines = capsys.readouterr().out.splitlines()
+    assert float(table("\n".join(lines))["FedAvg"]["s/run"]) == pytest.approx(run, rel=0.01)
+    assert f", {12 * run / 2 / 3600:.3g} h of wall time (2 at a time), " in lines[-2]
+    assert lines[-1] == (f"of the runs' wall time, besides their rounds: start-up 7 s x 12 runs, {12 * 7 / 3600:.3g} "
+                         f"h; evaluation 0.5 s x 36 evaluations, {36 * 0.5 / 3600:.3g} h; checkpoint 0.25 s x 12 "
+                         f"checkpoints, {12 * 0.25 / 3600:.3g} h")
+
+
+@pytest.mark.parametrize("every, rounds, evaluated", [(1, 3, 3), (4, 12, 3), (5, 12, 3), (20, 3, 1)])
+def test_a_run_evaluates_every_eval_every_rounds_and_after_the_last(every, rounds, evaluated):
+    # As the Evaluate callback does, counted directly.
+    assert estimate_module.evaluated_rounds(every, rounds) == evaluated == \
+        sum(1 for r in range(1, rounds + 1) if r % every == 0 or r == rounds)
+
+
+def test_the_estimate_says_nothing_of_lightnings_srun_hint(tmp_path, monkeypatch):
+    """Lightning warns wherever an srun binary exists; about `fit` under SLURM, not the estimate."""
+    srun = tmp_path / "srun"
+    srun.write_text("#!/bin/sh\n")
+    srun.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step_costs._fabric(Resources(accelerator="cpu", devices=1, threads=1, gpu_slots=None), "32-true")
+    assert [str(w.message) for w in caught if "srun" in str(w.message)] == []
 
 
 @pytest.mark.parametrize("setting", ["auto", 4])
@@ -250,3 +302,15 @@ def test_ctrl_c_ends_the_estimate_with_the_points_priced_so_far(capsys, monkeypa
     assert err.splitlines() == ["interrupted: 1 of 2 kind(s) timed; not priced: FedAvg + CONST"]
     # FedAvg's tuning runs are priced on a line of their own.
     assert list(table(out)) == ["FedAvg (tuning)", "FedAvg"] and "total: 12 runs, " in out
+    assert re.search(r"^timed in \d+ s; ", out, re.M)
+
+
+def test_ctrl_c_before_any_kind_is_timed_prices_nothing_and_says_so(capsys, monkeypatch):
+    def interrupted(entry, machine, out_dir):
+        raise KeyboardInterrupt  # what Ctrl-C raises here
+
+    monkeypatch.setattr(estimate_module, "time_kind", interrupted)
+    status, out, err = run_sweep(capsys, str(SMOKE), "--mode", "estimate", *ONE_THREAD)
+    assert status == 130
+    assert err.splitlines() == ["interrupted: 0 of 2 kind(s) timed; not priced: FedAvg, FedAvg + CONST"]
+    assert "total:" not in out and "timed in" not in out
