@@ -56,8 +56,9 @@ from fl_lightning.atomic_files import write_text_atomically
 from fl_lightning.configurable import resolve_dotted_path
 from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.plan import Plan, load_plan
-from fl_lightning.experiments.resolve import ResolvedPoint, check_grid, resolve_variant
+from fl_lightning.experiments.resolve import ResolvedPoint, check_grid
 from fl_lightning.experiments.table_sources import setting_label
+from fl_lightning.experiments.tuning import tuned_grid
 from fl_lightning.metric_names import (
     CLIENT_VAL_ACCURACY_MEAN,
     CLIENT_VAL_ACCURACY_MIN,
@@ -160,10 +161,11 @@ class PlanReport:
 
 
 def plan_report(plan: Path, project: Optional[str], runs_root: Path, override: Optional[list[str]]) -> PlanReport:
-    """The plan's grid points resolved as `fit` resolves them (a plan with a point `fit` would refuse, or
-    with overrides that `check_overrides` refuses, is refused) and the project its report shows."""
+    """The plan's own runs, a tuned method's with its setting's choice (or `waiting` for it), resolved as
+    `fit` resolves them (a plan with a point `fit` would refuse, or with overrides that `check_overrides`
+    refuses, is refused), and the project its report shows."""
     loaded = load_plan(plan, runs_root=runs_root, overrides=override)
-    resolved = resolve_variant(loaded)
+    resolved = tuned_grid(loaded).final()
     check_grid(loaded.path, resolved)
     runs = _runs_settings(resolved)
     if project is None:

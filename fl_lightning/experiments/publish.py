@@ -92,7 +92,7 @@ def publish(
     if offline_runs:
         print(f"to send the runs published offline to W&B:\n  wandb sync {shlex.join(offline_runs)}")
     return create_plan_report(report, ["fl-lightning", "publish", str(plan)], entity=None, title=title, band=band,
-                              offline=mode == "offline", out=out)
+                              offline=offline, out=out)
 
 
 def publish_run(entry: ResolvedPoint, mode: Literal["online", "offline"], partial: bool) -> tuple[str, Path] | str:

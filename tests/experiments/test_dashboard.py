@@ -146,7 +146,7 @@ def test_a_plan_with_a_validation_split_and_per_client_evaluation_gets_their_pan
     # One method with the split, one without: the bars say both ways their runs' best was selected.
     methods = {"FedAvg": [*plan["methods"]["FedAvg"], split], "FedAvg + CONST": plan["methods"]["FedAvg + CONST"]}
     without_split = [part for part in plan["configs"] if part != {"data.validation": 0.2}]
-    spec = dashboard(write_plan(tmp_path, configs=without_split, methods=methods), offline=True,
+    spec = dashboard(write_plan(tmp_path, configs=without_split, methods=methods, tune=None), offline=True,
                      out=tmp_path / "spec.json")
     assert spec["best"]["selected_on"] == ["val_accuracy", "test_accuracy"]
     assert spec["sections"][0]["panels"][-1]["title"] == ("best_test_accuracy (at the best val_accuracy or selected "
@@ -301,12 +301,9 @@ def test_a_title_longer_than_wandb_takes_is_refused():
 def test_the_note_tells_what_each_run_logged_as_its_folder_records_it(tmp_path, capsys):
     """A run trained with W&B offline (by hand, or WANDB_MODE=offline) is no run without W&B, whatever the
     plan's settings say: its config.yaml records the mode it logged with."""
-    path = write_plan(tmp_path, methods={"FedAvg": ["configs/algorithms/fedavg.yaml"]}, seeds=[0],
+    path = write_plan(tmp_path, methods={"FedAvg": ["configs/algorithms/fedavg.yaml"]}, seeds=[0], tune=None,
                       settings={"alpha": {"0.5": [{"data.alpha": 0.5}]}}, configs=[
                           *yaml.safe_load((REPOSITORY / SMOKE).read_text())["configs"], {"federation.rounds": 1}])
-    plan_data = yaml.safe_load(path.read_text())
-    del plan_data["tune"]
-    path.write_text(yaml.safe_dump(plan_data))
     (point,) = load_plan(path, runs_root=tmp_path / "runs").grid()
     dashboard(path, offline=True, runs_root=tmp_path / "runs")
     assert ("note: W&B lacks 1 of the plan's 1 runs (1 not run yet, with logger.wandb_mode disabled); "
