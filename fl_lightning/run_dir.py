@@ -53,6 +53,15 @@ RETIRED_SETTINGS = (
 # runs resume and keep their default folders.
 ADDED_SETTINGS = {"data.validation": None, "data.per_client_eval": False}
 
+# Classes renamed after runs were recorded: the class path a run records now -> the one runs recorded
+# before (which still resolves, to the same class). Both name one experiment: the digest (a default run
+# folder, a W&B group) and the comparison of a resume or a sweep read a class path as first recorded.
+RENAMED_CLASS_PATHS = {
+    "fl_lightning.algorithms.fedavg_client_momentum.FedAvgClientMomentum":
+        "fl_lightning.algorithms.fedavg_m.FedAvgMomentum",
+    "fl_lightning.algorithms.fedavg_server_momentum.FedAvgServerMomentum": "fl_lightning.algorithms.fedavgm.FedAvgM",
+}
+
 
 def flatten(config: dict, prefix: str = "") -> dict[str, object]:
     """{"a": {"b": 1}} -> {"a.b": 1}; lists stay values."""
@@ -70,8 +79,14 @@ def is_safe_to_change(name: str) -> bool:
     return any(name == safe or (safe.endswith(".") and name.startswith(safe)) for safe in SAFE_TO_CHANGE)
 
 
+def as_first_recorded(flat: dict[str, object]) -> dict[str, object]:
+    """Flat settings with each class path of a renamed class as runs first recorded it."""
+    return {name: RENAMED_CLASS_PATHS.get(value, value) if name.endswith("class_path") and isinstance(value, str)
+            else value for name, value in flat.items()}
+
+
 def defining_settings(config: dict) -> dict[str, object]:
-    return {name: value for name, value in flatten(config).items() if not is_safe_to_change(name)}
+    return {name: value for name, value in as_first_recorded(flatten(config)).items() if not is_safe_to_change(name)}
 
 
 def experiment_digest(config: dict) -> str:
@@ -95,8 +110,9 @@ def default_out_dir(config: dict, name: str) -> Path:
 def changed_settings(recorded: dict, requested: dict) -> dict[str, tuple[object, object]]:
     """name -> (recorded, requested) for every dotted setting that differs (a retired setting that was
     recorded does not, nor an added setting that was not recorded, at its value then)."""
-    new = flatten(requested)
-    old = {**{name: value for name, value in ADDED_SETTINGS.items() if name in new}, **flatten(recorded)}
+    new = as_first_recorded(flatten(requested))
+    old = {**{name: value for name, value in ADDED_SETTINGS.items() if name in new},
+           **as_first_recorded(flatten(recorded))}
     return {name: change for name, change in differences(old, new).items() if name not in RETIRED_SETTINGS}
 
 

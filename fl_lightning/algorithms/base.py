@@ -23,6 +23,8 @@ from fl_lightning.server_optimizers import ServerOptimizer, ServerState
 
 PSEUDO_GRADIENT = "pseudo_gradient"
 SHORT_NAMES: dict[str, type["Algorithm"]] = {}
+FORMER_NAMES: dict[str, type["Algorithm"]] = {}
+"""The short names and class names that renamed classes went by (`Algorithm.former_names`)."""
 
 
 class Algorithm(FrozenConfigurable):
@@ -37,6 +39,11 @@ class Algorithm(FrozenConfigurable):
     short_name: ClassVar[str] = ""
     """The name `--algorithm` accepts on the command line (e.g. fedavg), and that its runs go by; a
     class's own: a subclass without one of its own is neither (a variant of FedAvg is not FedAvg)."""
+    former_names: ClassVar[tuple[str, ...]] = ()
+    """The short name and class name a renamed class went by (a class's own, as `short_name`): still
+    accepted wherever a short name or class name is, and its former short name is still what its runs
+    are named by (`method_name`), so that the runs made before and after the rename share their run
+    folders, W&B groups and rows. Its former module stays, so its former class path resolves too."""
     trains_locally: ClassVar[bool] = True
     """Whether clients run local SGD (so a constraint such as CONST applies to them)."""
     default_weighting: ClassVar[Weighting] = "num_samples"
@@ -49,11 +56,14 @@ class Algorithm(FrozenConfigurable):
         super().__init_subclass__(**kwargs)
         if cls.__dict__.get("short_name"):
             SHORT_NAMES[cls.short_name] = cls
+        FORMER_NAMES.update(dict.fromkeys(cls.__dict__.get("former_names", ()), cls))
 
     @classmethod
     def method_name(cls) -> str:
-        """What the runs of this class are named and grouped by: its own short name, else its class name."""
-        return cls.__dict__.get("short_name") or cls.__name__
+        """What the runs of this class are named and grouped by: its own short name (the one it went by
+        first, if it was renamed), else its class name."""
+        former = cls.__dict__.get("former_names")
+        return former[0] if former else cls.__dict__.get("short_name") or cls.__name__
 
     def prepare_model(self, network: nn.Module) -> nn.Module:
         """Adapt the freshly initialised network before training (e.g. MOON adds a projection

@@ -1,37 +1,6 @@
-"""FedAvgM (Hsu et al. 2019): FedAvg with server momentum, m <- beta m + sum_i p_i (x - y_i),
-x <- x - gamma m.
+"""Where FedAvgM (server-side momentum) lived before it was named `FedAvgServerMomentum`: the configs,
+checkpoints and run folders written before then name it `fl_lightning.algorithms.fedavgm.FedAvgM`."""
 
-The momentum is the server optimizer's (ServerSGD); FedAvgM only fixes it, so the configured
-`server_optimizer` must be a ServerSGD without momentum of its own and supplies gamma (its lr).
-"""
+from fl_lightning.algorithms.fedavg_server_momentum import FedAvgServerMomentum as FedAvgM
 
-from __future__ import annotations
-
-from fl_lightning.algorithms.fedavg import FedAvg
-from fl_lightning.errors import ConfigError
-from fl_lightning.server_optimizers import ServerOptimizer, ServerSGD
-
-
-class FedAvgM(FedAvg):
-    short_name = "fedavgm"
-
-    def __init__(self, server_momentum: float = 0.9):
-        """
-        Args:
-            server_momentum: beta of the server's heavy-ball momentum, in [0, 1).
-        """
-        if not 0 <= server_momentum < 1:
-            raise ConfigError("algorithm.init_args.server_momentum", "a value in [0, 1)", server_momentum)
-        self.server_momentum = server_momentum
-
-    def server_optimizer_for(self, server_optimizer: ServerOptimizer) -> ServerOptimizer:
-        if not isinstance(server_optimizer, ServerSGD):
-            raise ConfigError("server_optimizer", "ServerSGD with FedAvgM (its momentum is FedAvgM's)",
-                              type(server_optimizer).__name__)
-        if server_optimizer.momentum:
-            raise ConfigError("server_optimizer.momentum",
-                              "0 with FedAvgM, which sets it from algorithm.init_args.server_momentum",
-                              server_optimizer.momentum)
-        # A fresh optimizer rather than the configured one changed in place: the configured object
-        # stays as the config file records it.
-        return ServerSGD(lr=server_optimizer.lr, momentum=self.server_momentum)
+__all__ = ["FedAvgM"]

@@ -8,10 +8,10 @@ reuses it and differs only in its name and default weight.
 
 from __future__ import annotations
 
-from fl_lightning.algorithms.fedavg_m import FedAvgMomentum, check_gradient_weight
+from fl_lightning.algorithms.fedavg_client_momentum import FedAvgClientMomentum, check_gradient_weight
 
 
-class FedCM(FedAvgMomentum):
+class FedCM(FedAvgClientMomentum):
     short_name = "fedcm"
 
     def __init__(self, alpha: float = 0.1):

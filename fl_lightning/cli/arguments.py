@@ -15,7 +15,7 @@ from typing import Callable, Mapping, Optional
 import yaml
 from jsonargparse import get_loader, set_loader
 
-from fl_lightning.algorithms import SHORT_NAMES, Algorithm
+from fl_lightning.algorithms import FORMER_NAMES, SHORT_NAMES, Algorithm
 from fl_lightning.cli.messages import class_in, describe_type
 from fl_lightning.configurable import class_path_of, init_parameters, resolve_dotted_path, subclasses, why_unresolved
 from fl_lightning.errors import ConfigError
@@ -44,8 +44,8 @@ def expand_short_names(argv: list[str]) -> list[str]:
         cls = algorithm_class(value) if option == "--algorithm" else None
         if cls is not None:
             value = f"{{class_path: {class_path_of(cls)}}}"
-        elif value in SHORT_NAMES:
-            value = class_path_of(SHORT_NAMES[value])
+        elif (named := SHORT_NAMES.get(value) or FORMER_NAMES.get(value)) is not None:
+            value = class_path_of(named)
         else:
             continue
         expanded[position] = f"{option}={value}" if equals else value
@@ -128,13 +128,13 @@ def _named_class(spec):
 
 
 def algorithm_class(name) -> Optional[type]:
-    """The Algorithm subclass that `name` (short name, class name or class path) names; None when it
-    names none, or a class path that does not resolve: jsonargparse then refuses it, and
-    `explain_parse_error` names the cause."""
+    """The Algorithm subclass that `name` (short name, class name or class path, or a former short name
+    or class name of a renamed class) names; None when it names none, or a class path that does not
+    resolve: jsonargparse then refuses it, and `explain_parse_error` names the cause."""
     if not isinstance(name, str):
         return None
-    if name in SHORT_NAMES:
-        return SHORT_NAMES[name]
+    if (named := SHORT_NAMES.get(name) or FORMER_NAMES.get(name)) is not None:
+        return named
     same_name = [cls for cls in subclasses(Algorithm) if cls.__name__ == name]
     if len(same_name) == 1:
         return same_name[0]

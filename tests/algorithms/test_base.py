@@ -1,27 +1,34 @@
-"""What every algorithm shares: its short name registered, its hyper-parameters checked as config errors
-naming the field and frozen once built (a run's state is the run's), and a stateful method's per-client
-state (SCAFFOLD, FedDyn, MOON) kept across ranks and resumes."""
+"""What every algorithm shares: its short name registered (and a renamed one's former names still
+answered to), its hyper-parameters checked as config errors naming the field and frozen once built (a
+run's state is the run's), and a stateful method's per-client state (SCAFFOLD, FedDyn, MOON) kept
+across ranks and resumes."""
 
 import pickle
 
 import processes
 import pytest
 import torch
+from paths import QUICKSTART
 from reference import PROJECTION, moon_setup, returning, sampled, small_setup
 
 from fl_lightning.algorithms import SHORT_NAMES
-from fl_lightning.algorithms.fedavg_m import FedAvgMomentum
-from fl_lightning.algorithms.fedavgm import FedAvgM
+from fl_lightning.algorithms.fedavg_client_momentum import FedAvgClientMomentum
+from fl_lightning.algorithms.fedavg_server_momentum import FedAvgServerMomentum
 from fl_lightning.algorithms.fedcm import FedCM
 from fl_lightning.algorithms.feddyn import FedDyn
 from fl_lightning.algorithms.fedprox import FedProx
 from fl_lightning.algorithms.fedsam import FedSAM
 from fl_lightning.algorithms.moon import MOON
 from fl_lightning.algorithms.scaffold import SCAFFOLD
-from fl_lightning.config import ClientOptimizerArgs, FabricArgs, ModelArgs
+from fl_lightning.cli.parser import parse_command_line
+from fl_lightning.commands.main import command_parser
+from fl_lightning.config import ClientOptimizerArgs, FabricArgs, FederationArgs, ModelArgs
+from fl_lightning.configurable import class_path_of, resolve_dotted_path
 from fl_lightning.constraints import CONST
 from fl_lightning.errors import ConfigError
-from fl_lightning.fit import fit
+from fl_lightning.federation.setup import RunSettings
+from fl_lightning.fit import fit, fit_config
+from fl_lightning.run_dir import check_same_experiment, experiment_digest
 from fl_lightning.server_optimizers import FedAdam, ServerSGD
 
 STATEFUL = {
@@ -68,18 +75,52 @@ def test_resume_from_mid_run_checkpoint_reproduces_the_uninterrupted_run(cifar_r
     torch.testing.assert_close(resumed, uninterrupted, rtol=0, atol=0)
 
 
+RENAMED = [(FedAvgClientMomentum, "fedavg_m", "FedAvgMomentum", "fl_lightning.algorithms.fedavg_m.FedAvgMomentum"),
+           (FedAvgServerMomentum, "fedavgm", "FedAvgM", "fl_lightning.algorithms.fedavgm.FedAvgM")]
+RENAMED_IDS = ["FedAvgClientMomentum", "FedAvgServerMomentum"]
+
+
+@pytest.mark.parametrize("cls, short_name, class_name, class_path", RENAMED, ids=RENAMED_IDS)
+def test_a_renamed_algorithm_answers_to_its_former_names(cls, short_name, class_name, class_path, tmp_path):
+    config = tmp_path / "algorithm.yaml"
+    config.write_text(f"algorithm:\n  class_path: {short_name}\n")
+    parser = command_parser()
+    for line in (["--algorithm", short_name], ["--algorithm", class_name], ["--algorithm", class_path],
+                 ["--config", str(config)]):
+        parsed = parser.instantiate(parse_command_line(["fit", "--config", QUICKSTART, *line], parser))
+        assert type(parsed.fit.algorithm) is cls, line
+    assert resolve_dotted_path(class_path) is cls
+
+
+@pytest.mark.parametrize("cls, short_name, class_name, class_path", RENAMED, ids=RENAMED_IDS)
+def test_runs_recorded_under_a_former_class_path_stay_the_same_experiment_in_the_same_folder(
+        cls, short_name, class_name, class_path, tmp_path):
+    """A run records the class's own path now; one recorded before the rename is the same experiment to a
+    resume and to a sweep's check of its folder, and a run's default folder, named by the former short
+    name and the digest, is the one it had."""
+    settings = RunSettings(cls(), federation=FederationArgs(local_steps=2))
+    checked = fit_config(settings, out_dir=None, resume="auto", overwrite=False)
+    assert checked.config["algorithm"]["class_path"] == class_path_of(cls)
+    recorded = {**checked.config, "algorithm": {**checked.config["algorithm"], "class_path": class_path}}
+    check_same_experiment(recorded, checked.config, "config.yaml", tmp_path)  # raises DifferentExperiment
+    data, model = settings.data.name, settings.model.name
+    assert checked.out_dir.name == f"{short_name}-{data}-{model}-seed0-{experiment_digest(recorded)}"
+    assert cls.method_name() == checked.method == short_name
+
+
 def test_all_baselines_register_their_short_names():
-    assert {"fedavgm": FedAvgM, "fedavg_m": FedAvgMomentum, "fedcm": FedCM, "fedprox": FedProx,
-            "fedsam": FedSAM, "scaffold": SCAFFOLD, "feddyn": FedDyn, "moon": MOON}.items() <= SHORT_NAMES.items()
+    assert {"fedavg_server_momentum": FedAvgServerMomentum, "fedavg_client_momentum": FedAvgClientMomentum,
+            "fedcm": FedCM, "fedprox": FedProx, "fedsam": FedSAM, "scaffold": SCAFFOLD, "feddyn": FedDyn,
+            "moon": MOON}.items() <= SHORT_NAMES.items()
 
 
 @pytest.mark.parametrize("make, field", [
     (lambda: FedProx(mu=-0.1), "algorithm.init_args.mu"),
     (lambda: FedSAM(rho=-0.1), "algorithm.init_args.rho"),
-    (lambda: FedAvgM(server_momentum=1.0), "algorithm.init_args.server_momentum"),
-    (lambda: FedAvgM(server_momentum=-0.1), "algorithm.init_args.server_momentum"),
-    (lambda: FedAvgMomentum(beta=0.0), "algorithm.init_args.beta"),
-    (lambda: FedAvgMomentum(beta=1.5), "algorithm.init_args.beta"),
+    (lambda: FedAvgServerMomentum(server_momentum=1.0), "algorithm.init_args.server_momentum"),
+    (lambda: FedAvgServerMomentum(server_momentum=-0.1), "algorithm.init_args.server_momentum"),
+    (lambda: FedAvgClientMomentum(beta=0.0), "algorithm.init_args.beta"),
+    (lambda: FedAvgClientMomentum(beta=1.5), "algorithm.init_args.beta"),
     (lambda: FedCM(alpha=0.0), "algorithm.init_args.alpha"),
     (lambda: FedCM(alpha=-0.2), "algorithm.init_args.alpha"),
     (lambda: FedDyn(alpha=0.0), "algorithm.init_args.alpha"),
@@ -121,8 +162,8 @@ def test_configured_objects_serve_two_fits_in_one_process_and_keep_nothing_of_ei
     assert torch.equal(first, fresh) and torch.equal(second, fresh)
 
 
-@pytest.mark.parametrize("make", [SCAFFOLD, FedAvgM, lambda: MOON(projection_dim=PROJECTION), ServerSGD, FedAdam],
-                         ids=["SCAFFOLD", "FedAvgM", "MOON", "ServerSGD", "FedAdam"])
+@pytest.mark.parametrize("make", [SCAFFOLD, FedAvgServerMomentum, lambda: MOON(projection_dim=PROJECTION), ServerSGD,
+                                  FedAdam], ids=["SCAFFOLD", "FedAvgServerMomentum", "MOON", "ServerSGD", "FedAdam"])
 def test_algorithms_and_server_optimizers_are_frozen_once_built(make):
     """Hyper-parameters only: no attribute is written or removed after construction, also after the
     pickling that hands them to spawned ranks."""

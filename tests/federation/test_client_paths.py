@@ -22,8 +22,8 @@ from fl_lightning.algorithms import (
     MOON,
     SCAFFOLD,
     FedAvg,
-    FedAvgM,
-    FedAvgMomentum,
+    FedAvgClientMomentum,
+    FedAvgServerMomentum,
     FedCM,
     FedDyn,
     FedProx,
@@ -68,7 +68,8 @@ class SmallConvNet(FeatureClassifier):
 
 
 ALGORITHMS = {
-    "fedavg": FedAvg, "fedavgm": FedAvgM, "fedavg_m": FedAvgMomentum, "fedcm": FedCM, "scaffold": SCAFFOLD,
+    "fedavg": FedAvg, "fedavg_server_momentum": FedAvgServerMomentum, "fedavg_client_momentum": FedAvgClientMomentum,
+    "fedcm": FedCM, "scaffold": SCAFFOLD,
     "scaffold_effective_steps": lambda: SCAFFOLD(effective_steps=True),
     "fedprox": lambda: FedProx(mu=0.1), "feddyn": lambda: FedDyn(alpha=0.1), "fedsam": lambda: FedSAM(rho=0.05),
     "moon": lambda: MOON(mu=1.0, projection_dim=6), "ctpfl": lambda: CTPFL(span=0.2, weight_decay=1e-3, clip_norm=5.0),

@@ -26,7 +26,8 @@ from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.plan import load_plan
 from fl_lightning.experiments.resolve import fit_parser
 
-LOCAL_UPDATE = ("fedavg", "fedavgm", "fedavg_m", "fedcm", "scaffold", "fedprox", "feddyn", "moon", "fedsam")
+LOCAL_UPDATE = ("fedavg", "fedavg_server_momentum", "fedavg_client_momentum", "fedcm", "scaffold", "fedprox", "feddyn",
+                "moon", "fedsam")
 FEDCONST_TABLE_1 = ("fedavg", "fedprox", "moon", "scaffold", "feddyn", "fedsam")
 
 # setting -> (algorithm, its CONST preset or None) pairs shipped with it.

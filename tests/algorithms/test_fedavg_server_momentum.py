@@ -1,21 +1,21 @@
-"""FedAvgM against a direct reference computation: server momentum on the aggregated update, kept across a
-resume, and the server optimizers it cannot own refused."""
+"""FedAvgM (server-side momentum) against a direct reference computation: server momentum on the aggregated
+update, kept across a resume, and the server optimizers it cannot own refused."""
 
 import pytest
 import torch
 from reference import LR, LinearProblem, assert_close, local_sgd, sample_weights, sampled, small_setup
 
-from fl_lightning.algorithms.fedavgm import FedAvgM
+from fl_lightning.algorithms.fedavg_server_momentum import FedAvgServerMomentum
 from fl_lightning.config import ClientOptimizerArgs
 from fl_lightning.errors import ConfigError
 from fl_lightning.fit import fit
 from fl_lightning.server_optimizers import FedAdam, ServerSGD
 
 
-def test_fedavgm_matches_server_momentum_reference(cifar_root, tmp_path):
+def test_fedavg_server_momentum_matches_server_momentum_reference(cifar_root, tmp_path):
     setup = small_setup(cifar_root, tmp_path, rounds=4)
     beta, gamma = 0.7, 0.8
-    final = fit(algorithm=FedAvgM(server_momentum=beta), client_optimizer=ClientOptimizerArgs(lr=LR),
+    final = fit(algorithm=FedAvgServerMomentum(server_momentum=beta), client_optimizer=ClientOptimizerArgs(lr=LR),
                 server_optimizer=ServerSGD(lr=gamma), **setup)
 
     problem = LinearProblem(cifar_root, tmp_path)
@@ -31,12 +31,12 @@ def test_fedavgm_matches_server_momentum_reference(cifar_root, tmp_path):
     assert_close(final, x)
 
 
-def test_fedavgm_resumes_its_server_momentum(cifar_root, tmp_path):
+def test_fedavg_server_momentum_resumes_its_server_momentum(cifar_root, tmp_path):
     """FedAvgM builds its own server optimizer; its momentum must still reach the checkpoint."""
     def run(out_dir, rounds, resume):
         setup = small_setup(cifar_root, out_dir, rounds=rounds, local_epochs=1)
         setup["resume"] = resume
-        return fit(algorithm=FedAvgM(server_momentum=0.9), client_optimizer=ClientOptimizerArgs(lr=LR),
+        return fit(algorithm=FedAvgServerMomentum(server_momentum=0.9), client_optimizer=ClientOptimizerArgs(lr=LR),
                    server_optimizer=ServerSGD(lr=0.5), **setup)
 
     run(tmp_path / "interrupted", 2, None)
@@ -48,7 +48,7 @@ def test_fedavgm_resumes_its_server_momentum(cifar_root, tmp_path):
     (ServerSGD(lr=0.5, momentum=0.5), "server_optimizer.momentum"),
     (FedAdam(), "server_optimizer"),
 ])
-def test_fedavgm_refuses_a_server_optimizer_it_cannot_own(server_optimizer, field):
+def test_fedavg_server_momentum_refuses_a_server_optimizer_it_cannot_own(server_optimizer, field):
     with pytest.raises(ConfigError) as error:
-        FedAvgM().server_optimizer_for(server_optimizer)
+        FedAvgServerMomentum().server_optimizer_for(server_optimizer)
     assert error.value.field_name == field
