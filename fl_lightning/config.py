@@ -256,7 +256,8 @@ class LoggerArgs:
     """Weights & Biases logging (rank 0), beside the local metrics.jsonl that is always written."""
 
     wandb_mode: Literal["online", "offline", "disabled"] = "disabled"
-    """W&B mode: online, offline (sync later with `wandb sync`) or disabled (no W&B at all)."""
+    """W&B mode: online, offline (sync later with `wandb sync`) or disabled (no W&B at all; `fl-lightning
+    publish PLAN` sends a plan's finished runs later). WANDB_MODE, when set, takes its place."""
     project: str = "fl-lightning"
     """W&B project the run is logged to."""
     group: Optional[str] = None
