@@ -101,3 +101,12 @@ def test_leftover_temporary_files_are_removed(run_copy):
     leftover.write_bytes(b"half a checkpoint")
     fit(run_copy)
     assert not leftover.exists()
+
+
+def test_the_servers_state_is_saved_in_the_layout_of_the_checkpoints_runs_resume_from(tmp_path):
+    """A checkpoint's `algorithm` entry holds the algorithm's server tensors and the server optimizer's
+    state under the names every checkpoint has had, so that runs saved before resume as they did."""
+    fit(tmp_path, "--algorithm", "scaffold", "--server_optimizer", "fl_lightning.server_optimizers.FedAdam")
+    saved = load_checkpoint(checkpoint_dir(tmp_path) / "last.ckpt")["algorithm"]
+    assert {entry: set(tensors) for entry, tensors in saved.items()} == {
+        "server_state": {"control"}, "server_optimizer": {"first_moment", "second_moment"}}
