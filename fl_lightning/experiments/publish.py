@@ -106,12 +106,13 @@ def publish_run(entry: ResolvedPoint, mode: Literal["online", "offline"], partia
     state = _newest_checkpoint(folder)
     if state is None:
         return "without a checkpoint yet"
-    if not (partial or run_is_over(state, entry.rounds)):
+    finished = run_is_over(state, entry.rounds)
+    if not (partial or finished):
         return "under way (--partial publishes them)"
     history = [*state["metrics"], *[row for row in folder.history if row["round"] > state["round"]]]
     project = folder.config["logger"]["project"]
     identity = wandb_identity(folder.config, folder.method, state["run_id"])
-    if not history or is_published(folder.path, mode, identity.run_id, project, history[-1]["round"]):
+    if is_published(folder.path, mode, identity.run_id, project, history[-1]["round"]):
         return "published before"
     run = WandbRun(LoggerArgs(wandb_mode=mode, project=project), folder.path, identity)
     run.start(folder.config)
@@ -119,7 +120,7 @@ def publish_run(entry: ResolvedPoint, mode: Literal["online", "offline"], partia
     run.replay(history)
     if run.mode is None:  # W&B failed, and said so
         return "failed in W&B"
-    run.finish(history)
+    run.finish(history if finished else [])  # the summary's final and best are a finished run's
     record_published(folder.path, published_mode, identity.run_id, project, history[-1]["round"])
     print(f"published {folder.path} (rounds 1-{history[-1]['round']}) as W&B run {identity.name} "
           f"({identity.run_id}, project {project}, {published_mode})")

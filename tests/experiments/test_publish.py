@@ -114,11 +114,13 @@ def test_a_run_under_way_is_published_with_partial_and_again_once_it_has_finishe
     publish(plan_copy, "--offline", "--partial")
     (partial,) = run_files(point.out_dir)
     assert [row["_step"] for row in history_rows(partial)] == [1]
+    assert "final_test_accuracy" not in summary(partial)  # a run under way has no final accuracy yet
     main(point.fit_arguments())
     publish(plan_copy, "--offline")
     (finished,) = set(run_files(point.out_dir)) - {partial}
     assert [row["_step"] for row in history_rows(finished)] == [1, 2]  # the newest offline run holds every round
     assert run_record(finished).run_id == run_record(partial).run_id
+    assert summary(finished)["final_test_accuracy"] == read_metrics(point.out_dir)[-1]["test_accuracy"]
 
 
 def test_wandb_mode_offline_publishes_offline_and_disabled_is_refused(plan_copy, capsys, monkeypatch,
