@@ -215,8 +215,8 @@ def check_tuned_settings(plan: Plan, tuning: list[ResolvedPoint]) -> None:
         if entry.config is not None and entry.point.seed == plan.tune.seeds[0]:
             cells.setdefault(entry.point.cell, []).append(entry)
     for (setting, method), entries in cells.items():
-        for key, values in plan.tune.methods[method].items():
-            if len({repr(value) for value in values}) < 2:
+        for key in plan.tune.methods[method]:
+            if len({repr(entry.point.tuned[key]) for entry in entries}) < 2:  # one value, or the others refused
                 continue
             read = [{group: part for group, part in entry.config.items() if group not in entry.unused}
                     for entry in entries]

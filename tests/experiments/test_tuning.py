@@ -366,6 +366,10 @@ def test_a_tuned_setting_the_method_does_not_read_is_refused_before_anything_tra
                       methods=methods)
     status, out, err = run_sweep(capsys, str(plan), "--runs_root", str(tmp_path / "runs"), "--list")
     assert status == 0, err
+    # A candidate that fit refuses is named as a refused point, not taken for a setting that reaches no run.
+    plan = write_plan(tmp_path / "plan.yaml", {"methods": {"FedAvg": {"client_optimizer.lr": [-1.0, 0.2]}}})
+    status, out, err = run_sweep(capsys, str(plan), "--runs_root", str(tmp_path / "runs"), "--dry_run")
+    assert status == 2 and err.startswith("error: plan: expected grid points whose settings fit accepts"), err
 
 
 # --- a stage cut short: cancelled on SLURM, chosen from every candidate or from the finished --------
