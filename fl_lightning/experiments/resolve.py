@@ -81,7 +81,8 @@ class GridResolver:
             arguments = self._parser.instantiate(settings).fit
             arguments.pop("config", None)
             checked = fit_config_of(arguments)
-            return ResolvedPoint(point, checked.config, settings, unused=unused_settings(type(checked.settings.algorithm)))
+            unused = unused_settings(type(checked.settings.algorithm))
+            return ResolvedPoint(point, checked.config, settings, unused=unused)
         except ConfigError as err:
             return ResolvedPoint(point, None, error=err)
 
