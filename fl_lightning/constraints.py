@@ -7,7 +7,7 @@ from typing import Callable, Literal, Optional, get_args
 import torch
 from torch import nn
 
-from fl_lightning.configurable import Configurable
+from fl_lightning.configurable import FrozenConfigurable
 from fl_lightning.errors import ConfigError
 from fl_lightning.flat import FlatLayout
 
@@ -22,8 +22,9 @@ Map = Callable[[torch.Tensor], torch.Tensor]
 FIELD = "constraint.init_args."
 
 
-class Constraint(Configurable):
-    """A linear constraint set on the local model, fixed by the global model of the round."""
+class Constraint(FrozenConfigurable):
+    """A linear constraint set on the local model, fixed by the global model of the round; hyper-parameters
+    only (frozen once built), as an algorithm is."""
 
     def prepare_model(self, network: nn.Module) -> None:
         """Check that the model suits the constraint and make the initial global model feasible."""

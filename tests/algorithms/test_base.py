@@ -163,8 +163,9 @@ def test_configured_objects_serve_two_fits_in_one_process_and_keep_nothing_of_ei
 
 
 @pytest.mark.parametrize("make", [SCAFFOLD, FedAvgServerMomentum, lambda: MOON(projection_dim=PROJECTION), ServerSGD,
-                                  FedAdam], ids=["SCAFFOLD", "FedAvgServerMomentum", "MOON", "ServerSGD", "FedAdam"])
-def test_algorithms_and_server_optimizers_are_frozen_once_built(make):
+                                  FedAdam, CONST],
+                         ids=["SCAFFOLD", "FedAvgServerMomentum", "MOON", "ServerSGD", "FedAdam", "CONST"])
+def test_algorithms_server_optimizers_and_constraints_are_frozen_once_built(make):
     """Hyper-parameters only: no attribute is written or removed after construction, also after the
     pickling that hands them to spawned ranks."""
     for configured in (make(), pickle.loads(pickle.dumps(make()))):
