@@ -27,11 +27,11 @@ import time
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import IO, Optional
+from typing import IO, Optional, Sequence
 
 from fl_lightning.experiments.machine import Resources, SweepOptions, plan_resources
 from fl_lightning.experiments.plan import GridPoint
-from fl_lightning.experiments.progress import ProgressLines
+from fl_lightning.experiments.progress import ProgressLines, RunLeft
 from fl_lightning.experiments.resolve import ResolvedPoint, describe_point
 from fl_lightning.experiments.runs import RunFolder, RunState
 from fl_lightning.run_dir import FolderInUse, RunDirLock
@@ -167,8 +167,9 @@ class Outcome:
 
 
 def run_locally(resolved: list[ResolvedPoint], states: dict[int, RunState], options: SweepOptions,
-                on_terminal: bool) -> Outcome:
-    """Run the unfinished points, `jobs` at a time."""
+                on_terminal: bool, then: Sequence[ResolvedPoint] = ()) -> Outcome:
+    """Run the unfinished points, `jobs` at a time (`then`: the runs of the sweep's next stage, which its
+    progress lines count in the time left)."""
     jobs = options.jobs or 1
     resources = plan_resources(jobs, options.gpus_per_run, options.threads_per_run)
     points = [entry.point for entry in resolved]
@@ -193,8 +194,9 @@ def run_locally(resolved: list[ResolvedPoint], states: dict[int, RunState], opti
         return Outcome(0, [], [])
     rounds = {entry.point.index: entry.rounds for entry in resolved}
     # A run in the foreground shows its own rounds.
+    later = [RunLeft(entry.point.method, entry.rounds, None, starting=True) for entry in then]
     progress = None if on_terminal else ProgressLines(rounds, {i: state.round or 0 for i, state in states.items()},
-                                                      jobs, total=len(points))
+                                                      jobs, total=len(points), then=later)
     loop = _Loop(to_run, rounds, len(skipped), resources, jobs, on_terminal, progress)
     return Outcome(loop.run(), loop.failed, loop.elsewhere, interrupted=bool(loop.stop.signals))
 

@@ -17,7 +17,7 @@ import math
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from fl_lightning.experiments.plan import GridPoint
 from fl_lightning.experiments.runs import Pace, RunFolder
@@ -78,10 +78,12 @@ class ProgressLines:
     between its `jobs`)."""
 
     def __init__(self, rounds: dict[int, int], start_rounds: dict[int, int], jobs: int, total: int,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, then: Sequence[RunLeft] = ()):
         self.rounds = rounds
         self.start_rounds = start_rounds
         """Index -> the round a run starts from (its checkpoint's)."""
+        self.then = list(then)
+        """The runs of the sweep's next stage (the plan's own runs after its tuning stage), in its time left."""
         self.jobs, self.total, self.clock = jobs, total, clock
         self.paces: dict[int, Pace] = {}
         self.methods: dict[int, str] = {}
@@ -122,10 +124,15 @@ class ProgressLines:
         done = [RunLeft(self.methods[index], 0, pace.seconds_per_round) for index, pace in self.paces.items()
                 if index not in to_train]
         besides = statistics.fmean(self.besides_rounds.values()) if self.besides_rounds else 0.0
-        total = seconds_left([*done, *(self._run_left(point) for point in [*running, *pending])], besides)
+        left = [*done, *(self._run_left(point) for point in [*running, *pending]), *self.then]
+        total = seconds_left(left, besides)
+        notes = [*([f"with the {len(self.then)} run(s) of its next stage"] if self.then else []),
+                 *(["their rounds alone until a run has finished"]
+                   if total is not None and not self.besides_rounds and any(run.starting for run in left) else [])]
         return (f"progress: {finished}/{self.total} runs finished" + (f", {failed} failed" if failed else "")
                 + (f"; running {', '.join(shown)}" if shown else "")
-                + f"; the sweep: {duration(None if total is None else total / self.jobs)} left")
+                + f"; the sweep: {duration(None if total is None else total / self.jobs)} left"
+                + (f" ({'; '.join(notes)})" if notes else ""))
 
     def run_ended(self, point: GridPoint, seconds: float) -> None:
         """The sweep's run of `point` finished, `seconds` after its process started: what it took besides

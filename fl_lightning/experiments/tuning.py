@@ -379,6 +379,12 @@ class TunedGrid:
         return list(dict.fromkeys(setting for setting, _ in self.cells()))
 
 
+def _unfinished(resolved: list[ResolvedPoint]) -> list[ResolvedPoint]:
+    """The plan's own runs still to train after the tuning stage (its progress lines count them)."""
+    states = read_states(resolved)
+    return [entry for entry in resolved if not states[entry.point.index].finished]
+
+
 def run_tuning_stage(grid: TunedGrid, options: SweepOptions) -> int:
     """Locally: every tuning run of the cells still to choose, until each has finished or failed here
     (a run that another sweep holds is waited for, then taken when left unfinished), then every
@@ -391,7 +397,7 @@ def run_tuning_stage(grid: TunedGrid, options: SweepOptions) -> int:
     while pending := grid.tuning_to_run():
         print(f"tuning stage: {len(pending)} tuning run(s) of {len({e.point.cell for e in pending})} cell(s)",
               flush=True)
-        outcome = run_locally(pending, read_states(pending), options, on_terminal=False)
+        outcome = run_locally(pending, read_states(pending), options, on_terminal=False, then=_unfinished(grid.final()))
         if outcome.interrupted or options.dry_run:
             return outcome.status
         status = max(status, outcome.status)

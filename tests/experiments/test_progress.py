@@ -42,7 +42,7 @@ def test_a_local_sweeps_progress_is_a_line_at_a_time_with_the_time_left(tmp_path
     assert progress.line(running, pending, 0, 0) == (
         "progress: 0/4 runs finished; running [0] round 3/10 (21 s left), [1] round 0/10 (- left); the sweep: "
         # [0] 7 x 3 s and [1] 10 x 3 s (FedAvg's pace); FedProx's runs, at the only pace there is: 20 x 3 s
-        f"{(7 + 10 + 20) * 3 / 2:.0f} s left")
+        f"{(7 + 10 + 20) * 3 / 2:.0f} s left (their rounds alone until a run has finished)")
     # More rounds: a line when PROGRESS_SECONDS have passed, not before (nor without a new round).
     log_rounds(points[0].out_dir, [9.0, 2.0, 4.0, 3.0])
     clock.now += 1
@@ -56,7 +56,7 @@ def test_a_local_sweeps_progress_is_a_line_at_a_time_with_the_time_left(tmp_path
     clock.now += 1
     assert progress.line(points[2:3], points[3:], finished=1, failed=1) == (
         "progress: 1/4 runs finished, 1 failed; running [2] round 2/10 (64 s left); the sweep: "
-        f"{(8 * 8 + 10 * 8) / 2:.0f} s left")
+        f"{(8 * 8 + 10 * 8) / 2:.0f} s left (their rounds alone until a run has finished)")
 
 
 def test_list_shows_each_runs_round_and_time_left_from_its_folder(tmp_path, capsys, monkeypatch):
@@ -106,3 +106,20 @@ def test_the_time_left_adds_what_a_run_takes_besides_its_rounds_to_each_run_yet_
     assert seconds_left(runs, besides_rounds=5.0) == 2 * 3 + 2 * (3 * 3 + 5)
     assert seconds_left(runs) == 2 * 3 + 2 * 3 * 3
     assert seconds_left([RunLeft("FedAvg", 3, None, starting=True)], besides_rounds=5.0) is None
+
+
+def test_the_tuning_stages_time_left_counts_the_runs_of_the_plan_that_follow_it(tmp_path):
+    plan = write_plan(tmp_path / "plan.yaml", {"FedAvg": []}, seeds=[0, 1])
+    points = load_plan(plan, runs_root=tmp_path / "runs").grid()
+    clock = Clock()
+    # The stage's two runs, then 3 runs of 3 rounds of the plan's own (of FedAvg: the stage's pace, 3 s).
+    then = [RunLeft("FedAvg", 3, None, starting=True)] * 3
+    progress = ProgressLines({point.index: 3 for point in points}, {point.index: 0 for point in points}, jobs=1,
+                             total=2, clock=clock, then=then)
+    log_rounds(points[0].out_dir, [9.0, 2.0, 4.0])
+    progress.run_ended(points[0], 20.0)  # 11 s besides its rounds
+    log_rounds(points[1].out_dir, [8.0, 3.0])
+    clock.now += 1
+    assert progress.line(points[1:2], [], finished=1, failed=0) == (
+        "progress: 1/2 runs finished; running [1] round 2/3 (3 s left); the sweep: "
+        f"{1 * 3 + 3 * (3 * 3 + 11):.0f} s left (with the 3 run(s) of its next stage)")
