@@ -277,7 +277,7 @@ class FlLightning:
     def timing_client_updates(self) -> Iterator[list[float]]:
         """Within: the seconds spent producing each client's (or group's) update, appended to the list
         yielded."""
-        device = self.loop.fabric.device
+        device = self.loop.engine.device
         seconds: list[float] = []
         client_updates = fl_lightning.federation.loop.client_updates
 

@@ -69,6 +69,6 @@ class UploadBuffer:
         for name, value in values.items():
             self._views[name].add_(value, alpha=weight if name in self._weighted else 1.0)
 
-    def reduced(self, fabric) -> dict[str, torch.Tensor]:
-        total = fabric.all_reduce(self.flat, reduce_op="sum") if fabric.world_size > 1 else self.flat
+    def reduced(self, engine) -> dict[str, torch.Tensor]:
+        total = engine.all_reduce(self.flat, reduce_op="sum") if engine.world_size > 1 else self.flat
         return dict(zip([n for n, _, _ in self.sections], total.split([s for _, s, _ in self.sections])))

@@ -25,18 +25,18 @@ from fl_lightning.metric_names import (
 class Evaluation:
     """One rank's evaluation of the global model held by `module` (a ClassificationModule)."""
 
-    def __init__(self, fabric, module, test: ImageDataset, training: TrainingData,
+    def __init__(self, engine, module, test: ImageDataset, training: TrainingData,
                  validation: Optional[list[np.ndarray]], batch_size: int, per_client: bool):
         """`training` is the rank's copy of the training split (the held-out samples are in it),
         `validation` each client's held-out indices (None without a validation split)."""
-        device = fabric.device
-        self.fabric, self.module, self.batch_size, self.per_client = fabric, module, batch_size, per_client
+        device = engine.device
+        self.engine, self.module, self.batch_size, self.per_client = engine, module, batch_size, per_client
         self.test_images, self.test_labels = test.images.to(device), test.labels.to(device)
         self.test_transform = DeviceTransform(test.mean, test.std, augment=False)
         self.training = training
         self.held_out = validation
         self.validation = None if validation is None else ValidationShare.of(
-            validation, fabric.global_rank, fabric.world_size, device)
+            validation, engine.global_rank, engine.world_size, device)
         self.validation_transform = None if validation is None else DeviceTransform(
             training.transform.mean, training.transform.std, augment=False)
 
@@ -52,10 +52,10 @@ class Evaluation:
     def metrics(self) -> dict[str, float]:
         """The global model's test metrics, each rank evaluating a shard of the test split; with a
         validation split, also its metrics on the clients' held-out samples (`validation_metrics`)."""
-        fabric, module = self.fabric, self.module
+        engine, module = self.engine, self.module
         module.eval()
-        shard = torch.arange(fabric.global_rank, self.test_size, fabric.world_size, device=fabric.device)
-        with torch.no_grad(), fabric.autocast():
+        shard = torch.arange(engine.global_rank, self.test_size, engine.world_size, device=engine.device)
+        with torch.no_grad(), engine.autocast():
             for chunk in shard.split(self.batch_size):
                 module.validation_step(self.test_batch(chunk))
         metrics = module.compute_test_metrics()
@@ -69,17 +69,17 @@ class Evaluation:
         mean, std (over all clients, ddof = 0), min and 10th percentile (linear interpolation, as
         numpy's default). Each rank evaluates a share of the clients; one all-reduce(sum) of their
         per-client counts."""
-        fabric, share, training = self.fabric, self.validation, self.training
-        outcomes = torch.empty(2, len(share.samples), device=fabric.device)  # per sample: right (1 or 0), loss
-        with torch.no_grad(), fabric.autocast():
+        engine, share, training = self.engine, self.validation, self.training
+        outcomes = torch.empty(2, len(share.samples), device=engine.device)  # per sample: right (1 or 0), loss
+        with torch.no_grad(), engine.autocast():
             for start in range(0, len(share.samples), self.batch_size):
                 samples = share.samples[start:start + self.batch_size]
                 correct, losses = self.module.sample_outcomes(
                     (self.validation_transform(training.images[samples]), training.labels[samples]))
                 outcomes[:, start:start + self.batch_size] = torch.stack([correct.float(), losses])
-        counts = torch.zeros(2, len(self.held_out), device=fabric.device)
+        counts = torch.zeros(2, len(self.held_out), device=engine.device)
         counts[:, share.clients] = share.sum_by_client(outcomes)
-        counts = fabric.all_reduce(counts, reduce_op="sum") if fabric.world_size > 1 else counts
+        counts = engine.all_reduce(counts, reduce_op="sum") if engine.world_size > 1 else counts
         correct, loss = counts.double().cpu()
         samples = torch.tensor([len(part) for part in self.held_out], dtype=torch.float64)
         metrics = {VAL_ACCURACY: (correct.sum() / samples.sum()).item(), VAL_LOSS: (loss.sum() / samples.sum()).item()}

@@ -60,13 +60,13 @@ class FederatedLoop:
     - `save_checkpoint()` (collective) and `run_round(i)` (what the benchmarks time).
     The rest is the loop's own."""
 
-    def __init__(self, fabric, inputs: RankInputs):
+    def __init__(self, engine, inputs: RankInputs):
         settings = inputs.settings
-        self.fabric, self.inputs = fabric, inputs
+        self.engine, self.inputs = engine, inputs
         self.rounds, self.out_dir = settings.federation.rounds, inputs.out_dir
         self.hyperparameters = inputs.hyperparameters
-        device = fabric.device
-        self.module = fabric.to_device(inputs.module)
+        device = engine.device
+        self.module = engine.to_device(inputs.module)
         self.global_model = FlatGlobalModel.bind(self.module, device)
         self.algorithm = settings.algorithm
         self.server_state = self.algorithm.setup(inputs.server_optimizer, self.global_model.param_layout.numel,
@@ -80,12 +80,12 @@ class FederatedLoop:
         self.stateful = bool(self.algorithm.client_state)
         saved_states = {} if state is None else state["client_states"]
         self.client_states = ClientStates({c: s for c, s in saved_states.items()
-                                           if c % fabric.world_size == fabric.global_rank})
+                                           if c % engine.world_size == engine.global_rank})
         self.trainer = self._local_trainer(device)
         self.client_path = ClientPath.of(settings.compute, self.algorithm, device, settings.federation.batch_size)
         if self.client_path.grouped:
             normalise_batches_in_float32(self.module)
-        self.evaluation = Evaluation(fabric, self.module, inputs.data.test, self.trainer.data, inputs.data.validation,
+        self.evaluation = Evaluation(engine, self.module, inputs.data.test, self.trainer.data, inputs.data.validation,
                                      settings.federation.eval_batch_size, settings.data.per_client_eval)
         self._sizes = [len(p) for p in inputs.data.partition]
         self._weighting = settings.federation.weighting or self.algorithm.default_weighting
@@ -107,7 +107,7 @@ class FederatedLoop:
         data = TrainingData(train.images.to(device), train.labels.to(device),
                             DeviceTransform(train.mean, train.std, augment=settings.data.augment,
                                             crop_padding=settings.data.crop_padding))
-        return LocalTrainer(self.fabric, self.module, data, self.global_model, self.inputs.data.partition, settings)
+        return LocalTrainer(self.engine, self.module, data, self.global_model, self.inputs.data.partition, settings)
 
     @property
     def completed_rounds(self) -> int:
@@ -125,7 +125,7 @@ class FederatedLoop:
     def callbacks(self) -> list[Callback]:
         """The run's callbacks, in the order Fabric calls them."""
         # Fabric keeps the callbacks it calls in `_callbacks` and has no public accessor.
-        return [callback for callback in self.fabric._callbacks if isinstance(callback, Callback)]
+        return [callback for callback in self.engine._callbacks if isinstance(callback, Callback)]
 
     def request_stop(self, reason: str, requeue: bool = False, final: Optional[bool] = None) -> None:
         """Ask the run to stop after the round whose aggregation comes next (see fl_lightning.callbacks).
@@ -145,12 +145,12 @@ class FederatedLoop:
         """One round: sample, train this rank's clients, aggregate in one all-reduce, step the
         server. Returns the round's metrics row (also appended to `history`)."""
         started = time.perf_counter()
-        fabric, settings, algorithm = self.fabric, self.inputs.settings, self.algorithm
+        engine, settings, algorithm = self.engine, self.inputs.settings, self.algorithm
         federation = settings.federation
         clients = sample_clients(settings.seed, round_index, federation.num_clients, federation.clients_per_round)
         weights = aggregation_weights(clients, self._sizes, self._weighting)
         buffer = UploadBuffer(algorithm, self.global_model.param_layout.numel, self.global_model.buffer_layout.numel,
-                              fabric.device)
+                              engine.device)
         hooks_seconds = 0.0  # diagnostics' time on their rounds, left out of the round's own time
         runs = self._client_rounds(clients, round_index)
         for client, contribution, uploads in client_updates(algorithm, runs, self.client_path, weights):
@@ -158,16 +158,16 @@ class FederatedLoop:
                 self.client_states.put(client.client_id, client.state)
             hook_started = time.perf_counter()
             # A fused client's own uploads are computed here, if a callback reads them: its cost.
-            fabric.call("on_client_end", fabric, self, client, uploads, weights[client.client_id])
+            engine.call("on_client_end", engine, self, client, uploads, weights[client.client_id])
             hooks_seconds += time.perf_counter() - hook_started
             buffer.add({**contribution, "buffers": client.buffers, "train_loss": client.mean_loss.reshape(1)},
                        weights[client.client_id])
         asked, self._asked_since_aggregation = self._asked_since_aggregation, {}
-        vote = stop_vote(list(asked.values()), fabric.world_size)
-        one = torch.ones(1, device=fabric.device)
+        vote = stop_vote(list(asked.values()), engine.world_size)
+        one = torch.ones(1, device=engine.device)
         buffer.add({**({STOP_REQUESTED: vote * one} if vote else {}),
                     **({REQUEUE_REQUESTED: one} if self._requeue_requested else {})}, 1.0)
-        aggregate = buffer.reduced(fabric)
+        aggregate = buffer.reduced(engine)
         self._check_finite(round_index, clients, "the aggregated update of clients",
                            [aggregate[name] for name in algorithm.weighted_uploads + algorithm.summed_uploads])
         algorithm.server_update(self.server_state, self.global_model.params, aggregate)
@@ -177,7 +177,7 @@ class FederatedLoop:
                            [self.global_model.params, self.global_model.buffers])
         votes = aggregate[STOP_REQUESTED].item()
         self.stopping = votes > 0
-        if is_final_vote(votes, fabric.world_size):
+        if is_final_vote(votes, engine.world_size):
             self.final_stop = "; ".join(sorted(r for r, final in asked.items() if final)) or "requested by another rank"
         # A run stopped for good is not requeued: the requeued job would have nothing to train.
         self.requeue_agreed = aggregate[REQUEUE_REQUESTED].item() > 0 and self.final_stop is None
@@ -189,9 +189,9 @@ class FederatedLoop:
 
     def _client_rounds(self, clients: list[int], round_index: int):
         """This rank's clients of the round, each set up only when the algorithm asks for it."""
-        fabric = self.fabric
-        for client_id in clients_of_rank(clients, fabric.global_rank, fabric.world_size, self.stateful):
-            yield self.trainer.client_round(client_id, round_index, self.client_states.get(client_id, fabric.device),
+        engine = self.engine
+        for client_id in clients_of_rank(clients, engine.global_rank, engine.world_size, self.stateful):
+            yield self.trainer.client_round(client_id, round_index, self.client_states.get(client_id, engine.device),
                                             self.server_state)
 
     def _check_finite(self, round_index: int, clients: list[int], what: str, tensors: list[torch.Tensor]) -> None:
@@ -208,11 +208,11 @@ class FederatedLoop:
 
     def save_checkpoint(self) -> None:
         """The state after the last completed round (collective: every rank calls it)."""
-        fabric, completed, data = self.fabric, self.completed_rounds, self.inputs.data
+        engine, completed, data = self.engine, self.completed_rounds, self.inputs.data
         if self.stateful:
-            save_client_shard(self.client_states.by_client, self.out_dir, completed, fabric.global_rank)
-            fabric.barrier()  # every shard is on disk before the main file marks the checkpoint complete
-        if fabric.global_rank == 0:
+            save_client_shard(self.client_states.by_client, self.out_dir, completed, engine.global_rank)
+            engine.barrier()  # every shard is on disk before the main file marks the checkpoint complete
+        if engine.global_rank == 0:
             save_checkpoint({
                 "round": completed,
                 "model": {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()},
@@ -220,7 +220,7 @@ class FederatedLoop:
                 "partition": as_lists(data.partition),
                 **({} if data.validation is None else {"validation": as_lists(data.validation)}),
                 "run_id": self.inputs.run_id,
-                "client_state_shards": fabric.world_size if self.stateful else 0,
+                "client_state_shards": engine.world_size if self.stateful else 0,
                 "rng": torch.get_rng_state(),
                 "hyperparameters": self.hyperparameters,
                 "metrics": self.history,
@@ -228,21 +228,21 @@ class FederatedLoop:
                 PENDING_FINAL_STOPS: sorted(r for r, final in self._asked_since_aggregation.items() if final),
                 CALLBACKS: callback_states(self.callbacks),
             }, self.out_dir, self.inputs.settings.checkpoint.keep)
-        fabric.barrier()
+        engine.barrier()
 
 
-def train(fabric, inputs: RankInputs) -> None:
-    """Run the federation, calling the callbacks given to Fabric around every round; the final
-    global model is the last checkpoint. A collective that fails because another rank is gone
-    raises RankLost, naming it."""
-    loop = FederatedLoop(fabric, inputs)
-    ranks = RankProcesses.gather(fabric)  # now: a rank gone later cannot say who it was
-    fabric.call("on_fit_start", fabric, loop)
+def train(engine, inputs: RankInputs) -> None:
+    """Run the federation on `engine`, the run's Lightning Fabric (its ranks, devices and collectives),
+    calling the callbacks given to it around every round; the final global model is the last
+    checkpoint. A collective that fails because another rank is gone raises RankLost, naming it."""
+    loop = FederatedLoop(engine, inputs)
+    ranks = RankProcesses.gather(engine)  # now: a rank gone later cannot say who it was
+    engine.call("on_fit_start", engine, loop)
     try:
         for round_index in range(loop.start_round, loop.rounds):
-            fabric.call("on_round_start", fabric, loop, round_index)
+            engine.call("on_round_start", engine, loop, round_index)
             metrics = loop.run_round(round_index)
-            fabric.call("on_round_end", fabric, loop, metrics)
+            engine.call("on_round_end", engine, loop, metrics)
             if loop.stopping:
                 break
     except BaseException as err:
@@ -252,4 +252,4 @@ def train(fabric, inputs: RankInputs) -> None:
             raise lost from err
         raise
     finally:
-        fabric.call("on_fit_end", fabric, loop)
+        engine.call("on_fit_end", engine, loop)

@@ -55,14 +55,14 @@ class ForwardFeaturesCall(nn.Module):
 class LocalTrainer:
     """Builds `ClientRound`s on one rank and evaluates the module's loss at arbitrary flat parameters."""
 
-    def __init__(self, fabric, module: ClassificationModule, data: TrainingData, global_model,
+    def __init__(self, engine, module: ClassificationModule, data: TrainingData, global_model,
                  partition: list[np.ndarray], settings: RunSettings):
         """Everything that stays the same for the whole run: the rank's copy of the training data,
         the global model (`fl_lightning.federation.FlatGlobalModel`: flat tensors the server updates
         in place), each client's sample indices (`partition`) and the run's settings."""
         from fl_lightning.module import TrainingStepCall
 
-        self.fabric = fabric
+        self.engine = engine
         self.module = module
         self.call = TrainingStepCall(module)
         self.features_call = ForwardFeaturesCall(module)
@@ -119,7 +119,7 @@ class LocalTrainer:
         tensors.update({n: b.clone() for n, b in self.integer_buffers.items()})
         if self.module.training != training:
             self.module.train(training)
-        with self.fabric.autocast():
+        with self.engine.autocast():
             output = functional_call(call, {TrainingStepCall.prefix + n: t for n, t in tensors.items()}, (argument,),
                                      tie_weights=self.tied_weights)
         updated = torch.cat([t.reshape(-1) for t in buffer_copies.values()]) if buffer_copies else buffers
