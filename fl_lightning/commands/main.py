@@ -67,7 +67,7 @@ def _run(argv: list[str]) -> None:
         parser = command_parser()
         config = parse_command_line(argv, parser)
         command = config.subcommand
-        arguments = parser.instantiate(config)[command]
+        arguments = _instantiated(parser, config)[command]
         arguments.pop("config", None)
         COMMANDS[command](**arguments)
     except ConfigError as err:
@@ -79,6 +79,21 @@ def _run(argv: list[str]) -> None:
     except RunInterrupted as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(err.exit_status) from err
+
+
+def _instantiated(parser, config):
+    """The settings' classes built. A class under an Optional setting (the constraint) that refuses its
+    arguments reaches us as jsonargparse's ValueError about a Union, caused by the refusal: raise the
+    refusal itself, which names the field."""
+    try:
+        return parser.instantiate(config)
+    except ValueError as err:
+        cause: Optional[BaseException] = err
+        while cause is not None and not isinstance(cause, ConfigError):
+            cause = cause.__cause__
+        if cause is None:
+            raise
+        raise cause from None
 
 
 def _plan_command_line(argv: list[str]) -> list[str]:
