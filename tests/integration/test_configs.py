@@ -326,6 +326,6 @@ def test_no_shipped_plan_composes_two_algorithm_files(plan):
 def test_a_later_file_without_a_class_changes_the_algorithm_already_chosen():
     # How tuned/<setting>/<algorithm>.yaml works: init_args only, composed after the algorithm.
     setting = "tinyimagenet_vit_tiny_ctpfl"
-    parsed = parse(*config_args(composition(setting, "ctpfl", False)))
+    parsed = parse(*config_args(composition(setting, "ctpfl", None)))
     assert parsed.algorithm.init_args.weight_decay == 0.05 and parsed.algorithm.init_args.span is None
     assert parsed.server_optimizer.init_args.lr == 0.1
