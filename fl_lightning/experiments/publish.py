@@ -61,7 +61,7 @@ def publish(
     would have logged), then create the plan's W&B report, as `fl-lightning dashboard` does.
 
     Args:
-        plan: the plan file (YAML; see fl_lightning/experiments/plan.py) whose runs are published.
+        plan: the plan file (YAML; docs/experiments.md, "The plan file") whose runs are published.
         partial: also publish the runs that have not finished (those with a checkpoint).
         offline: write W&B's offline files of the runs (sent later with `wandb sync`) and the report's
             spec only.
