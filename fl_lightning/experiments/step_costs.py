@@ -242,7 +242,9 @@ def time_start_up(entry: ResolvedPoint, machine: Resources, out_dir: Path, cost:
     log = out_dir / "start_up.log"
     with open(log, "wb") as handle:
         started = time.perf_counter()
-        process = local.start_run_process(local.fit_command(point, machine), run_environment(machine, 0), handle,
+        # W&B off whatever WANDB_MODE says, which would take logger.wandb_mode's place: no run of W&B's.
+        environment = {**run_environment(machine, 0), "WANDB_MODE": "disabled"}
+        process = local.start_run_process(local.fit_command(point, machine), environment, handle,
                                           None if machine.cpu_slots is None else machine.cpu_slots[0])
         try:
             status = process.wait()

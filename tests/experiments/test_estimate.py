@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import sys
 import warnings
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from fl_lightning.experiments.step_costs import StepCost, Stretch
 from fl_lightning.experiments.tuning import TunedGrid
 from fl_lightning.federation.aggregation import sample_clients
 from fl_lightning.models import create_model
+from fl_lightning.run_logging import MetricsLog
 
 SMOKE = REPOSITORY / "configs" / "plans" / "smoke.yaml"
 UNITS = {"B": 1, "KiB": 1024, "MiB": 1024 ** 2, "GiB": 1024 ** 3}
@@ -227,6 +229,43 @@ def test_a_runs_wall_time_adds_its_start_up_evaluations_and_checkpoints_to_its_r
     assert lines[-1] == (f"of the runs' wall time, besides their rounds: start-up 7 s x 12 runs, {12 * 7 / 3600:.3g} "
                          f"h; evaluation 0.5 s x 36 evaluations, {36 * 0.5 / 3600:.3g} h; checkpoint 0.25 s x 12 "
                          f"checkpoints, {12 * 0.25 / 3600:.3g} h")
+
+
+def test_a_runs_start_up_is_a_fit_process_of_one_round_less_that_round_its_evaluation_and_checkpoint(
+        tmp_path, monkeypatch):
+    (entry,) = resolve_grid(load_plan(SMOKE).grid())[:1]
+    started = []
+
+    class FinishedRun:
+        """A fit process that has trained its round: 1.5 s, evaluated in 0.5 s."""
+
+        def wait(self):
+            MetricsLog(tmp_path / "start", [{"round": 1, "round_seconds": 1.5, "eval_seconds": 0.5}])
+            clock.append(10.0)  # its exit, 10 s after its start
+            return 0
+
+        def poll(self):
+            return 0
+
+    def start(command, environment, log, cpus):
+        started.append((command, environment, cpus))
+        return FinishedRun()
+
+    clock = [0.0]
+    monkeypatch.setattr(step_costs.local, "start_run_process", start)
+    monkeypatch.setattr(step_costs.time, "perf_counter", lambda: clock[-1])
+    monkeypatch.setenv("WANDB_MODE", "online")
+    cpus = Resources(accelerator="cpu", devices=1, threads=2, gpu_slots=None, cpu_slots=[[0, 1]])
+    seconds = step_costs.time_start_up(entry, cpus, tmp_path / "start", cost(checkpoint_seconds=0.25))
+    assert seconds == 10.0 - 1.5 - 0.5 - 0.25
+    ((command, environment, bound),) = started
+    arguments = " ".join(command)
+    # The point's own run, as a sweep starts it, for one round of one step, in the folder given, W&B off.
+    assert arguments.startswith(" ".join([sys.executable, "-m", "fl_lightning", "fit"]))
+    for option in ("--federation.rounds 1", "--federation.local_steps 1", "--federation.local_epochs null",
+                   "--logger.wandb_mode disabled", f"--out_dir {tmp_path / 'start'}", "--seed 0"):
+        assert f" {option} " in f"{arguments} ", option
+    assert environment["WANDB_MODE"] == "disabled" and bound == [0, 1]
 
 
 @pytest.mark.parametrize("every, rounds, evaluated", [(1, 3, 3), (4, 12, 3), (5, 12, 3), (20, 3, 1)])
