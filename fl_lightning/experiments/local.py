@@ -194,7 +194,9 @@ def run_locally(resolved: list[ResolvedPoint], states: dict[int, RunState], opti
         return Outcome(0, [], [])
     rounds = {entry.point.index: entry.rounds for entry in resolved}
     # A run in the foreground shows its own rounds.
-    later = [RunLeft(entry.point.method, entry.rounds, None, starting=True) for entry in then]
+    # A point whose settings are refused has no rounds to count (the grid's check names it).
+    later = [RunLeft(entry.point.method, entry.rounds, None, starting=True) for entry in then
+             if entry.rounds is not None]
     progress = None if on_terminal else ProgressLines(rounds, {i: state.round or 0 for i, state in states.items()},
                                                       jobs, total=len(points), then=later)
     loop = _Loop(to_run, rounds, len(skipped), resources, jobs, on_terminal, progress)
