@@ -317,10 +317,12 @@ def test_a_busy_machine_is_said_to_be(waiting, loads, verdict):
 def ctrl_c_interrupts():
     """SIGINT raises KeyboardInterrupt in this process, as in a terminal's foreground, whatever pytest
     inherited: a process started where SIGINT is ignored (a background job of a non-interactive shell,
-    `make test &` in a script) keeps it ignored, and Python then installs no handler of its own; the
-    previous action is put back afterwards."""
+    `make test &` in a script) keeps it ignored, and Python then installs no handler of its own; one
+    started with SIGINT blocked keeps it blocked. The previous action and mask are put back afterwards."""
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    blocked = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     yield
+    signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     signal.signal(signal.SIGINT, previous)
 
 
