@@ -4,11 +4,14 @@ Layout: out_dir/checkpoints/round_000010.ckpt ... and last.ckpt (a hard link to 
 file users and evaluation scripts load: a resume checks it too, and puts the newest good checkpoint
 in its place when it is damaged, missing or behind (`restore_last`).
 A checkpoint is a plain dict saved with `torch.save`, loadable with `torch.load`. Per-client state
-of stateful algorithms is saved by each owner rank beside it, as round_000010.clients_rank0.pt ...,
-before the main file (whose presence marks the checkpoint complete). Pruning removes a checkpoint's
-shards before its main file, so a kill mid-way leaves an incomplete checkpoint (skipped on resume,
-pruned again later) rather than a shard nothing refers to; `remove_orphan_shards` clears those a kill
-left all the same.
+of stateful algorithms lives in the client-state store's files, out_dir/client_states/<id // 1000>/
+client_0001234.r000010.pt (client 1234's state after round 10; `fl_lightning.federation.client_store`
+writes them); each owner rank saves beside a checkpoint which file holds each of its clients' state
+as of the checkpoint's round, as round_000010.clients_rank0.pt ... (checkpoints of earlier versions
+hold there the states themselves, and still resume), before the main file (whose presence marks the
+checkpoint complete). Pruning removes a checkpoint's shards before its main file, so a kill mid-way
+leaves an incomplete checkpoint (skipped on resume, pruned again later) rather than a shard nothing
+refers to; `remove_orphan_shards` clears those a kill left all the same.
 
 Each file carries a SHA-256 digest of its content (tensors by their bytes), checked on load: a
 flipped byte in a tensor would otherwise load without complaint and silently change the run.
@@ -21,6 +24,7 @@ import os
 import re
 import sys
 import warnings
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Optional
 
@@ -101,17 +105,19 @@ def _save_file(obj: dict, target: Path) -> None:
     atomic_files.write_atomically(target, lambda file: torch.save(obj, file))
 
 
-def _load_verified(path: Path, **load_options) -> dict:
-    """Load a file written by `_save_file`; ValueError naming it when unreadable or altered."""
+def _load_verified(path: Path, what: str = "checkpoint", **load_options) -> dict:
+    """Load a file written by `_save_file`; ValueError naming it (as `what`) when unreadable or altered."""
+    if not path.is_file():
+        raise ValueError(f"{what} {path} is missing")
     try:
         state = torch.load(path, map_location="cpu", weights_only=False, **load_options)
     except Exception as err:  # a truncated or corrupt file fails in many ways inside torch.load
-        raise ValueError(f"checkpoint {path} is unreadable ({type(err).__name__}: {err})") from err
+        raise ValueError(f"{what} {path} is unreadable ({type(err).__name__}: {err})") from err
     if not isinstance(state, dict) or DIGEST not in state:
-        raise ValueError(f"checkpoint {path} has no {DIGEST} digest: not written by this version")
+        raise ValueError(f"{what} {path} has no {DIGEST} digest: not written by this version")
     expected = state.pop(DIGEST)
     if content_digest(state) != expected:
-        raise ValueError(f"checkpoint {path} fails its {DIGEST} check: its content was altered after saving")
+        raise ValueError(f"{what} {path} fails its {DIGEST} check: its content was altered after saving")
     return state
 
 
@@ -119,22 +125,96 @@ def client_shard_path(folder: Path, round_completed: int, rank: int) -> Path:
     return folder / f"round_{round_completed:06d}.clients_rank{rank}.pt"
 
 
-def save_client_shard(states: dict, out_dir: Path, round_completed: int, rank: int) -> None:
+CLIENT_STATES = "client_states"
+NOT_SAVED = -1
+"""The version of a client with no saved state (it never trained)."""
+
+
+def client_state_path(out_dir: Path, client_id: int, version: int) -> Path:
+    """The file of client `client_id`'s state after round `version` (a thousand clients a folder)."""
+    return Path(out_dir) / CLIENT_STATES / f"{client_id // 1000:04d}" / f"client_{client_id:07d}.r{version:06d}.pt"
+
+
+def save_client_state(out_dir: Path, client_id: int, version: int, state: dict) -> None:
+    path = client_state_path(out_dir, client_id, version)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _save_file({"client": client_id, "version": version, "state": state}, path)
+
+
+def load_client_state(out_dir: Path, client_id: int, version: int) -> dict:
+    """Client `client_id`'s state after round `version`; ValueError naming the client and the file
+    when it is missing, unreadable, altered or another client's."""
+    path = client_state_path(out_dir, client_id, version)
+    saved = _load_verified(path, f"the state of client {client_id},")
+    if (saved["client"], saved["version"]) != (client_id, version):
+        raise ValueError(f"the state of client {client_id}, {path}, holds client {saved['client']} after round "
+                         f"{saved['version']}")
+    return saved["state"]
+
+
+class ClientStateFiles(Mapping):
+    """A checkpoint's client states as the store's files: client id -> state, each read (and checked)
+    only when asked for; `versions[c]` is the round after which client c's state was saved
+    (NOT_SAVED: never trained)."""
+
+    def __init__(self, out_dir: Path, versions: np.ndarray):
+        self.out_dir, self.versions = Path(out_dir), versions
+
+    def __getitem__(self, client_id: int) -> dict:
+        if not 0 <= client_id < len(self.versions) or self.versions[client_id] == NOT_SAVED:
+            raise KeyError(client_id)
+        return load_client_state(self.out_dir, client_id, int(self.versions[client_id]))
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(np.flatnonzero(self.versions != NOT_SAVED).tolist())
+
+    def __len__(self) -> int:
+        return int(np.count_nonzero(self.versions != NOT_SAVED))
+
+    def verify(self) -> None:
+        """Read every file the checkpoint refers to, one at a time: ValueError naming the first client
+        whose file is missing or damaged."""
+        for client_id in self:
+            self[client_id]
+
+
+def save_client_shard(versions: np.ndarray, out_dir: Path, round_completed: int, rank: int) -> None:
+    """Which file holds each of a rank's clients' state (`versions`, NOT_SAVED for clients it does not own)."""
     folder = checkpoint_dir(out_dir)
     folder.mkdir(parents=True, exist_ok=True)
-    _save_file({"clients": states}, client_shard_path(folder, round_completed, rank))
+    _save_file({"client_versions": versions}, client_shard_path(folder, round_completed, rank))
 
 
-def load_client_shards(checkpoint_path: Path, round_completed: int, num_shards: int) -> dict:
-    """Every rank's saved client states for that checkpoint, merged: client id -> state."""
+def load_client_shards(checkpoint_path: Path, round_completed: int, num_shards: int) -> Mapping:
+    """Every rank's saved client states for that checkpoint, merged: client id -> state (the store's
+    files, `ClientStateFiles`; or, in a checkpoint of an earlier version, the states themselves)."""
     merged: dict = {}
+    versions = np.full(0, NOT_SAVED, dtype=np.int32)
     for rank in range(num_shards):
         path = client_shard_path(Path(checkpoint_path).parent, round_completed, rank)
         if not path.is_file():
             raise ValueError(f"client-state shard {path} of checkpoint {checkpoint_path} is missing")
         # mmap: a rank copies out only the clients it owns, not every client's state.
-        merged.update(_load_verified(path, mmap=True)["clients"])
-    return merged
+        shard = _load_verified(path, mmap=True)
+        if "clients" in shard:
+            merged.update(shard["clients"])
+        else:
+            versions = _merged_versions(versions, shard["client_versions"])
+    if merged:
+        return merged
+    files = ClientStateFiles(Path(checkpoint_path).parent.parent, versions)
+    try:
+        files.verify()
+    except ValueError as err:
+        raise ValueError(f"checkpoint {checkpoint_path}: {err}") from err
+    return files
+
+
+def _merged_versions(merged: np.ndarray, shard: np.ndarray) -> np.ndarray:
+    longer = np.full(max(len(merged), len(shard)), NOT_SAVED, dtype=np.int32)
+    longer[:len(merged)] = merged
+    longer[:len(shard)] = np.maximum(longer[:len(shard)], shard)
+    return longer
 
 
 def save_checkpoint(state: dict, out_dir: Path, keep: int) -> Path:
@@ -211,6 +291,11 @@ def run_is_over(state: dict, rounds: int) -> bool:
     reached them, or it recorded a final stop (`final_stop`, e.g. early stopping), which more rounds
     do not undo."""
     return state["round"] >= rounds or state.get(FINAL_STOP) is not None
+
+
+def checkpoint_rounds(out_dir: Path) -> list[int]:
+    """The rounds of the numbered checkpoints in out_dir, oldest first."""
+    return [int(_NUMBERED.search(path.name).group(1)) for path in numbered_checkpoints(checkpoint_dir(out_dir))]
 
 
 def numbered_checkpoints(folder: Path) -> list[Path]:

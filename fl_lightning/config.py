@@ -115,6 +115,12 @@ class ComputeArgs:
     CPUs each rank may use (affinity, cgroup quota, SLURM_CPUS_PER_TASK, shared by the node's ranks);
     OMP_NUM_THREADS in the environment takes precedence over `auto`. A rank on a GPU leaves its host threads
     to OpenMP (OMP_NUM_THREADS) and reads none of this (docs/performance.md, "CPU threads of a rank")."""
+    client_state_memory_mib: NonNegativeInt = 4096
+    """Host memory (MiB) each rank may hold of its clients' state (SCAFFOLD's, FedDyn's, MOON's). Past
+    it, the least recently trained clients' states go to files in out_dir/client_states and are read
+    back when the client trains again (0: every state as soon as the next client has trained); within
+    it nothing is written but checkpoints. The same model either way, bit for bit (docs/performance.md,
+    "Client state in bounded memory")."""
 
 
 @dataclass

@@ -1,6 +1,6 @@
-"""Checkpoints: last.ckpt verified and rewritten from the newest good checkpoint, a corrupted tensor or client-
-state shard caught by its digest and the previous checkpoint used, garbage given to resume refused in one
-line, and temporary files left by a kill removed."""
+"""Checkpoints: last.ckpt verified and rewritten from the newest good checkpoint, a corrupted tensor, client-
+state shard or client-state file caught by its digest and the previous checkpoint used, garbage given to
+resume refused in one line, and temporary files left by a kill removed."""
 
 import os
 import shutil
@@ -87,13 +87,31 @@ def test_last_ckpt_damaged_in_place_is_its_newest_round_damaged_too_and_the_prev
     assert load_checkpoint(folder / "last.ckpt")["round"] == ROUNDS and os.path.samefile(folder / "last.ckpt", newest)
 
 
-def test_a_corrupted_client_state_shard_is_caught(tmp_path):
+def test_a_truncated_client_state_shard_is_caught(tmp_path):
     out_dir = tmp_path / "run"
     fit(out_dir, "--algorithm", "scaffold")
     shard = next(checkpoint_dir(out_dir).glob("round_000004.clients_rank0.pt"))
-    flip_bytes_inside(shard, b"data/0")
-    with pytest.raises(ValueError, match=f"checkpoint {shard} fails its sha256 check"):
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(ValueError, match=f"checkpoint {shard} is unreadable"):
         load_checkpoint(checkpoint_dir(out_dir) / "round_000004.ckpt")
+
+
+def test_a_damaged_client_state_file_is_named_and_the_previous_checkpoint_used(tmp_path, capsys):
+    out_dir = tmp_path / "run"
+    fit(out_dir, "--algorithm", "scaffold")
+    newest, previous = (checkpoint_dir(out_dir) / f"round_{r:06d}.ckpt" for r in (ROUNDS, ROUNDS - 2))
+    damaged = sorted((out_dir / "client_states").rglob(f"client_*.r{ROUNDS:06d}.pt"))[0]
+    client = int(damaged.name.split(".")[0].removeprefix("client_"))
+    flip_bytes_inside(damaged, b"data/0")
+    with pytest.raises(ValueError, match=f"checkpoint {newest}: the state of client {client}, {damaged} fails its "
+                                         "sha256 check"):
+        load_checkpoint(newest)
+    (checkpoint_dir(out_dir) / "last.ckpt").unlink()
+    with pytest.warns(UserWarning, match=f"the state of client {client}, {damaged} fails its sha256 check: .*; "
+                                         "trying the previous checkpoint"):
+        fit(out_dir, "--algorithm", "scaffold")
+    assert f"resuming from {previous}" in capsys.readouterr().err
+    assert load_checkpoint(newest)["round"] == ROUNDS  # trained again, its client states written anew
 
 
 def test_leftover_temporary_files_are_removed(run_copy):

@@ -18,6 +18,7 @@ from fl_lightning.checkpoint import (
     CALLBACKS,
     FINAL_STOP,
     PENDING_FINAL_STOPS,
+    checkpoint_rounds,
     last_good_checkpoint,
     save_checkpoint,
     save_client_shard,
@@ -34,8 +35,9 @@ from fl_lightning.federation.aggregation import (
     stop_vote,
 )
 from fl_lightning.federation.client_paths import ClientPath
+from fl_lightning.federation.client_store import ClientStates
 from fl_lightning.federation.evaluation import Evaluation
-from fl_lightning.federation.global_state import ClientStates, FlatGlobalModel
+from fl_lightning.federation.global_state import FlatGlobalModel
 from fl_lightning.federation.groups import client_updates, normalise_batches_in_float32
 from fl_lightning.federation.setup import RankInputs, as_lists
 from fl_lightning.federation.trainer import LocalTrainer, TrainingData
@@ -78,9 +80,9 @@ class FederatedLoop:
             self.module.load_state_dict(state["model"])
             self.server_state.load_state_dict(state["algorithm"], device)
         self.stateful = bool(self.algorithm.client_state)
-        saved_states = {} if state is None else state["client_states"]
-        self.client_states = ClientStates({c: s for c, s in saved_states.items()
-                                           if c % engine.world_size == engine.global_rank})
+        self.client_states = ClientStates.resumed(
+            self.out_dir, settings.compute.client_state_memory_mib * 2**20, self.start_round,
+            {} if state is None else state["client_states"], engine.global_rank, engine.world_size)
         self.trainer = self._local_trainer(device)
         self.client_path = ClientPath.of(settings.compute, self.algorithm, device, settings.federation.batch_size)
         if self.client_path.grouped:
@@ -152,6 +154,7 @@ class FederatedLoop:
         buffer = UploadBuffer(algorithm, self.global_model.param_layout.numel, self.global_model.buffer_layout.numel,
                               engine.device)
         hooks_seconds = 0.0  # diagnostics' time on their rounds, left out of the round's own time
+        self.client_states.round_completed = round_index + 1
         runs = self._client_rounds(clients, round_index)
         for client, contribution, uploads in client_updates(algorithm, runs, self.client_path, weights):
             if self.stateful:
@@ -210,7 +213,7 @@ class FederatedLoop:
         """The state after the last completed round (collective: every rank calls it)."""
         engine, completed, data = self.engine, self.completed_rounds, self.inputs.data
         if self.stateful:
-            save_client_shard(self.client_states.by_client, self.out_dir, completed, engine.global_rank)
+            save_client_shard(self.client_states.checkpoint(completed), self.out_dir, completed, engine.global_rank)
             engine.barrier()  # every shard is on disk before the main file marks the checkpoint complete
         if engine.global_rank == 0:
             save_checkpoint({
@@ -229,6 +232,8 @@ class FederatedLoop:
                 CALLBACKS: callback_states(self.callbacks),
             }, self.out_dir, self.inputs.settings.checkpoint.keep)
         engine.barrier()
+        if self.stateful:  # rank 0 has pruned the checkpoints: the client-state files none refers to go
+            self.client_states.pruned(checkpoint_rounds(self.out_dir))
 
 
 def train(engine, inputs: RankInputs) -> None:

@@ -1,11 +1,10 @@
-"""What every rank keeps between rounds (fl_lightning.federation.global_state): the per-client state
-of stateful algorithms (`ClientStates`), and the global model bound to two flat vectors that its
-module's own tensors are views of (`FlatGlobalModel`)."""
+"""What every rank keeps between rounds (fl_lightning.federation.global_state): the global model bound to
+two flat vectors that its module's own tensors are views of (`FlatGlobalModel`)."""
 
 import torch
 from torch import nn
 
-from fl_lightning.federation.global_state import ClientStates, FlatGlobalModel
+from fl_lightning.federation.global_state import FlatGlobalModel
 
 CPU = torch.device("cpu")
 
@@ -13,55 +12,6 @@ CPU = torch.device("cpu")
 def small_network() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 2))
-
-
-# ClientStates
-
-
-def test_a_stored_state_is_a_detached_copy_on_the_host():
-    states = ClientStates()
-    weight = torch.ones(3, requires_grad=True)
-    working = weight * 2
-    states.put(4, {"control": working})
-    with torch.no_grad():
-        working.add_(1.0)  # the round's tensor is reused: the stored state must not follow it
-    stored = states.by_client[4]["control"]
-    assert stored.tolist() == [2.0, 2.0, 2.0]
-    assert not stored.requires_grad and stored.grad_fn is None
-    assert stored.device.type == "cpu"
-
-
-def test_a_new_state_replaces_the_clients_previous_one_whole():
-    states = ClientStates()
-    states.put(1, {"control": torch.zeros(2), "previous_model": torch.ones(2)})
-    states.put(1, {"control": torch.full((2,), 5.0)})
-    got = states.get(1, CPU)
-    assert list(got) == ["control"]
-    assert got["control"].tolist() == [5.0, 5.0]
-
-
-def test_clients_keep_states_of_their_own():
-    states = ClientStates()
-    for client in (0, 9, 3):
-        states.put(client, {"control": torch.full((2,), float(client)), "h": torch.tensor([client * 10.0])})
-    assert sorted(states.by_client) == [0, 3, 9]
-    for client in (0, 9, 3):
-        got = states.get(client, CPU)
-        assert got["control"].tolist() == [float(client)] * 2 and got["h"].tolist() == [client * 10.0]
-
-
-def test_a_client_that_never_trained_has_an_empty_state():
-    states = ClientStates({2: {"control": torch.zeros(1)}})
-    assert states.get(7, CPU) == {}
-    assert 7 not in states.by_client  # asking does not create an entry
-
-
-def test_initial_states_are_stored_as_put_would_store_them():
-    restored = {3: {"control": torch.arange(4.0)}, 8: {"control": torch.ones(4, dtype=torch.float64)}}
-    states = ClientStates(restored)
-    restored[3]["control"].zero_()  # what a checkpoint gave is the caller's: a copy is kept
-    assert states.get(3, CPU)["control"].tolist() == [0.0, 1.0, 2.0, 3.0]
-    assert states.get(8, CPU)["control"].dtype == torch.float64
 
 
 # FlatGlobalModel

@@ -10,7 +10,7 @@ from reference import small_setup
 from fl_lightning.algorithms import CTPFL, FedAvg
 from fl_lightning.config import ClientOptimizerArgs, FabricArgs
 from fl_lightning.federation.aggregation import aggregation_weights, clients_of_rank, sample_clients
-from fl_lightning.federation.global_state import ClientStates
+from fl_lightning.federation.client_store import ClientStates
 from fl_lightning.fit import fit
 from fl_lightning.run_logging import read_metrics
 

@@ -1,0 +1,237 @@
+"""The per-client state of stateful algorithms (fl_lightning.federation.client_store): a copy per client
+on the host, in memory while it fits the bound, past it in one file per client and version, each written
+atomically and checked by its digest; checkpoints that write only the states changed since the previous one
+and refer to the others' files, and the files a kept checkpoint refers to kept while the older go."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from fl_lightning import atomic_files
+from fl_lightning.checkpoint import NOT_SAVED, ClientStateFiles, client_state_path
+from fl_lightning.errors import WriteFailed
+from fl_lightning.federation.client_store import ClientStates
+
+CPU = torch.device("cpu")
+STATE_BYTES = 256 * 4  # of `state_of`
+
+
+def state_of(client: int, round_completed: int) -> dict[str, torch.Tensor]:
+    """A state that says whose it is and when it was trained."""
+    return {"control": torch.full((256,), client + round_completed / 1000.0)}
+
+
+def trained(states: ClientStates, round_completed: int, clients: list[int]) -> None:
+    states.round_completed = round_completed
+    for client in clients:
+        states.put(client, state_of(client, round_completed))
+
+
+def files_of(out_dir) -> set[str]:
+    return {path.name for path in (out_dir / "client_states").rglob("*") if path.is_file()}
+
+
+def bounded(out_dir, clients_in_memory: int) -> ClientStates:
+    return ClientStates.resumed(out_dir, clients_in_memory * STATE_BYTES, 0, {}, rank=0, world_size=1)
+
+
+# In memory
+
+
+def test_a_stored_state_is_a_detached_copy_on_the_host():
+    states = ClientStates()
+    weight = torch.ones(3, requires_grad=True)
+    working = weight * 2
+    states.put(4, {"control": working})
+    with torch.no_grad():
+        working.add_(1.0)  # the round's tensor is reused: the stored state must not follow it
+    stored = states.by_client[4]["control"]
+    assert stored.tolist() == [2.0, 2.0, 2.0]
+    assert not stored.requires_grad and stored.grad_fn is None
+    assert stored.device.type == "cpu"
+
+
+def test_a_new_state_replaces_the_clients_previous_one_whole():
+    states = ClientStates()
+    states.put(1, {"control": torch.zeros(2), "previous_model": torch.ones(2)})
+    states.put(1, {"control": torch.full((2,), 5.0)})
+    got = states.get(1, CPU)
+    assert list(got) == ["control"]
+    assert got["control"].tolist() == [5.0, 5.0]
+
+
+def test_clients_keep_states_of_their_own():
+    states = ClientStates()
+    for client in (0, 9, 3):
+        states.put(client, {"control": torch.full((2,), float(client)), "h": torch.tensor([client * 10.0])})
+    assert sorted(states.by_client) == [0, 3, 9]
+    for client in (0, 9, 3):
+        got = states.get(client, CPU)
+        assert got["control"].tolist() == [float(client)] * 2 and got["h"].tolist() == [client * 10.0]
+
+
+def test_a_client_that_never_trained_has_an_empty_state():
+    states = ClientStates({2: {"control": torch.zeros(1)}})
+    assert states.get(7, CPU) == {}
+    assert 7 not in states.by_client  # asking does not create an entry
+
+
+def test_initial_states_are_stored_as_put_would_store_them():
+    restored = {3: {"control": torch.arange(4.0)}, 8: {"control": torch.ones(4, dtype=torch.float64)}}
+    states = ClientStates(restored)
+    restored[3]["control"].zero_()  # what a checkpoint gave is the caller's: a copy is kept
+    assert states.get(3, CPU)["control"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert states.get(8, CPU)["control"].dtype == torch.float64
+
+
+
+
+# Bounded memory
+
+
+def test_states_past_the_bound_go_to_disk_and_come_back_bit_for_bit(tmp_path):
+    states = bounded(tmp_path, clients_in_memory=2)
+    trained(states, 1, [5, 1, 8, 3])
+    assert list(states.by_client) == [8, 3]  # the most recently trained
+    assert files_of(tmp_path) == {"client_0000005.r000001.pt", "client_0000001.r000001.pt"}
+    for client in (5, 1, 8, 3):
+        assert torch.equal(states.get(client, CPU)["control"], state_of(client, 1)["control"])
+    assert states.get(7, CPU) == {}
+
+
+def test_within_the_bound_nothing_is_written_until_a_checkpoint(tmp_path):
+    states = bounded(tmp_path, clients_in_memory=4)
+    trained(states, 1, [0, 1, 2, 3])
+    trained(states, 2, [0, 1])
+    assert not (tmp_path / "client_states").exists()
+    versions = states.checkpoint(2)
+    assert versions.tolist() == [2, 2, 1, 1]
+    assert files_of(tmp_path) == {"client_0000000.r000002.pt", "client_0000001.r000002.pt",
+                                  "client_0000002.r000001.pt", "client_0000003.r000001.pt"}
+
+
+def test_a_checkpoint_writes_only_the_states_changed_since_the_previous_one(tmp_path, monkeypatch):
+    states = bounded(tmp_path, clients_in_memory=100)
+    trained(states, 1, list(range(10)))
+    states.checkpoint(1)
+    written = []
+    write = atomic_files.write_atomically
+    monkeypatch.setattr(atomic_files, "write_atomically", lambda target, *a: (written.append(target.name),
+                                                                              write(target, *a)))
+    trained(states, 2, [4, 7])
+    versions = states.checkpoint(2)
+    assert sorted(written) == ["client_0000004.r000002.pt", "client_0000007.r000002.pt"]
+    assert versions.tolist() == [1, 1, 1, 1, 2, 1, 1, 2, 1, 1]
+
+
+def test_a_file_goes_once_no_kept_checkpoint_refers_to_it(tmp_path):
+    states = bounded(tmp_path, clients_in_memory=100)
+    trained(states, 1, [0, 1])
+    states.checkpoint(1)
+    trained(states, 2, [0])
+    states.checkpoint(2)
+    states.pruned([1, 2])  # the checkpoint of round 1 still refers to client 0's state after round 1
+    assert files_of(tmp_path) == {"client_0000000.r000001.pt", "client_0000000.r000002.pt",
+                                  "client_0000001.r000001.pt"}
+    trained(states, 3, [1])
+    states.checkpoint(3)
+    states.pruned([2, 3])
+    assert files_of(tmp_path) == {"client_0000000.r000002.pt", "client_0000001.r000001.pt",
+                                  "client_0000001.r000003.pt"}
+
+
+def test_a_state_spilled_between_checkpoints_and_replaced_before_the_next_is_removed_at_once(tmp_path):
+    states = bounded(tmp_path, clients_in_memory=1)
+    trained(states, 1, [0, 1])  # client 0's state after round 1 goes to disk
+    trained(states, 2, [0, 1])  # and is replaced: no checkpoint ever referred to it
+    assert files_of(tmp_path) == {"client_0000001.r000001.pt", "client_0000000.r000002.pt"}
+
+
+@pytest.mark.parametrize("damage", ["truncated", "flipped", "removed"])
+def test_a_damaged_state_file_is_refused_naming_the_client_and_the_file(tmp_path, damage):
+    states = bounded(tmp_path, clients_in_memory=1)
+    trained(states, 1, [3, 4])
+    path = client_state_path(tmp_path, 3, 1)
+    data = bytearray(path.read_bytes())
+    if damage == "truncated":
+        path.write_bytes(bytes(data[:len(data) // 2]))
+    elif damage == "flipped":
+        at = data.index(b"data/0") + 64  # inside the tensor's bytes: torch.load reads it without complaint
+        data[at:at + 8] = bytes(255 - b for b in data[at:at + 8])
+        path.write_bytes(bytes(data))
+    else:
+        path.unlink()
+    problem = {"truncated": "is unreadable", "flipped": "fails its sha256 check", "removed": "is missing"}[damage]
+    with pytest.raises(ValueError, match=f"the state of client 3, {path} {problem}"):
+        states.get(3, CPU)
+
+
+def test_a_state_file_of_another_client_is_refused(tmp_path):
+    states = bounded(tmp_path, clients_in_memory=1)
+    trained(states, 1, [3, 4])
+    os.replace(client_state_path(tmp_path, 3, 1), client_state_path(tmp_path, 5, 1))
+    files = ClientStateFiles(tmp_path, np.array([NOT_SAVED] * 5 + [1], dtype=np.int32))
+    with pytest.raises(ValueError, match=f"the state of client 5, {client_state_path(tmp_path, 5, 1)}, holds client 3"):
+        files[5]
+
+
+def test_a_write_that_fails_leaves_the_clients_previous_file_whole_and_no_temporary_file(tmp_path, monkeypatch):
+    states = bounded(tmp_path, clients_in_memory=100)
+    trained(states, 1, [2])
+    states.checkpoint(1)
+    before = client_state_path(tmp_path, 2, 1).read_bytes()
+    trained(states, 2, [2])
+
+    def torn_save(obj, file):
+        file.write(b"half a state")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", torn_save)
+    with pytest.raises(WriteFailed, match=f"cannot write {client_state_path(tmp_path, 2, 2)}"):
+        states.checkpoint(2)
+    assert files_of(tmp_path) == {"client_0000002.r000001.pt"}
+    assert client_state_path(tmp_path, 2, 1).read_bytes() == before
+
+
+def test_a_resume_keeps_the_files_its_checkpoint_refers_to_and_removes_those_written_after_it(tmp_path):
+    states = bounded(tmp_path, clients_in_memory=100)
+    trained(states, 1, [0, 1, 2])
+    states.checkpoint(1)
+    trained(states, 2, [0])
+    versions = states.checkpoint(2)
+    trained(states, 3, [0, 1])
+    states.checkpoint(3)  # a checkpoint whose main file a kill kept from being written
+    temporary = client_state_path(tmp_path, 2, 3).with_name(".client_0000002.r000003.pt.4242.tmp")
+    temporary.write_bytes(b"a write a kill cut short")
+
+    resumed = ClientStates.resumed(tmp_path, 100 * STATE_BYTES, 2, ClientStateFiles(tmp_path, versions), 0, 1)
+    assert files_of(tmp_path) == {"client_0000000.r000001.pt", "client_0000000.r000002.pt",
+                                  "client_0000001.r000001.pt", "client_0000002.r000001.pt"}
+    assert torch.equal(resumed.get(0, CPU)["control"], state_of(0, 2)["control"])
+    assert torch.equal(resumed.get(1, CPU)["control"], state_of(1, 1)["control"])
+    resumed.round_completed = 3
+    resumed.put(0, state_of(0, 3))
+    resumed.checkpoint(4)
+    resumed.pruned([2, 4])  # the round-1 file of client 0 that the round-2 checkpoint replaced goes
+    assert "client_0000000.r000001.pt" not in files_of(tmp_path)
+
+
+def test_a_rank_keeps_and_sweeps_only_the_clients_it_owns(tmp_path):
+    states = bounded(tmp_path, clients_in_memory=100)
+    trained(states, 1, [0, 1, 2, 3])
+    versions = states.checkpoint(1)
+    trained(states, 2, [0, 1])
+    states.checkpoint(2)
+    odd = ClientStates.resumed(tmp_path, 0, 1, ClientStateFiles(tmp_path, versions), rank=1, world_size=2)
+    assert files_of(tmp_path) == {"client_0000000.r000002.pt", *(f"client_{c:07d}.r000001.pt" for c in range(4))}
+    assert odd.checkpoint(1).tolist() == [NOT_SAVED, 1, NOT_SAVED, 1]
+
+
+def test_a_checkpoint_of_an_earlier_version_resumes_with_its_states_in_memory(tmp_path):
+    saved = {0: state_of(0, 1), 1: state_of(1, 1)}
+    resumed = ClientStates.resumed(tmp_path, 100 * STATE_BYTES, 1, saved, rank=0, world_size=1)
+    assert torch.equal(resumed.get(1, CPU)["control"], state_of(1, 1)["control"])
+    assert resumed.checkpoint(1).tolist() == [1, 1]  # written at the next checkpoint, in today's layout
+    assert files_of(tmp_path) == {"client_0000000.r000001.pt", "client_0000001.r000001.pt"}
