@@ -17,6 +17,7 @@ from jsonargparse.typing import NonNegativeInt, PositiveInt, restricted_number_t
 
 from fl_lightning.choices import DatasetName, Norm, PartitionScheme, Weighting
 from fl_lightning.errors import ConfigError
+from fl_lightning.participation import Participation, Uniform
 
 # Rates and coefficients must be finite: jsonargparse's PositiveFloat accepts inf (and an
 # overflowing 1e999 parses as inf), which would turn the first step into nan.
@@ -132,7 +133,16 @@ class FederationArgs:
     num_clients: PositiveInt = 100
     """Clients the training set is split over (data.partition decides how)."""
     clients_per_round: PositiveInt = 10
-    """Clients sampled each round (uniformly, without replacement)."""
+    """Clients sampled each round (uniformly, without replacement) from those online (participation);
+    all of them when fewer are online."""
+    participation: Optional[Participation] = None
+    """Which clients are online in each round: null or uniform (all of them), availability, cyclic or
+    trace, chosen like the algorithm (a short name, or class_path and init_args; see
+    docs/experiments.md, "Participation")."""
+    dropout: FiniteNonNegativeFloat = 0.0
+    """Probability in [0, 1) that a drawn client's upload is lost after it trained: the server
+    aggregates the clients that reported (their weights renormalised) and a dropped client's state
+    stays as it was."""
     local_steps: Optional[PositiveInt] = None
     """Mini-batches per client per round (K). Set exactly one of local_steps and local_epochs."""
     local_epochs: Optional[PositiveInt] = None
@@ -146,7 +156,19 @@ class FederationArgs:
     weighting: Optional[Weighting] = None
     """Aggregation weights p_i; None takes the algorithm's default (its paper's choice)."""
 
+    def __post_init__(self) -> None:
+        if isinstance(self.participation, Uniform):
+            self.participation = None  # one way to say "every client online": uniform and null are one experiment
+
+    @property
+    def online_clients(self) -> Participation:
+        """The participation model the rounds draw from (uniform when none is set)."""
+        return self.participation or Uniform()
+
     def validate(self) -> None:
+        self.online_clients.check(self.num_clients)
+        if self.dropout >= 1:
+            raise ConfigError("federation.dropout", "a probability in [0, 1) (1 would lose every upload)", self.dropout)
         if self.clients_per_round > self.num_clients:
             raise ConfigError(
                 "federation.clients_per_round",

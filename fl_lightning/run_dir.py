@@ -51,7 +51,8 @@ RETIRED_SETTINGS = (
 # Settings added after runs were recorded, each with the value that reproduces those runs: a recorded
 # config that lacks one was made with that value, and the digest leaves it out at that value, so such
 # runs resume and keep their default folders.
-ADDED_SETTINGS = {"data.validation": None, "data.per_client_eval": False}
+ADDED_SETTINGS = {"data.validation": None, "data.per_client_eval": False,
+                  "federation.participation": None, "federation.dropout": 0.0}
 
 # Classes renamed after runs were recorded: the class path a run records now -> the one runs recorded
 # before (which still resolves, to the same class). Both name one experiment: the digest (a default run

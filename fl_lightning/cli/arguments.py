@@ -19,10 +19,12 @@ from fl_lightning.algorithms import FORMER_NAMES, SHORT_NAMES, Algorithm
 from fl_lightning.cli.messages import class_in, describe_type
 from fl_lightning.configurable import class_path_of, init_parameters, resolve_dotted_path, subclasses, why_unresolved
 from fl_lightning.errors import ConfigError
+from fl_lightning.participation import SHORT_NAMES as PARTICIPATION_NAMES
 from fl_lightning.yaml_text import load_yaml
 
-# Options whose value may be an algorithm's short name.
+# Options whose value may be an algorithm's short name, and a participation model's.
 ALGORITHM_OPTIONS = ("--algorithm", "--algorithm.help", "--algorithm.class_path")
+PARTICIPATION_OPTIONS = ("--federation.participation", "--federation.participation.class_path")
 
 
 def expand_short_names(argv: list[str]) -> list[str]:
@@ -34,7 +36,7 @@ def expand_short_names(argv: list[str]) -> list[str]:
     expanded = list(argv)
     for i, arg in enumerate(expanded):
         option, equals, value = arg.partition("=")
-        if option not in ALGORITHM_OPTIONS:
+        if option not in ALGORITHM_OPTIONS + PARTICIPATION_OPTIONS:
             continue
         position = i if equals else i + 1
         if not equals:
@@ -44,6 +46,10 @@ def expand_short_names(argv: list[str]) -> list[str]:
         cls = algorithm_class(value) if option == "--algorithm" else None
         if cls is not None:
             value = f"{{class_path: {class_path_of(cls)}}}"
+        elif option in PARTICIPATION_OPTIONS:
+            if value not in PARTICIPATION_NAMES:
+                continue
+            value = class_path_of(PARTICIPATION_NAMES[value])
         elif (named := SHORT_NAMES.get(value) or FORMER_NAMES.get(value)) is not None:
             value = class_path_of(named)
         else:
@@ -105,7 +111,18 @@ def explicit_algorithms(value):
     for settings in (value, value.get("fit")):
         if isinstance(settings, dict) and "algorithm" in settings:
             settings["algorithm"] = _explicit_algorithm(settings["algorithm"])
+        if isinstance(settings, dict) and isinstance(settings.get("federation"), dict):
+            _name_participation_by_class_path(settings["federation"])
     return value
+
+
+def _name_participation_by_class_path(federation: dict) -> None:
+    """`participation: cyclic` or `{class_path: cyclic, ...}` in a config's federation -> the class path."""
+    spec = federation.get("participation")
+    named = PARTICIPATION_NAMES.get(_named_class(spec)) if isinstance(_named_class(spec), str) else None
+    if named is not None:
+        federation["participation"] = ({**spec, "class_path": class_path_of(named)} if isinstance(spec, dict)
+                                       else class_path_of(named))
 
 
 def _explicit_algorithm(spec):

@@ -43,15 +43,24 @@ class ClientTrainer(Protocol):
                  training: bool = True) -> torch.Tensor: ...
 
 
-# Separate streams, so that a client's batches never share random numbers with client sampling.
+# Separate streams, so that a client's batches never share random numbers with client sampling, and
+# neither shares any with who is online (participation) or whose upload is lost (dropout).
 SAMPLING_STREAM = 0
 CLIENT_STREAM = 1
+PARTICIPATION_STREAM = 2
+DROPOUT_STREAM = 3
 
 
 def seeded_generator(*keys: int) -> torch.Generator:
     """A CPU generator whose stream depends only on `keys` (e.g. seed, stream, round, client)."""
     state = np.random.SeedSequence([int(k) for k in keys]).generate_state(2, dtype=np.uint64)
     return torch.Generator().manual_seed(int(state[0] >> np.uint64(1)))
+
+
+def seeded_numpy_generator(*keys: int) -> np.random.Generator:
+    """A NumPy generator whose stream depends only on `keys`, as `seeded_generator`'s: for the draws that
+    torch has no seeded sampler of (a Beta distribution)."""
+    return np.random.default_rng(np.random.SeedSequence([int(k) for k in keys]))
 
 
 def batch_positions(

@@ -4,16 +4,67 @@ all-reduce(sum) aggregates, stop requests riding on it."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from fl_lightning.algorithms import Algorithm
-from fl_lightning.clients.run import SAMPLING_STREAM, seeded_generator
+from fl_lightning.clients.run import (
+    DROPOUT_STREAM,
+    PARTICIPATION_STREAM,
+    SAMPLING_STREAM,
+    seeded_generator,
+    seeded_numpy_generator,
+)
+from fl_lightning.config import FederationArgs
 
 
 def sample_clients(seed: int, round_index: int, num_clients: int, clients_per_round: int) -> list[int]:
-    """The round's clients: the same draw on every rank and for any number of ranks."""
+    """The round's clients when all are online: the same draw on every rank and for any number of ranks."""
+    return draw_from(list(range(num_clients)), seed, round_index, clients_per_round)
+
+
+def draw_from(online: list[int], seed: int, round_index: int, clients_per_round: int) -> list[int]:
+    """`clients_per_round` of the `online` clients (all of them when fewer are), uniformly without
+    replacement, ascending; with every client online, the draw the rounds always made."""
     generator = seeded_generator(seed, SAMPLING_STREAM, round_index)
-    return sorted(torch.randperm(num_clients, generator=generator)[:clients_per_round].tolist())
+    return sorted(online[i] for i in torch.randperm(len(online), generator=generator)[:clients_per_round].tolist())
+
+
+@dataclass(frozen=True)
+class RoundClients:
+    """Who took part in a round: online (`federation.participation`), drawn from them, and of those
+    drawn, the ones whose upload reached the server (`federation.dropout`)."""
+
+    online: list[int]
+    drawn: list[int]
+    reported: list[int]
+
+    @property
+    def dropped(self) -> list[int]:
+        return sorted(set(self.drawn) - set(self.reported))
+
+    def counts(self) -> dict[str, int]:
+        """The round's metrics of who took part."""
+        return {"clients_online": len(self.online), "clients_drawn": len(self.drawn),
+                "clients_reported": len(self.reported), "clients_dropped": len(self.dropped)}
+
+
+def round_clients(seed: int, round_index: int, federation: FederationArgs) -> RoundClients:
+    """The round's clients, from streams of their own seeded by (seed, round[, client]): the same on every
+    rank, for any number of ranks and after a resume, and drawing nothing from the data's or the
+    mini-batches' streams."""
+    def draws(*keys: int):
+        return seeded_numpy_generator(seed, PARTICIPATION_STREAM, *keys)
+
+    online = federation.online_clients.online(round_index, federation.num_clients, draws)
+    drawn = draw_from(online, seed, round_index, federation.clients_per_round)
+    return RoundClients(online, drawn, [c for c in drawn if not is_dropped(seed, round_index, c, federation.dropout)])
+
+
+def is_dropped(seed: int, round_index: int, client: int, dropout: float) -> bool:
+    """Whether the client's upload of the round is lost (probability `dropout`, a draw of its own)."""
+    return dropout > 0 and seeded_numpy_generator(seed, DROPOUT_STREAM, round_index, client).random() < dropout
 
 
 def aggregation_weights(clients: list[int], sizes: list[int], weighting: str) -> dict[int, float]:

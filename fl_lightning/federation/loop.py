@@ -31,7 +31,7 @@ from fl_lightning.federation.aggregation import (
     aggregation_weights,
     clients_of_rank,
     is_final_vote,
-    sample_clients,
+    round_clients,
     stop_vote,
 )
 from fl_lightning.federation.client_paths import ClientPath
@@ -149,7 +149,10 @@ class FederatedLoop:
         started = time.perf_counter()
         engine, settings, algorithm = self.engine, self.inputs.settings, self.algorithm
         federation = settings.federation
-        clients = sample_clients(settings.seed, round_index, federation.num_clients, federation.clients_per_round)
+        taking_part = round_clients(settings.seed, round_index, federation)
+        # Only the uploads that reach the server count, their weights renormalised over them; a dropped
+        # client's training reaches neither the server nor its own state, and is not computed.
+        clients = taking_part.reported
         weights = aggregation_weights(clients, self._sizes, self._weighting)
         buffer = UploadBuffer(algorithm, self.global_model.param_layout.numel, self.global_model.buffer_layout.numel,
                               engine.device)
@@ -173,8 +176,9 @@ class FederatedLoop:
         aggregate = buffer.reduced(engine)
         self._check_finite(round_index, clients, "the aggregated update of clients",
                            [aggregate[name] for name in algorithm.weighted_uploads + algorithm.summed_uploads])
-        algorithm.server_update(self.server_state, self.global_model.params, aggregate)
-        self.global_model.buffers.copy_(aggregate["buffers"])
+        if clients:  # a round in which no upload arrived leaves the model and the server's state as they were
+            algorithm.server_update(self.server_state, self.global_model.params, aggregate)
+            self.global_model.buffers.copy_(aggregate["buffers"])
         # Checked before anything is saved: a non-finite model must never become "the last good checkpoint".
         self._check_finite(round_index, clients, "the global model after the server step of clients",
                            [self.global_model.params, self.global_model.buffers])
@@ -184,8 +188,9 @@ class FederatedLoop:
             self.final_stop = "; ".join(sorted(r for r, final in asked.items() if final)) or "requested by another rank"
         # A run stopped for good is not requeued: the requeued job would have nothing to train.
         self.requeue_agreed = aggregate[REQUEUE_REQUESTED].item() > 0 and self.final_stop is None
-        metrics = {"round": round_index + 1, "train_loss": aggregate["train_loss"].item(),
-                   **algorithm.round_metrics(self.server_state),
+        metrics = {"round": round_index + 1,
+                   "train_loss": aggregate["train_loss"].item() if clients else float("nan"),
+                   **algorithm.round_metrics(self.server_state), **taking_part.counts(),
                    "round_seconds": time.perf_counter() - started - hooks_seconds}
         self.history.append(metrics)
         return metrics

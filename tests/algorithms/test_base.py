@@ -3,6 +3,7 @@ answered to), its hyper-parameters checked as config errors naming the field and
 run's state is the run's), and a stateful method's per-client state (SCAFFOLD, FedDyn, MOON) kept
 across ranks and resumes."""
 
+import json
 import pickle
 
 import processes
@@ -28,6 +29,7 @@ from fl_lightning.constraints import CONST
 from fl_lightning.errors import ConfigError
 from fl_lightning.federation.setup import RunSettings
 from fl_lightning.fit import fit, fit_config
+from fl_lightning.participation import Cyclic
 from fl_lightning.run_dir import check_same_experiment, experiment_digest
 from fl_lightning.server_optimizers import FedAdam, ServerSGD
 
@@ -73,6 +75,45 @@ def test_resume_from_mid_run_checkpoint_reproduces_the_uninterrupted_run(cifar_r
     run(tmp_path / "b", 2, None)
     resumed = run(tmp_path / "b", 4, "auto")
     torch.testing.assert_close(resumed, uninterrupted, rtol=0, atol=0)
+
+
+def participating_as_it_happens(name, root, out_dir, **federation):
+    """A stateful method's setup under cyclic participation (2 groups) with a third of the uploads lost."""
+    return stateful_setup(name, root, out_dir, participation=Cyclic(groups=2), dropout=0.35, **federation)
+
+
+@pytest.mark.multiprocess
+def test_two_ranks_give_the_same_model_and_the_same_clients_as_one_under_cyclic_participation_and_dropouts(
+        cifar_root, tmp_path):
+    setup = participating_as_it_happens("scaffold", cifar_root, tmp_path / "one", rounds=4)
+    single = fit(algorithm=SCAFFOLD(), **setup)
+    setup.update(out_dir=tmp_path / "two", fabric=FabricArgs(accelerator="cpu", devices=2, process_group_timeout_s=120))
+    double = processes.call_on_ranks(2, fit, algorithm=SCAFFOLD(), **setup)
+    torch.testing.assert_close(double, single, rtol=1e-5, atol=1e-6)
+    counts = [[{k: v for k, v in row.items() if k.startswith("clients_")} for row in metrics_rows(tmp_path / run)]
+              for run in ("one", "two")]
+    assert counts[0] == counts[1]
+    assert sum(row["clients_dropped"] for row in counts[0]) > 0
+    assert all(row["clients_online"] < setup["federation"].num_clients for row in counts[0])
+
+
+@pytest.mark.slow
+def test_resume_under_cyclic_participation_and_dropouts_reproduces_the_uninterrupted_run(cifar_root, tmp_path):
+    def run(out_dir, rounds, resume):
+        setup = participating_as_it_happens("feddyn", cifar_root, out_dir, rounds=rounds, eval_every=1)
+        setup["resume"] = resume
+        return fit(algorithm=FedDyn(alpha=0.1), **setup)
+
+    uninterrupted = run(tmp_path / "a", 4, None)
+    run(tmp_path / "b", 2, None)
+    resumed = run(tmp_path / "b", 4, "auto")
+    torch.testing.assert_close(resumed, uninterrupted, rtol=0, atol=0)
+    assert [row["clients_reported"] for row in metrics_rows(tmp_path / "b")] == [
+        row["clients_reported"] for row in metrics_rows(tmp_path / "a")]
+
+
+def metrics_rows(out_dir):
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 RENAMED = [(FedAvgClientMomentum, "fedavg_m", "FedAvgMomentum", "fl_lightning.algorithms.fedavg_m.FedAvgMomentum"),

@@ -3,12 +3,15 @@ round's clients, their weights, which rank computes each, the stop votes, and th
 that the all-reduce sums, checked against sums done by hand in float64."""
 
 import itertools
+import math
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from fl_lightning.algorithms import SCAFFOLD, FedAvg
+from fl_lightning.clients.run import SAMPLING_STREAM, seeded_generator
+from fl_lightning.config import FederationArgs
 from fl_lightning.federation.aggregation import (
     REQUEUE_REQUESTED,
     STOP_REQUESTED,
@@ -16,9 +19,11 @@ from fl_lightning.federation.aggregation import (
     aggregation_weights,
     clients_of_rank,
     is_final_vote,
+    round_clients,
     sample_clients,
     stop_vote,
 )
+from fl_lightning.participation import Availability, Cyclic
 
 CPU = torch.device("cpu")
 
@@ -87,6 +92,51 @@ def test_over_many_rounds_every_client_is_drawn_about_equally_often():
     # Each client is drawn with probability 5/50 a round: 100 times expected, a binomial sd of 9.5.
     assert sum(counts) == rounds * 5
     assert min(counts) > 100 - 5 * 9.5 and max(counts) < 100 + 5 * 9.5
+
+
+def test_uniform_participation_without_dropouts_draws_as_the_rounds_always_did():
+    federation = FederationArgs(num_clients=30, clients_per_round=8, local_steps=1)
+    for seed, round_index in itertools.product((0, 3), range(10)):
+        generator = seeded_generator(seed, SAMPLING_STREAM, round_index)
+        before = sorted(torch.randperm(30, generator=generator)[:8].tolist())
+        taking_part = round_clients(seed, round_index, federation)
+        assert taking_part.online == list(range(30))
+        assert taking_part.drawn == taking_part.reported == before and taking_part.dropped == []
+
+
+def test_the_round_draws_its_clients_from_those_online_and_all_of_them_when_fewer():
+    federation = FederationArgs(num_clients=20, clients_per_round=4, local_steps=1,
+                                participation=Availability(probability=0.25))
+    sizes = set()
+    for round_index in range(200):
+        taking_part = round_clients(0, round_index, federation)
+        assert set(taking_part.drawn) <= set(taking_part.online)
+        assert len(taking_part.drawn) == min(4, len(taking_part.online))
+        sizes.add(len(taking_part.online))
+    assert min(sizes) < 4 < max(sizes)  # both cases were met
+
+
+def test_dropouts_lose_uploads_at_their_rate_and_the_counts_add_up():
+    dropout, rounds = 0.2, 500
+    federation = FederationArgs(num_clients=10, clients_per_round=6, local_steps=1, dropout=dropout,
+                                participation=Cyclic(groups=1))
+    dropped = 0
+    for round_index in range(rounds):
+        counts = round_clients(1, round_index, federation).counts()
+        assert counts["clients_online"] == 10 and counts["clients_drawn"] == 6
+        assert counts["clients_reported"] + counts["clients_dropped"] == 6
+        dropped += counts["clients_dropped"]
+    trials = rounds * 6
+    assert abs(dropped - trials * dropout) <= 4.5 * math.sqrt(trials * dropout * (1 - dropout))
+
+
+def test_a_dropout_is_the_clients_own_draw_whatever_else_the_round_draws():
+    # Who is lost depends on (seed, round, client) alone: not on how many were drawn or who else was.
+    few = FederationArgs(num_clients=12, clients_per_round=3, local_steps=1, dropout=0.5)
+    every = FederationArgs(num_clients=12, clients_per_round=12, local_steps=1, dropout=0.5)
+    for round_index in range(20):
+        some, all_of_them = round_clients(2, round_index, few), round_clients(2, round_index, every)
+        assert set(some.dropped) == set(all_of_them.dropped) & set(some.drawn)
 
 
 # Weights

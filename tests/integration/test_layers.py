@@ -36,7 +36,7 @@ LAYERS = [
       "fl_lightning.file_lock", "fl_lightning.flat", "fl_lightning.metric_names", "fl_lightning.registry",
       "fl_lightning.yaml_text"]),
     ("data and models", ["fl_lightning.data", "fl_lightning.models"]),
-    ("settings", ["fl_lightning.config"]),
+    ("settings", ["fl_lightning.config", "fl_lightning.participation"]),
     ("run folder, logging and cluster",
      ["fl_lightning.run_dir", "fl_lightning.checkpoint", "fl_lightning.wandb_file", "fl_lightning.run_logging",
       "fl_lightning.cluster", "fl_lightning.lost_ranks"]),

@@ -1,0 +1,152 @@
+"""Who is online in each round (fl_lightning/participation.py): each model's draws over many rounds
+against its definition (an online frequency per client within a binomial interval of its probability,
+cyclic groups exactly), the same draws for the same seed, and bad settings refused naming the field."""
+
+import math
+
+import numpy as np
+import pytest
+from paths import QUICKSTART
+
+from fl_lightning.cli.parser import parse_command_line
+from fl_lightning.clients.run import PARTICIPATION_STREAM, seeded_numpy_generator
+from fl_lightning.commands.main import command_parser
+from fl_lightning.config import FederationArgs
+from fl_lightning.errors import ConfigError
+from fl_lightning.participation import SHORT_NAMES, Availability, Cyclic, Trace, Uniform
+
+ROUNDS = 2000
+
+
+def draws_of(seed):
+    return lambda *keys: seeded_numpy_generator(seed, PARTICIPATION_STREAM, *keys)
+
+
+def online_counts(participation, num_clients, rounds=ROUNDS, seed=0):
+    counts = np.zeros(num_clients)
+    for r in range(rounds):
+        counts[participation.online(r, num_clients, draws_of(seed))] += 1
+    return counts
+
+
+def within_binomial_interval(count, trials, probability, z=4.5):
+    """Whether `count` successes of `trials` lie within z standard deviations of the binomial mean."""
+    spread = z * math.sqrt(trials * probability * (1 - probability))
+    return abs(count - trials * probability) <= spread + 1e-9
+
+
+def test_every_model_has_its_short_name():
+    assert SHORT_NAMES == {"uniform": Uniform, "availability": Availability, "cyclic": Cyclic, "trace": Trace}
+
+
+def test_uniform_puts_every_client_online_every_round():
+    assert all(Uniform().online(r, 7, draws_of(0)) == list(range(7)) for r in range(5))
+
+
+@pytest.mark.parametrize("probability", [0.1, 0.5, 0.9])
+def test_availability_puts_each_client_online_with_its_probability(probability):
+    counts = online_counts(Availability(probability=probability), 20)
+    assert all(within_binomial_interval(count, ROUNDS, probability) for count in counts), counts
+    assert len(set(counts)) > 1  # independent clients, not one draw for all
+
+
+def test_availability_with_probability_one_puts_everyone_online():
+    assert online_counts(Availability(probability=1.0), 6, rounds=50).tolist() == [50] * 6
+
+
+def test_availability_from_a_beta_draws_each_clients_probability_once():
+    participation, num_clients = Availability(beta=(2.0, 3.0)), 30
+    probabilities = participation.probabilities(num_clients, draws_of(0))
+    np.testing.assert_array_equal(probabilities, participation.probabilities(num_clients, draws_of(0)))
+    assert not np.array_equal(probabilities, participation.probabilities(num_clients, draws_of(1)))
+    assert np.ptp(probabilities) > 0.3  # the clients differ
+    counts = online_counts(participation, num_clients)
+    assert all(within_binomial_interval(c, ROUNDS, p) for c, p in zip(counts, probabilities)), (counts, probabilities)
+
+
+def test_cyclic_groups_are_fixed_and_online_in_turn():
+    participation, num_clients, groups = Cyclic(groups=3), 10, 3
+    split = participation.client_groups(num_clients, draws_of(0))
+    assert sorted(c for group in split for c in group) == list(range(num_clients))
+    assert sorted(len(group) for group in split) == [3, 3, 4]
+    for r in range(12):
+        assert participation.online(r, num_clients, draws_of(0)) == split[r % groups]
+
+
+def test_cyclic_groups_are_a_random_split_of_the_run():
+    # Not the ids in order: a group holds clients whatever their place in the data split.
+    assert Cyclic(groups=2).client_groups(10, draws_of(0)) != [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
+
+
+def test_trace_repeats_its_lines(tmp_path):
+    trace = tmp_path / "online.txt"
+    trace.write_text("0 3, 2\n\n1,1,4\n")
+    participation = Trace(path=str(trace))
+    assert [participation.online(r, 5, draws_of(0)) for r in range(6)] == [[0, 2, 3], [], [1, 4]] * 2
+
+
+def federation(**settings):
+    return FederationArgs(num_clients=10, clients_per_round=3, local_steps=1, **settings)
+
+
+@pytest.mark.parametrize("make, field", [
+    (lambda: Availability(probability=0.0), "federation.participation.init_args.probability"),
+    (lambda: Availability(probability=1.5), "federation.participation.init_args.probability"),
+    (lambda: Availability(probability=float("nan")), "federation.participation.init_args.probability"),
+    (lambda: Availability(), "federation.participation.init_args"),
+    (lambda: Availability(probability=0.5, beta=(1.0, 1.0)), "federation.participation.init_args"),
+    (lambda: Availability(beta=(0.0, 1.0)), "federation.participation.init_args.beta"),
+    (lambda: Cyclic(groups=0), "federation.participation.init_args.groups"),
+    (lambda: Trace(path="no/such/trace.txt"), "federation.participation.init_args.path"),
+])
+def test_bad_participation_settings_are_refused_naming_the_field(make, field):
+    with pytest.raises(ConfigError) as refused:
+        make()
+    assert refused.value.field_name == field
+
+
+def test_settings_that_do_not_fit_the_federation_are_refused_before_any_round(tmp_path):
+    with pytest.raises(ConfigError) as refused:
+        federation(participation=Cyclic(groups=11)).validate()
+    assert refused.value.field_name == "federation.participation.init_args.groups" and "(10)" in str(refused.value)
+    trace = tmp_path / "online.txt"
+    trace.write_text("1 2\n3 10\n")
+    with pytest.raises(ConfigError) as refused:
+        federation(participation=Trace(path=str(trace))).validate()
+    assert refused.value.field_name == "federation.participation.init_args.path" and "line 2" in str(refused.value)
+    trace.write_text("1 x\n")
+    with pytest.raises(ConfigError, match="line 1"):
+        Trace(path=str(trace))
+    with pytest.raises(ConfigError) as refused:
+        FederationArgs(num_clients=10, clients_per_round=11, local_steps=1).validate()
+    assert refused.value.field_name == "federation.clients_per_round"
+    with pytest.raises(ConfigError) as refused:
+        federation(dropout=1.0).validate()
+    assert refused.value.field_name == "federation.dropout"
+    federation(participation=Cyclic(groups=10), dropout=0.5).validate()
+
+
+@pytest.mark.parametrize("line", [
+    ["--federation.participation", "cyclic", "--federation.participation.groups", "3"],
+    ["--federation.participation", "Cyclic", "--federation.participation.groups", "3"],
+    ["--federation.participation", "{class_path: fl_lightning.participation.Cyclic, init_args: {groups: 3}}"],
+    ["--config", "participation.yaml"],
+])
+def test_a_participation_model_is_chosen_like_an_algorithm(line, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "participation.yaml").write_text(
+        "federation:\n  participation: {class_path: cyclic, init_args: {groups: 3}}\n")
+    parser = command_parser()
+    parsed = parser.instantiate(parse_command_line(["fit", "--config", str(QUICKSTART), *line], parser))
+    participation = parsed.fit.federation.participation
+    assert type(participation) is Cyclic and participation.groups == 3
+
+
+def test_uniform_participation_is_one_setting_however_it_is_said():
+    # null and uniform are one experiment: one value recorded, one run folder.
+    parser = command_parser()
+    for line in ([], ["--federation.participation", "uniform"], ["--federation.participation", "null"]):
+        parsed = parser.instantiate(parse_command_line(["fit", "--config", str(QUICKSTART), *line], parser))
+        assert parsed.fit.federation.participation is None and parsed.fit.federation.dropout == 0, line
+    assert isinstance(FederationArgs(participation=Uniform()).online_clients, Uniform)
+    assert FederationArgs(participation=Uniform()).participation is None
