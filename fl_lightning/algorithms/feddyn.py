@@ -3,8 +3,12 @@
 Each client k keeps h_k (zero until it first trains), its estimate of the gradient of its loss at
 its last local model. Local steps use g - h_k + alpha (y - x), which is the gradient of the
 dynamically regularised loss L_k(y) - <h_k, y> + (alpha / 2) |y - x|^2; afterwards
-h_k <- h_k - alpha (y_k - x). The server keeps h <- h - (alpha / N) sum_{k in S} (y_k - x) over
-all N clients and sets x <- mean_{k in S} y_k - h / alpha.
+h_k <- h_k - alpha (y_k - x). The server keeps h <- h - (alpha / N) sum_{k in S} (y_k - x) with N
+all the clients and sets x <- mean_{k in S} y_k - h / alpha.
+
+Partial participation, as in the paper (Algorithm 1): S is the set of clients whose uploads reached
+the server (online, drawn and not dropped); the clients outside it keep their h_k, and a round in
+which no upload arrives leaves x and h as they were (the round loop skips the server's step).
 
 That server rule is expressed as the pseudo-gradient x - (mean y_k - h / alpha), so the default
 server optimizer (SGD, lr 1, no momentum) applies it exactly. Another server optimizer steps on the

@@ -26,6 +26,10 @@ its own network as initialised before training (every party gets its own random 
 there, and the pool snapshots every party's network); this project has no such per-client
 network and leaves the term out on that round too.
 
+Absences and lost uploads. A client's previous model is its local model of the last round whose
+upload reached the server, kept however many rounds it is offline; a client whose upload is lost
+(`federation.dropout`) keeps the one before, as a client that failed after training would.
+
 Gradient: the CE part is the module's own `training_step` (`client.loss_and_grad`); the
 contrastive part is differentiated separately through `client.features` at the same parameters on
 the same batch. With BatchNorm both passes normalise with the same batch statistics (and only the

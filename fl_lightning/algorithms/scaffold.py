@@ -4,7 +4,12 @@ The server keeps a control c, each client its own c_i (zero until the client fir
 kept while it sits rounds out). Local steps use g - c_i + c. Afterwards
 c_i+ = c_i - c + (x - y) / (K_i eta) with the client's own step count K_i and lr eta; the client
 uploads x - y (averaged) and c_i+ - c_i (summed), and the server steps x with its optimizer on the
-averaged x - y and sets c <- c + (1/N) sum_i (c_i+ - c_i) over all N clients.
+averaged x - y and sets c <- c + (1/N) sum_{i in S} (c_i+ - c_i) with N all the clients.
+
+Partial participation, as in the paper (Algorithm 1, line 17): S is the set of clients whose
+uploads reached the server, so c <- c + |S|/N * mean_{i in S} (c_i+ - c_i), whoever was offline
+(`federation.participation`) or lost their upload (`federation.dropout`); an absent client's c_i,
+and a dropped client's, stays as it was until its next reported round.
 
 Option II assumes plain SGD. With local momentum beta, y moves about 1 / (1 - beta) times further
 than K_i eta times the mean direction, so the literal formula (the default, as in the common

@@ -14,6 +14,7 @@ from reference import (
     assert_close,
     last_checkpoint,
     moon_setup,
+    participation_pattern,
     returning,
     returning_after_a_gap,
     sampled,
@@ -79,9 +80,12 @@ class MoonProblem:
 
 
 @pytest.mark.slow
-def test_moon_matches_reference(cifar_root, tmp_path):
+@pytest.mark.parametrize("participation", ["uniform", "cyclic_with_dropouts", "long_absences"])
+def test_moon_matches_reference(cifar_root, tmp_path, participation):
     mu, tau, lr = 5.0, 0.5, 0.05
-    setup = moon_setup(cifar_root, tmp_path, rounds=4)
+    rounds = 4 if participation == "uniform" else 6
+    setup = moon_setup(cifar_root, tmp_path, rounds=rounds, eval_every=rounds,
+                       **participation_pattern(participation, tmp_path))
     final = fit(algorithm=MOON(mu=mu, tau=tau, projection_dim=PROJECTION),
                 client_optimizer=ClientOptimizerArgs(lr=lr), **setup)
 
@@ -102,7 +106,7 @@ def test_moon_matches_reference(cifar_root, tmp_path):
                 loss = moon.cross_entropy(y, c) + mu * moon.contrastive(y, x, previous_models.get(c, x), c, tau)
                 (gradient,) = torch.autograd.grad(loss, y)
                 y = y.detach() - lr * gradient
-            previous_models[c] = y
+            previous_models[c] = y  # a dropped client's stays as it was: it never reported
             update += problem.num_samples(c) / total * (y - x)
         x = x + update
     assert returning_after_a_gap(setup)

@@ -8,6 +8,7 @@ from reference import (
     assert_close,
     client_batches,
     last_checkpoint,
+    participation_pattern,
     returning_after_a_gap,
     sampled,
     small_setup,
@@ -29,12 +30,14 @@ def distance_along_constant_direction(num_steps, lr, momentum, nesterov):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("momentum, nesterov, effective_steps", [
-    (0.0, False, False), (0.9, False, False), (0.9, False, True), (0.5, True, True)])
+@pytest.mark.parametrize("momentum, nesterov, effective_steps, participation", [
+    (0.0, False, False, "uniform"), (0.9, False, False, "uniform"), (0.9, False, True, "cyclic_with_dropouts"),
+    (0.5, True, True, "long_absences"), (0.0, False, False, "cyclic_with_dropouts")])
 def test_scaffold_matches_reference_with_controls_kept_across_skipped_rounds(
-        cifar_root, tmp_path, momentum, nesterov, effective_steps):
+        cifar_root, tmp_path, momentum, nesterov, effective_steps, participation):
     # Mini-batches of 20 give clients of different sizes different step counts K_i.
-    setup = small_setup(cifar_root, tmp_path, rounds=5, local_epochs=1, batch_size=20, eval_every=5)
+    setup = small_setup(cifar_root, tmp_path, rounds=6, local_epochs=1, batch_size=20, eval_every=6,
+                        **participation_pattern(participation, tmp_path))
     lr, gamma = 0.05, 0.8
     final = fit(algorithm=SCAFFOLD(effective_steps=effective_steps),
                 client_optimizer=ClientOptimizerArgs(lr=lr, momentum=momentum, nesterov=nesterov),
@@ -60,12 +63,13 @@ def test_scaffold_matches_reference_with_controls_kept_across_skipped_rounds(
             step_length = (distance_along_constant_direction(len(batches), lr, momentum, nesterov)
                            if effective_steps else len(batches) * lr)
             new_control = control - server_control + (x - y) / step_length
-            mean_change += (y - x) / len(clients)  # uniform weights, the paper's default
+            mean_change += (y - x) / len(clients)  # uniform weights over those that reported, the paper's default
             control_change += new_control - control
             client_controls[c] = new_control
             step_counts.add(len(batches))
         x = x + gamma * mean_change
-        server_control = server_control + control_change / num_clients
+        # The paper's partial participation: c <- c + |S| / N * mean over S of (c_i+ - c_i), S those that reported.
+        server_control = server_control + len(clients) / num_clients * (control_change / max(len(clients), 1))
     assert len(step_counts) > 1
     assert returning_after_a_gap(setup)
     assert_close(final, x)

@@ -17,9 +17,10 @@ from fl_lightning.checkpoint import load_checkpoint
 from fl_lightning.clients.run import CLIENT_STREAM, batch_positions, seeded_generator
 from fl_lightning.config import ClientOptimizerArgs, DataArgs, FabricArgs, FederationArgs, LoggerArgs, ModelArgs
 from fl_lightning.data import load_dataset
-from fl_lightning.federation.aggregation import sample_clients
+from fl_lightning.federation.aggregation import round_clients
 from fl_lightning.fit import fit
 from fl_lightning.models import create_model
+from fl_lightning.participation import Cyclic, Trace
 from fl_lightning.server_optimizers import ServerSGD
 
 SEED = 3
@@ -97,11 +98,27 @@ LR = 0.05
 
 
 def sampled(round_index, setup):
-    """The clients of a round, as every rank draws them; the tests' federations are partially participating."""
+    """The clients of a round whose uploads reached the server, as every rank draws them (those online,
+    drawn, and not dropped); the tests' federations are partially participating."""
     federation = setup["federation"]
-    clients = sample_clients(SEED, round_index, federation.num_clients, federation.clients_per_round)
+    clients = round_clients(SEED, round_index, federation).reported
     assert len(clients) < federation.num_clients  # partial participation
     return clients
+
+
+def participation_pattern(name, folder):
+    """The federation settings of a participation pattern that the stateful methods are checked under, in
+    small_setup's federation of 5 clients, 3 a round, over 6 rounds: every client online (uniform);
+    2 cyclic groups with a third of the uploads lost (round 6 loses every upload); a trace where
+    client 2 reports in round 1, is away for three rounds and reports again in round 5, with lost
+    uploads (clients 3's and 4's in round 3). Who reports is the product's draw, seeded by SEED."""
+    if name == "uniform":
+        return {}
+    if name == "cyclic_with_dropouts":
+        return dict(participation=Cyclic(groups=2), dropout=0.35)
+    trace = Path(folder) / "online.txt"
+    trace.write_text("0 1 2 3\n0 1 4\n0 3 4\n1 3 4\n0 1 2 3 4\n0 2 4\n")
+    return dict(participation=Trace(path=str(trace)), dropout=0.3)
 
 
 def sample_weights(problem, clients):
