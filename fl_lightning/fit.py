@@ -60,6 +60,7 @@ from fl_lightning.cpu import ThreadChoice, cpu_rank, run_threads
 from fl_lightning.data import class_histogram, plot_partition
 from fl_lightning.data.partition import describe_split
 from fl_lightning.errors import ConfigError, RunInterrupted
+from fl_lightning.federation.participation_plot import PARTICIPATION_PLOT, plot_participation
 from fl_lightning.federation.setup import RankInputs, RunSettings, as_lists, rank_inputs
 from fl_lightning.flat import FlatLayout
 from fl_lightning.lost_ranks import watch_started_ranks
@@ -381,6 +382,9 @@ def _write_run_files(inputs: RankInputs) -> None:
         histogram = class_histogram(data.train.labels.numpy(), data.partition, data.train.num_classes)
         split = describe_split(data_settings.partition, data_settings.alpha, data_settings.shards_per_client)
         plot_partition(histogram, out / PARTITION_PLOT, split)
+    federation = inputs.settings.federation
+    if (federation.participation is not None or federation.dropout) and not (out / PARTICIPATION_PLOT).is_file():
+        plot_participation(inputs.settings.seed, federation, out / PARTICIPATION_PLOT)
 
 
 def _build_fabric(args: FabricArgs, callbacks: list[Callback]):

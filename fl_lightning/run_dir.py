@@ -34,7 +34,8 @@ VALIDATION_FILE = "validation.json"
 PARTITION_PLOT = "partition.png"
 LOCK_FILE = ".lock"
 # What a run writes into its folder; `overwrite` removes exactly these.
-RUN_FILES = (CONFIG_FILE, "metrics.jsonl", "partition.json", VALIDATION_FILE, PARTITION_PLOT, "checkpoints", "wandb")
+RUN_FILES = (CONFIG_FILE, "metrics.jsonl", "partition.json", VALIDATION_FILE, PARTITION_PLOT, "participation.png",
+             "checkpoints", "wandb")
 # Dotted settings (or prefixes ending in ".") that change how a run is carried out, not its result.
 SAFE_TO_CHANGE = (
     "federation.rounds", "federation.eval_every", "federation.eval_batch_size",

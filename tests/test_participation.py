@@ -6,13 +6,17 @@ import math
 
 import numpy as np
 import pytest
+import torch
 from paths import QUICKSTART
+from reference import small_setup
 
+from fl_lightning.algorithms import FedAvg
 from fl_lightning.cli.parser import parse_command_line
 from fl_lightning.clients.run import PARTICIPATION_STREAM, seeded_numpy_generator
 from fl_lightning.commands.main import command_parser
 from fl_lightning.config import FederationArgs
 from fl_lightning.errors import ConfigError
+from fl_lightning.fit import fit
 from fl_lightning.participation import SHORT_NAMES, Availability, Cyclic, Trace, Uniform
 
 ROUNDS = 2000
@@ -150,3 +154,16 @@ def test_uniform_participation_is_one_setting_however_it_is_said():
         assert parsed.fit.federation.participation is None and parsed.fit.federation.dropout == 0, line
     assert isinstance(FederationArgs(participation=Uniform()).online_clients, Uniform)
     assert FederationArgs(participation=Uniform()).participation is None
+
+
+def test_the_participation_changes_neither_the_data_split_nor_the_mini_batches(cifar_root, tmp_path):
+    # With every client online, availability draws the clients uniform draws: the same model, bit for
+    # bit, though it took its own draws; cyclic groups train on the same split.
+    def run(name, **federation):
+        setup = small_setup(cifar_root, tmp_path / name, rounds=2, local_epochs=1, batch_size=20, **federation)
+        return fit(algorithm=FedAvg(), **setup)
+
+    uniform = run("uniform")
+    assert torch.equal(run("always_available", participation=Availability(probability=1.0)), uniform)
+    run("cyclic", participation=Cyclic(groups=2))
+    assert (tmp_path / "cyclic" / "partition.json").read_text() == (tmp_path / "uniform" / "partition.json").read_text()
