@@ -200,3 +200,26 @@ def test_thread_benchmark_times_a_candidate_quiet_and_beside_busy_loops(tmp_path
     assert all(r["seconds_per_round"] > 0 and r["threads_printed"].startswith("1 per rank") for r in results)
     assert re.search(r"^quickstart\s+1 thread\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+1$", capsys.readouterr().out, re.M)
     assert json.loads((tmp_path / "threads.json").read_text())["results"] == results
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_client_state_benchmark_prints_memory_time_and_checkpoint_bytes_with_the_store_off_and_on(tmp_path, capsys):
+    """A tiny federation, every state past the bound (0 MiB), each configuration as a fresh process."""
+    spec = importlib.util.spec_from_file_location("client_state", SCRIPT.with_name("client_state.py"))
+    client_state = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(client_state)
+    results = client_state.main(["--clients", "40", "--rounds", "4", "--checkpoint-every", "2", "--algorithms",
+                                 "scaffold", "--bound-mib", "0", "--json", str(tmp_path / "client_state.json")])
+    assert [(r["algorithm"], r["clients"], r["store"]) for r in results] == [("scaffold", 40, "off"),
+                                                                           ("scaffold", 40, "on")]
+    off, on = results
+    assert all(r["peak_rss_mib"] >= r["set_up_rss_mib"] > 0 and r["seconds_per_round"] > 0 for r in results)
+    assert off["between_checkpoints_bytes"] == 0 < on["between_checkpoints_bytes"]  # on: states past the bound
+    assert on["states_in_memory"] == 1 < off["states_in_memory"]
+    assert 0 < on["checkpoint_bytes"] < off["checkpoint_bytes"]  # on: most states written before the checkpoint
+    printed = capsys.readouterr().out
+    for store in ("off", "on"):
+        assert re.search(rf"^scaffold\s+40 {store}\s+\d+\s+\d+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+$", printed,
+                         re.M), printed
+    assert json.loads((tmp_path / "client_state.json").read_text()) == results
