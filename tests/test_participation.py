@@ -12,10 +12,10 @@ from reference import small_setup
 
 from fl_lightning.algorithms import FedAvg
 from fl_lightning.cli.parser import parse_command_line
-from fl_lightning.clients.run import PARTICIPATION_STREAM, seeded_numpy_generator
 from fl_lightning.commands.main import command_parser
 from fl_lightning.config import FederationArgs
 from fl_lightning.errors import ConfigError
+from fl_lightning.federation.aggregation import participation_draws
 from fl_lightning.fit import fit
 from fl_lightning.participation import SHORT_NAMES, Availability, Cyclic, Trace, Uniform
 
@@ -23,7 +23,7 @@ ROUNDS = 2000
 
 
 def draws_of(seed):
-    return lambda *keys: seeded_numpy_generator(seed, PARTICIPATION_STREAM, *keys)
+    return participation_draws(seed)
 
 
 def online_counts(participation, num_clients, rounds=ROUNDS, seed=0):
@@ -41,6 +41,13 @@ def within_binomial_interval(count, trials, probability, z=4.5):
 
 def test_every_model_has_its_short_name():
     assert SHORT_NAMES == {"uniform": Uniform, "availability": Availability, "cyclic": Cyclic, "trace": Trace}
+
+
+def test_the_draws_made_once_share_no_stream_with_any_rounds():
+    # A Beta's probabilities drawn from round 0's stream would be correlated with round 0's uniforms.
+    draws = participation_draws(4)
+    once = draws().random(8)
+    assert all(not np.array_equal(once, draws(r).random(8)) for r in range(3))
 
 
 def test_uniform_puts_every_client_online_every_round():

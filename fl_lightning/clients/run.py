@@ -44,11 +44,14 @@ class ClientTrainer(Protocol):
 
 
 # Separate streams, so that a client's batches never share random numbers with client sampling, and
-# neither shares any with who is online (participation) or whose upload is lost (dropout).
+# neither shares any with who is online (participation: a stream per round, and one of the draws a
+# run makes once) or whose upload is lost (dropout). Keys that differ only by trailing zeros seed the
+# same stream (NumPy's SeedSequence), so a stream's keys always have one length.
 SAMPLING_STREAM = 0
 CLIENT_STREAM = 1
 PARTICIPATION_STREAM = 2
 DROPOUT_STREAM = 3
+POPULATION_STREAM = 4
 
 
 def seeded_generator(*keys: int) -> torch.Generator:

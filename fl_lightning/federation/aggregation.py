@@ -6,17 +6,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from fl_lightning.algorithms import Algorithm
 from fl_lightning.clients.run import (
     DROPOUT_STREAM,
     PARTICIPATION_STREAM,
+    POPULATION_STREAM,
     SAMPLING_STREAM,
     seeded_generator,
     seeded_numpy_generator,
 )
 from fl_lightning.config import FederationArgs
+from fl_lightning.participation import Draws
 
 
 def sample_clients(seed: int, round_index: int, num_clients: int, clients_per_round: int) -> list[int]:
@@ -54,12 +57,19 @@ def round_clients(seed: int, round_index: int, federation: FederationArgs) -> Ro
     """The round's clients, from streams of their own seeded by (seed, round[, client]): the same on every
     rank, for any number of ranks and after a resume, and drawing nothing from the data's or the
     mini-batches' streams."""
-    def draws(*keys: int):
-        return seeded_numpy_generator(seed, PARTICIPATION_STREAM, *keys)
-
-    online = federation.online_clients.online(round_index, federation.num_clients, draws)
+    online = federation.online_clients.online(round_index, federation.num_clients, participation_draws(seed))
     drawn = draw_from(online, seed, round_index, federation.clients_per_round)
     return RoundClients(online, drawn, [c for c in drawn if not is_dropped(seed, round_index, c, federation.dropout)])
+
+
+def participation_draws(seed: int) -> Draws:
+    """The participation model's generators: `draws(round)` a round's, `draws()` the run's draws made once."""
+    def draws(*round_index: int) -> np.random.Generator:
+        if round_index:
+            return seeded_numpy_generator(seed, PARTICIPATION_STREAM, *round_index)
+        return seeded_numpy_generator(seed, POPULATION_STREAM)
+
+    return draws
 
 
 def is_dropped(seed: int, round_index: int, client: int, dropout: float) -> bool:

@@ -109,13 +109,13 @@ def sampled(round_index, setup):
 def participation_pattern(name, folder):
     """The federation settings of a participation pattern that the stateful methods are checked under, in
     small_setup's federation of 5 clients, 3 a round, over 6 rounds: every client online (uniform);
-    2 cyclic groups with a third of the uploads lost (round 6 loses every upload); a trace where
+    2 cyclic groups with 40% of the uploads lost (round 6 loses every upload); a trace where
     client 2 reports in round 1, is away for three rounds and reports again in round 5, with lost
     uploads (clients 3's and 4's in round 3). Who reports is the product's draw, seeded by SEED."""
     if name == "uniform":
         return {}
     if name == "cyclic_with_dropouts":
-        return dict(participation=Cyclic(groups=2), dropout=0.35)
+        return dict(participation=Cyclic(groups=2), dropout=0.4)
     trace = Path(folder) / "online.txt"
     trace.write_text("0 1 2 3\n0 1 4\n0 3 4\n1 3 4\n0 1 2 3 4\n0 2 4\n")
     return dict(participation=Trace(path=str(trace)), dropout=0.3)
