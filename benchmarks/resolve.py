@@ -22,9 +22,9 @@ from pathlib import Path
 from fl_lightning.cli.arguments import expand_bare_flags, expand_short_names
 from fl_lightning.cli.parser import parse_command_line
 from fl_lightning.commands.main import command_parser
-from fl_lightning.experiments.plan import load_plan
-from fl_lightning.experiments.resolve import fit_parser, resolve_grid
-from fl_lightning.experiments.table import table
+from fl_lightning.experiments.plans.plan import load_plan
+from fl_lightning.experiments.plans.resolve import fit_parser, resolve_grid
+from fl_lightning.experiments.results.table import table
 
 FIT_LINE = ["fit", "--config", "configs/quickstart.yaml", "--algorithm", "fedprox", "--federation.rounds", "3"]
 

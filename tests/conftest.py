@@ -82,7 +82,7 @@ def forked_runs(monkeypatch):
     """A sweep in the test's own process starts its runs as forks (tests/support/processes.py) of the
     command line it builds, instead of fresh interpreters at 10 s of imports each. A sweep that a
     test starts as a process of its own does the same with `processes.Popen(..., fork_runs=True)`."""
-    from fl_lightning.experiments import local
+    from fl_lightning.experiments.sweeps import local
 
     monkeypatch.setattr(local, "start_run_process", processes.start_run_process)
 

@@ -72,7 +72,7 @@ def test_omp_num_threads_and_the_setting_take_precedence(monkeypatch):
 
 
 def test_on_gpus_a_rank_leaves_its_threads_to_openmp_whatever_the_setting():
-    """The rule fit follows and the estimate prices with (tests/experiments/test_estimate.py)."""
+    """The rule fit follows and the estimate prices with (tests/experiments/sweeps/test_estimate.py)."""
     assert run_threads(False, 4, LARGE, 1, {}) is None
     assert run_threads(False, "auto", LARGE, 1, {}) is None
     assert run_threads(True, 4, LARGE, 1, {}) == ThreadChoice(4, "compute.cpu_threads")

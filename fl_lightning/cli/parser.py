@@ -118,7 +118,7 @@ def parse_command_line(argv: list[str], parser: CommandParser) -> Namespace:
 
 
 # The options whose values tell apart the command lines of one setting and method of a sweep: the
-# seed, and the run folder and W&B run name made with it (fl_lightning.experiments.plan.GridPoint).
+# seed, and the run folder and W&B run name made with it (fl_lightning.experiments.plans.plan.GridPoint).
 PER_RUN_OPTIONS = ("--seed", "--out_dir", "--logger.name")
 # Options that could set a per-run value again after the command line gave it.
 _SETTING_PER_RUN_VALUES = ("--config", "--logger")

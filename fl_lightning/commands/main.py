@@ -19,13 +19,13 @@ from typing import Optional
 from fl_lightning.cli.messages import one_line_warnings
 from fl_lightning.cli.parser import CommandParser, build_parser, parse_command_line
 from fl_lightning.cluster import RequeueFailed
-from fl_lightning.compare import compare
 from fl_lightning.errors import ConfigError, RunInterrupted
-from fl_lightning.experiments.dashboard import dashboard
-from fl_lightning.experiments.data_check import data, data_of_fit_line, fit_line_of
-from fl_lightning.experiments.publish import publish
-from fl_lightning.experiments.sweep import sweep
-from fl_lightning.experiments.table import table
+from fl_lightning.experiments.results.compare import compare
+from fl_lightning.experiments.results.dashboard import dashboard
+from fl_lightning.experiments.results.publish import publish
+from fl_lightning.experiments.results.table import table
+from fl_lightning.experiments.sweeps.data_check import data, data_of_fit_line, fit_line_of
+from fl_lightning.experiments.sweeps.sweep import sweep
 from fl_lightning.fit import fit
 
 COMMANDS = {"fit": fit, "compare": compare, "table": table, "sweep": sweep, "dashboard": dashboard, "data": data,

@@ -39,8 +39,15 @@ from fl_lightning.metric_names import (
     VAL_ACCURACY,
     VAL_LOSS,
 )
-from fl_lightning.run_dir import CONFIG_FILE, DifferentExperiment, check_same_experiment, recorded_config
+from fl_lightning.run_dir import CONFIG_FILE, DifferentExperiment, RunDirLock, check_same_experiment, recorded_config
 from fl_lightning.run_logging import METRICS_FILE
+
+LOG_FILE = "sweep.log"
+"""Each local run's output, in its run folder (appended to by every attempt)."""
+SWEEP_LOCK_FILE = ".sweep.lock"
+"""Held in a run folder by the sweep that runs it."""
+POLL_SECONDS = 0.1
+"""How often a process waiting on a run folder (its lock, its process) looks again, in seconds."""
 
 
 class RunFolder:
@@ -334,3 +341,17 @@ def run_labels(paths: list[Path]) -> list[str]:
         if len(set(labels)) == len(labels):
             return labels
     return [str(p) for p in paths]
+
+
+def fit_running_in(out_dir: Path) -> Optional[str]:
+    """Who runs `fit` in the run folder (the run's own lock, which fit holds from its start until it
+    exits), or None."""
+    return RunDirLock(out_dir).holder()
+
+
+def held_elsewhere(out_dir: Path) -> Optional[str]:
+    """Who holds the run folder (`pid 1234 on host`: another sweep, or a `fit`), or None; asked without
+    taking the folder, so that sweeps asking at once never take each other for its holder."""
+    if not out_dir.is_dir():
+        return None
+    return RunDirLock(out_dir, SWEEP_LOCK_FILE).holder() or fit_running_in(out_dir)

@@ -12,7 +12,7 @@ from fl_lightning.algorithms import CTPFL, SHORT_NAMES, FedAvg
 from fl_lightning.cli.arguments import expand_bare_flags, expand_short_names
 from fl_lightning.cli.parser import build_parser, parse_command_line
 from fl_lightning.commands.main import COMMANDS, command_parser, main
-from fl_lightning.experiments.data_check import fit_line_of
+from fl_lightning.experiments.sweeps.data_check import fit_line_of
 from fl_lightning.models import registered_models
 from fl_lightning.run_logging import MetricsLog
 

@@ -23,8 +23,8 @@ from fl_lightning.cli.arguments import check_config_files
 from fl_lightning.cli.parser import build_parser, parse_command_line
 from fl_lightning.commands.main import main
 from fl_lightning.errors import ConfigError
-from fl_lightning.experiments.plan import load_plan
-from fl_lightning.experiments.resolve import fit_parser
+from fl_lightning.experiments.plans.plan import load_plan
+from fl_lightning.experiments.plans.resolve import fit_parser
 
 LOCAL_UPDATE = ("fedavg", "fedavg_server_momentum", "fedavg_client_momentum", "fedcm", "scaffold", "fedprox", "feddyn",
                 "moon", "fedsam")

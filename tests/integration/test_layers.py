@@ -9,9 +9,11 @@ the settings (config.py, which checks dataset and model names against those regi
 folder, checkpoints, logging and the cluster; the pieces of training (the LightningModule, client
 updates, server optimizers, constraints); the algorithms; the callbacks and diagnostics; the
 federation; `fit`; the command line's parser (`cli`), which the experiments use to read their grid
-points; the experiments (plans, sweeps, tables, compare); and last the commands (`commands`, and
-`python -m fl_lightning`). Each package is one floor, each module outside a package one entry: a
-module belongs to the layer of the longest prefix listed for it; within a layer any import is
+points; the experiments' reader of run folders (`experiments.runs`), then their plans (`experiments.plans`:
+the plan file, its grid, the tuning rule), then running them (`experiments.sweeps`) and reading what they
+logged (`experiments.results`: tables, compare, the dashboard) side by side, results never importing
+sweeps (NEVER); and last the commands (`commands`, and `python -m fl_lightning`). Each package is one
+floor, each module outside a package one entry: a module belongs to the layer of the longest prefix listed for it; within a layer any import is
 allowed that makes no cycle.
 
 Imports in `if TYPE_CHECKING:` blocks never run on import, but they may close no cycle either (a
@@ -47,9 +49,16 @@ LAYERS = [
     ("federation", ["fl_lightning.federation"]),
     ("fit", ["fl_lightning.fit"]),
     ("command line", ["fl_lightning.cli"]),
-    ("experiments", ["fl_lightning.experiments", "fl_lightning.compare"]),
+    ("experiments' run folders", ["fl_lightning.experiments", "fl_lightning.experiments.runs"]),
+    ("plans", ["fl_lightning.experiments.plans"]),
+    ("sweeps and results", ["fl_lightning.experiments.sweeps", "fl_lightning.experiments.results"]),
     ("commands", ["fl_lightning.commands", "fl_lightning.__main__"]),
 ]
+
+
+NEVER = [("fl_lightning.experiments.results", "fl_lightning.experiments.sweeps")]
+"""Packages of one layer of which the first never reaches the second, even through other modules: reading
+a plan's results (`fl-lightning table`) never loads what runs or submits it."""
 
 
 def module_files() -> dict[str, Path]:
@@ -166,3 +175,28 @@ def test_no_file_imports_from_a_layer_above_its_own(typing_only):
               for module, imports in sorted(import_graph(typing_only).items()) for imported in sorted(imports)
               if layer_of(imported) > layer_of(module)]
     assert not upward, "\n".join(upward)
+
+
+def reached_from(module: str, graph: dict[str, set[str]]) -> set[str]:
+    """Every module that importing `module` imports, through any chain of imports."""
+    reached, pending = set(), [module]
+    while pending:
+        for imported in graph[pending.pop()] - reached:
+            reached.add(imported)
+            pending.append(imported)
+    return reached
+
+
+def test_reached_from_follows_chains_of_imports():
+    assert reached_from("a", {"a": {"b"}, "b": {"c"}, "c": set(), "d": {"a"}}) == {"b", "c"}
+
+
+@pytest.mark.parametrize("reader, never", NEVER, ids=[f"{a} never reaches {b}" for a, b in NEVER])
+def test_a_package_never_reaches_what_it_must_not(reader, never):
+    graph = {module: runtime | typing for (module, runtime), typing in
+             zip(import_graph().items(), import_graph(typing_only=True).values())}
+    reaching = {module: sorted(reached for reached in reached_from(module, graph) if reached.startswith(never + "."))
+                for module in graph if module == reader or module.startswith(reader + ".")}
+    assert len(reaching) > 1, f"{reader} has no modules"
+    assert not any(reaching.values()), "\n".join(f"{module} reaches {', '.join(found)}"
+                                                for module, found in reaching.items() if found)

@@ -42,10 +42,10 @@ from fl_lightning.algorithms import SHORT_NAMES
 from fl_lightning.cli.arguments import expand_short_names
 from fl_lightning.cli.parser import GridPointParser, build_parser, parse_command_line
 from fl_lightning.commands.main import main
-from fl_lightning.experiments.plan import GridPoint, Plan, load_plan
-from fl_lightning.experiments.reference import read_reference
-from fl_lightning.experiments.table import table
-from fl_lightning.experiments.tuning import TunedGrid
+from fl_lightning.experiments.plans.plan import GridPoint, Plan, load_plan
+from fl_lightning.experiments.plans.tuning import TunedGrid
+from fl_lightning.experiments.results.reference import read_reference
+from fl_lightning.experiments.results.table import table
 
 PLANS = REPOSITORY / "configs" / "plans"
 pytestmark = pytest.mark.usefixtures("in_repository_root")

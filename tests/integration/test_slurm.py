@@ -17,7 +17,7 @@ import yaml
 from paths import REPOSITORY
 
 from fl_lightning.commands.main import main as fl_lightning_main
-from fl_lightning.experiments.plan import load_plan
+from fl_lightning.experiments.plans.plan import load_plan
 from fl_lightning.run_dir import is_safe_to_change
 
 SLURM_DIR = REPOSITORY / "slurm"
@@ -469,7 +469,7 @@ def test_extra_arguments_reach_fit_last(script, tmp_path):
 # --- the sweep ---------------------------------------------------------------------------------
 
 def test_the_sweep_array_is_sized_at_submission():
-    """`fl-lightning sweep --mode submit` passes --array=0-(grid size - 1) (tests/experiments/test_sweep.py): the
+    """`fl-lightning sweep --mode submit` passes --array=0-(grid size - 1) (tests/experiments/sweeps/test_sweep.py): the
     header has no array of its own to get out of step with a plan."""
     assert "array" not in sbatch_options(SWEEP_SCRIPT)
 

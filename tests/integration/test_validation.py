@@ -21,13 +21,13 @@ from wandb_records import summary
 from fl_lightning.algorithms import FedAvg
 from fl_lightning.callbacks import Callback
 from fl_lightning.commands.main import main
-from fl_lightning.compare import compare
 from fl_lightning.config import DataArgs, FabricArgs
 from fl_lightning.data import hold_out_validation, load_dataset, partition_indices
 from fl_lightning.errors import ConfigError
-from fl_lightning.experiments.dashboard import dashboard
-from fl_lightning.experiments.plan import load_plan
-from fl_lightning.experiments.table import table
+from fl_lightning.experiments.plans.plan import load_plan
+from fl_lightning.experiments.results.compare import compare
+from fl_lightning.experiments.results.dashboard import dashboard
+from fl_lightning.experiments.results.table import table
 from fl_lightning.federation import setup as federation_setup
 from fl_lightning.fit import fit
 from fl_lightning.run_dir import check_same_experiment, experiment_digest, recorded_config

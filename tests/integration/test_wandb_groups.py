@@ -10,7 +10,7 @@ from paths import QUICKSTART, REPOSITORY
 from wandb_records import run_config, run_record
 
 from fl_lightning.commands.main import main
-from fl_lightning.experiments.plan import load_plan
+from fl_lightning.experiments.plans.plan import load_plan
 
 ONE_SHORT_ROUND = ["--model.options", "{hidden: 16, depth: 1}", "--federation.rounds", "1",
                    "--federation.local_steps", "2", "--logger.wandb_mode", "offline", "--logger.progress_bar", "false"]

@@ -10,8 +10,8 @@ import yaml
 from paths import REPOSITORY
 
 from fl_lightning.checkpoint import FINAL_STOP, save_checkpoint
-from fl_lightning.experiments.plan import load_plan
-from fl_lightning.experiments.resolve import resolve_grid
+from fl_lightning.experiments.plans.plan import load_plan
+from fl_lightning.experiments.plans.resolve import resolve_grid
 from fl_lightning.run_logging import MetricsLog
 
 PNG = b"\x89PNG\r\n\x1a\n"

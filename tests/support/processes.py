@@ -169,7 +169,7 @@ def _fork_runs_from_the_server(server_environment: dict[str, str]) -> None:
     all a request needs; its ensure_running, which would start another server in a process that is
     not the server's parent, is skipped."""
     global _server_environment
-    from fl_lightning.experiments import local
+    from fl_lightning.experiments.sweeps import local
 
     server = forkserver._forkserver
     if server._forkserver_address is None or server._forkserver_alive_fd is None:
@@ -263,7 +263,7 @@ def threaded_environment() -> dict[str, str]:
 
 def start_run_process(command: list[str], environment: dict[str, str], log: Optional[IO[bytes]],
                       cpus: Optional[list[int]] = None) -> Popen:
-    """What `fl_lightning.experiments.local.start_run_process` starts, forked: the `conftest.forked_runs`
+    """What `fl_lightning.experiments.sweeps.local.start_run_process` starts, forked: the `conftest.forked_runs`
     fixture has a sweep in the test's own process start its runs this way. Not bound to `cpus`: a forked
     run takes its threads from OMP_NUM_THREADS."""
     return Popen(command, env=environment, stdout=log, stderr=None if log is None else subprocess.STDOUT)
