@@ -17,7 +17,7 @@ from jsonargparse.typing import NonNegativeInt, PositiveInt, restricted_number_t
 
 from fl_lightning.choices import DatasetName, Norm, PartitionScheme, Weighting
 from fl_lightning.errors import ConfigError
-from fl_lightning.participation import Participation, Uniform
+from fl_lightning.participation import Participation, Stragglers, Uniform
 
 # Rates and coefficients must be finite: jsonargparse's PositiveFloat accepts inf (and an
 # overflowing 1e999 parses as inf), which would turn the first step into nan.
@@ -143,6 +143,10 @@ class FederationArgs:
     """Probability in [0, 1) that a drawn client's upload is lost after it trained: the server
     aggregates the clients that reported (their weights renormalised) and a dropped client's state
     stays as it was."""
+    stragglers: Optional[Stragglers] = None
+    """Unequal local work: each client-round's steps, from a speed class per client, a jitter per
+    round and a deadline in steps (init_args speeds, jitter, deadline); null: every client does its
+    planned steps. An algorithm's client weights stay as it defines them."""
     local_steps: Optional[PositiveInt] = None
     """Mini-batches per client per round (K). Set exactly one of local_steps and local_epochs."""
     local_epochs: Optional[PositiveInt] = None

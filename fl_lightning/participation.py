@@ -15,10 +15,14 @@ sampling or the mini-batches.
 - `trace`: a text file of the clients online in each round, one line per round (client ids
   separated by spaces or commas; an empty line: nobody online), repeated from its start when the
   run has more rounds than it has lines.
+
+How much of its work a client does is `federation.stragglers` (`Stragglers`): the local steps of
+each client-round, from a speed class per client, a jitter per round and a deadline.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from typing import Callable, ClassVar, Optional
@@ -166,3 +170,36 @@ class Trace(Participation):
 
     def online(self, round_index: int, num_clients: int, draws: Draws) -> list[int]:
         return list(self.rounds[round_index % len(self.rounds)])
+
+
+class Stragglers(FrozenConfigurable):
+    """Unequal local work: client i does ceil(K_i * s_i * j) of its K_i planned steps in a round, at most
+    `deadline`, with s_i its speed class (one of `speeds`, drawn once per run) and j a jitter drawn per
+    client and round, uniform in [1 - jitter, 1]."""
+
+    def __init__(self, speeds: tuple[float, ...] = (1.0,), jitter: float = 0.0, deadline: Optional[int] = None):
+        """
+        Args:
+            speeds: the speed classes, each in (0, 1] (the share of its planned steps a client of the
+                class does); each client's class is drawn uniformly once per run.
+            jitter: in [0, 1): each client-round does a further share uniform in [1 - jitter, 1].
+            deadline: the most local steps any client does in a round (an integer > 0), or null.
+        """
+        field = "federation.stragglers.init_args"
+        if not speeds or not all(isinstance(v, (int, float)) and 0 < v <= 1 for v in speeds):
+            raise ConfigError(f"{field}.speeds", "a list of shares in (0, 1]", speeds)
+        if not 0 <= jitter < 1:
+            raise ConfigError(f"{field}.jitter", "a share in [0, 1)", jitter)
+        if deadline is not None and (isinstance(deadline, bool) or not isinstance(deadline, int) or deadline < 1):
+            raise ConfigError(f"{field}.deadline", "an integer > 0 or null", deadline)
+        self.speeds = tuple(float(v) for v in speeds)
+        self.jitter = float(jitter)
+        self.deadline = deadline
+
+    def steps(self, planned: int, speed_draw: np.random.Generator, round_draw: np.random.Generator) -> int:
+        """The steps a client planning `planned` does: its class from `speed_draw` (its draw of the run),
+        its jitter from `round_draw` (its draw of the round); at least 1."""
+        speed = self.speeds[speed_draw.integers(len(self.speeds))]
+        share = speed * (1 - self.jitter * round_draw.random())
+        done = max(1, math.ceil(planned * share - 1e-9))  # a share of exactly 1/2 of 4 steps is 2
+        return done if self.deadline is None else min(done, self.deadline)

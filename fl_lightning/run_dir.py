@@ -53,7 +53,7 @@ RETIRED_SETTINGS = (
 # config that lacks one was made with that value, and the digest leaves it out at that value, so such
 # runs resume and keep their default folders.
 ADDED_SETTINGS = {"data.validation": None, "data.per_client_eval": False,
-                  "federation.participation": None, "federation.dropout": 0.0}
+                  "federation.participation": None, "federation.dropout": 0.0, "federation.stragglers": None}
 
 # Classes renamed after runs were recorded: the class path a run records now -> the one runs recorded
 # before (which still resolves, to the same class). Both name one experiment: the digest (a default run

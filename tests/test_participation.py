@@ -2,6 +2,7 @@
 against its definition (an online frequency per client within a binomial interval of its probability,
 cyclic groups exactly), the same draws for the same seed, and bad settings refused naming the field."""
 
+import json
 import math
 
 import numpy as np
@@ -10,14 +11,14 @@ import torch
 from paths import QUICKSTART
 from reference import small_setup
 
-from fl_lightning.algorithms import FedAvg
+from fl_lightning.algorithms import CTPFL, FedAvg
 from fl_lightning.cli.parser import parse_command_line
 from fl_lightning.commands.main import command_parser
 from fl_lightning.config import FederationArgs
 from fl_lightning.errors import ConfigError
-from fl_lightning.federation.aggregation import participation_draws
+from fl_lightning.federation.aggregation import local_steps_done, participation_draws, round_clients
 from fl_lightning.fit import fit
-from fl_lightning.participation import SHORT_NAMES, Availability, Cyclic, Trace, Uniform
+from fl_lightning.participation import SHORT_NAMES, Availability, Cyclic, Stragglers, Trace, Uniform
 
 ROUNDS = 2000
 
@@ -174,3 +175,53 @@ def test_the_participation_changes_neither_the_data_split_nor_the_mini_batches(c
     assert torch.equal(run("always_available", participation=Availability(probability=1.0)), uniform)
     run("cyclic", participation=Cyclic(groups=2))
     assert (tmp_path / "cyclic" / "partition.json").read_text() == (tmp_path / "uniform" / "partition.json").read_text()
+
+
+def test_a_straggler_keeps_its_speed_class_and_does_a_jittered_share_of_its_steps():
+    stragglers, planned = Stragglers(speeds=(0.25, 0.5, 1.0), jitter=0.4), 20
+    for client in range(30):
+        classes = set()
+        for round_index in range(20):
+            speed_draw = np.random.default_rng([7, client])  # one generator per client for the run
+            steps = stragglers.steps(planned, speed_draw, np.random.default_rng([7, client, round_index]))
+            speed = stragglers.speeds[np.random.default_rng([7, client]).integers(3)]
+            assert math.ceil(planned * speed * 0.6 - 1e-9) <= steps <= math.ceil(planned * speed - 1e-9)
+            classes.add(speed)
+        assert len(classes) == 1
+    assert Stragglers(speeds=(0.01,)).steps(20, np.random.default_rng(0), np.random.default_rng(1)) == 1
+    assert Stragglers(deadline=3).steps(20, np.random.default_rng(0), np.random.default_rng(1)) == 3
+    assert Stragglers().steps(20, np.random.default_rng(0), np.random.default_rng(1)) == 20
+
+
+@pytest.mark.parametrize("settings, field", [
+    (dict(speeds=()), "speeds"), (dict(speeds=(0.5, 1.5)), "speeds"), (dict(speeds=(0.0,)), "speeds"),
+    (dict(jitter=1.0), "jitter"), (dict(jitter=-0.1), "jitter"), (dict(deadline=0), "deadline"),
+])
+def test_bad_straggler_settings_are_refused_naming_the_field(settings, field):
+    with pytest.raises(ConfigError) as refused:
+        Stragglers(**settings)
+    assert refused.value.field_name == f"federation.stragglers.init_args.{field}"
+
+
+def test_ctpfl_refuses_stragglers_saying_why(cifar_root, tmp_path):
+    setup = small_setup(cifar_root, tmp_path, local_steps=2, local_epochs=None, batch_size=10,
+                        stragglers=Stragglers(deadline=1))
+    with pytest.raises(ConfigError, match="same K points") as refused:
+        fit(algorithm=CTPFL(), **setup)
+    assert refused.value.field_name == "federation.stragglers"
+
+
+def test_each_round_records_who_took_part_and_the_steps_they_did(cifar_root, tmp_path):
+    stragglers = Stragglers(speeds=(0.5, 1.0), jitter=0.5)
+    fit(algorithm=FedAvg(), **small_setup(cifar_root, tmp_path, rounds=4, local_steps=6, local_epochs=None,
+                                          batch_size=10, stragglers=stragglers, participation=Cyclic(groups=2),
+                                          dropout=0.4))
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    federation = FederationArgs(num_clients=5, clients_per_round=3, local_steps=6, stragglers=stragglers,
+                                participation=Cyclic(groups=2), dropout=0.4)
+    for round_index, row in enumerate(rows):
+        taking_part = round_clients(3, round_index, federation)
+        assert {key: row[key] for key in taking_part.counts()} == taking_part.counts()
+        steps = [local_steps_done(3, round_index, c, federation, 6) for c in taking_part.reported]
+        assert (row["steps_mean"], row["steps_min"]) == (sum(steps) / len(steps), min(steps))
+    assert any(row["steps_min"] < 6 for row in rows)

@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 
 from fl_lightning.algorithms.base import PSEUDO_GRADIENT, Algorithm
+from fl_lightning.algorithms.costs import Cost
 from fl_lightning.clients import ClientRound, clip_to_norm
 from fl_lightning.config import FederationArgs
 from fl_lightning.errors import ConfigError
@@ -35,6 +36,8 @@ class CTPFL(Algorithm):
     short_name = "ctpfl"
     trains_locally = False
     default_weighting = "uniform"
+    # K gradient evaluations (one per query point), u_i up, x down: v = (x_previous - x) / gamma is rebuilt.
+    cost = Cost(rebuilt_down=("direction",))
 
     def __init__(self, span: Optional[float] = None, weight_decay: float = 0.0, clip_norm: Optional[float] = None):
         """
@@ -54,8 +57,12 @@ class CTPFL(Algorithm):
         self.clip_norm = clip_norm
 
     def check_federation(self, federation: FederationArgs, client_sizes: list[int]) -> None:
-        # local_epochs gives each client K_i = E * ceil(n_i / B) steps: unequal counts would give the
-        # clients different query points, and shared points are the method's premise.
+        # local_epochs gives each client K_i = E * ceil(n_i / B) steps, and stragglers cut them: unequal
+        # counts would give the clients different query points, and shared points are the method's premise.
+        if federation.stragglers is not None:
+            raise ConfigError("federation.stragglers", "null for CTP-FL, whose clients must each query the same K "
+                              "points (unequal local steps give them different query points)",
+                              federation.stragglers.init_args)
         if federation.local_epochs is None:
             return
         steps = {federation.local_epochs * math.ceil(n / federation.batch_size) for n in client_sizes}

@@ -52,6 +52,8 @@ CLIENT_STREAM = 1
 PARTICIPATION_STREAM = 2
 DROPOUT_STREAM = 3
 POPULATION_STREAM = 4
+SPEED_STREAM = 5  # (seed, stream, client): a straggler's speed class, drawn once per run
+STEPS_STREAM = 6  # (seed, stream, round, client): a straggler's jitter of the round
 
 
 def seeded_generator(*keys: int) -> torch.Generator:
@@ -87,6 +89,14 @@ def batch_positions(
     needed = local_steps * batch_size
     permutations = [torch.randperm(num_samples, generator=generator) for _ in range(math.ceil(needed / num_samples))]
     return list(torch.cat(permutations)[:needed].split(batch_size))
+
+
+def planned_steps(num_samples: int, federation) -> int:
+    """K_i, the local steps of a client of `num_samples` samples as `batch_positions` cuts them, before
+    any straggler's cut (`federation` is the run's FederationArgs)."""
+    if federation.local_epochs is not None:
+        return federation.local_epochs * math.ceil(num_samples / federation.batch_size)
+    return federation.local_steps
 
 
 def clip_to_norm(vector: torch.Tensor, max_norm: Optional[float]) -> torch.Tensor:

@@ -15,6 +15,8 @@ from fl_lightning.clients.run import (
     PARTICIPATION_STREAM,
     POPULATION_STREAM,
     SAMPLING_STREAM,
+    SPEED_STREAM,
+    STEPS_STREAM,
     seeded_generator,
     seeded_numpy_generator,
 )
@@ -133,3 +135,12 @@ class UploadBuffer:
     def reduced(self, engine) -> dict[str, torch.Tensor]:
         total = engine.all_reduce(self.flat, reduce_op="sum") if engine.world_size > 1 else self.flat
         return dict(zip([n for n, _, _ in self.sections], total.split([s for _, s, _ in self.sections])))
+
+
+def local_steps_done(seed: int, round_index: int, client: int, federation: FederationArgs, planned: int) -> int:
+    """The local steps the client does in the round of its `planned` K_i (`federation.stragglers`), from its
+    own draws: its speed class of the run and its jitter of the round."""
+    if federation.stragglers is None:
+        return planned
+    return federation.stragglers.steps(planned, seeded_numpy_generator(seed, SPEED_STREAM, client),
+                                       seeded_numpy_generator(seed, STEPS_STREAM, round_index, client))

@@ -191,9 +191,17 @@ class FederatedLoop:
         metrics = {"round": round_index + 1,
                    "train_loss": aggregate["train_loss"].item() if clients else float("nan"),
                    **algorithm.round_metrics(self.server_state), **taking_part.counts(),
+                   **self._steps_done(clients, round_index),
                    "round_seconds": time.perf_counter() - started - hooks_seconds}
         self.history.append(metrics)
         return metrics
+
+    def _steps_done(self, clients: list[int], round_index: int) -> dict[str, float]:
+        """The local steps the reporting clients did (`federation.stragglers`): their mean and least."""
+        steps = [self.trainer.steps_done(client, round_index) for client in clients]
+        if not steps:
+            return {"steps_mean": float("nan"), "steps_min": float("nan")}
+        return {"steps_mean": sum(steps) / len(steps), "steps_min": min(steps)}
 
     def _client_rounds(self, clients: list[int], round_index: int):
         """This rank's clients of the round, each set up only when the algorithm asks for it."""

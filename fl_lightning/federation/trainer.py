@@ -20,8 +20,10 @@ from fl_lightning.clients.run import (
     Execution,
     batch_positions,
     differentiate,
+    planned_steps,
     seeded_generator,
 )
+from fl_lightning.federation.aggregation import local_steps_done
 from fl_lightning.federation.setup import RunSettings
 from fl_lightning.server_optimizers import ServerState
 
@@ -159,6 +161,12 @@ class LocalTrainer:
         # running statistics it computes are dropped (the CE pass already counted this batch).
         return self._call_with_buffers(self.features_call, params, buffers, inputs, training)[0].float()
 
+    def steps_done(self, client_id: int, round_index: int) -> int:
+        """The local steps the client does in round `round_index` (its planned K_i, or a straggler's share)."""
+        federation = self.settings.federation
+        planned = planned_steps(len(self.client_indices[client_id]), federation)
+        return local_steps_done(self.settings.seed, round_index, client_id, federation, planned)
+
     def client_round(self, client_id: int, round_index: int, state: dict[str, torch.Tensor],
                      server: ServerState) -> ClientRound:
         """The client's share of round `round_index`, starting from the global model, its `state` and
@@ -170,6 +178,8 @@ class LocalTrainer:
         federation = settings.federation
         positions = batch_positions(len(sample_indices), federation.batch_size, federation.local_steps,
                                     federation.local_epochs, generator)
+        # A straggler does the first of its planned steps: its mini-batches are those it would have had.
+        positions = positions[:self.steps_done(client_id, round_index)]
         constraint, params, layout = settings.constraint, global_model.params, global_model.param_layout
         projection = None if constraint is None else constraint.projection(params, layout)
         step_projection = None if constraint is None else constraint.step_projection(params, layout)

@@ -43,6 +43,7 @@ from fl_lightning.federation.setup import RunData, RunSettings, rank_inputs
 from fl_lightning.federation.trainer import LocalTrainer, TrainingData
 from fl_lightning.models import FeatureClassifier
 from fl_lightning.module import ClassificationModule
+from fl_lightning.participation import Stragglers
 from fl_lightning.server_optimizers import ServerSGD
 
 NUM_CLASSES = 3
@@ -81,7 +82,8 @@ FUSED_CTPFL = "ctpfl_unclipped"
 def federated_loop(algorithm_name: str, *, batch_norm: bool, client_path: str, local_epochs=None, local_steps=None,
                    clients_per_round: int = 5, constraint=None, group_size=None,
                    channels_last: bool = False, precision: str = "32-true", compile_steps: bool = False,
-                   client_sizes: tuple[int, ...] = CLIENT_SIZES, weighting=None, callbacks=None) -> FederatedLoop:
+                   client_sizes: tuple[int, ...] = CLIENT_SIZES, weighting=None, callbacks=None,
+                   stragglers=None) -> FederatedLoop:
     algorithm = ALGORITHMS[algorithm_name]()
     torch.manual_seed(0)
     network = SmallConvNet(batch_norm, bias=constraint is None or constraint.constrained == "displacement")
@@ -95,7 +97,7 @@ def federated_loop(algorithm_name: str, *, batch_norm: bool, client_path: str, l
         algorithm=algorithm, server_optimizer=ServerSGD(lr=server_lr),
         federation=FederationArgs(rounds=10**6, num_clients=len(client_sizes), clients_per_round=clients_per_round,
                                   local_steps=local_steps, local_epochs=local_epochs, batch_size=5,
-                                  weighting=weighting),
+                                  weighting=weighting, stragglers=stragglers),
         data=DataArgs(augment=True, crop_padding=1),
         client_optimizer=ClientOptimizerArgs(lr=0.05, momentum=0.9, weight_decay=1e-3, grad_clip_norm=2.0),
         constraint=constraint,
@@ -162,6 +164,20 @@ def test_clients_with_fewer_steps_and_short_batches_are_masked_and_padded(algori
     grouped = rounds_of(federated_loop(**settings, client_path="grouped"))
     # 10, 8, 8 and 6 steps share a group; 4 is less than half of 10, so that client runs alone.
     assert group_sizes == [4, 4, 4]
+    assert_same_run(grouped, rounds_of(federated_loop(**settings, client_path="loop")))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm_name", ["fedavg", "scaffold", "moon"])
+def test_stragglers_grouped_match_the_loop(algorithm_name, group_sizes):
+    """Stragglers cut each client-round's steps (a speed class, a jitter, a deadline): the group's clients
+    that stop early are masked as those with fewer planned steps are."""
+    stragglers = Stragglers(speeds=(0.5, 1.0), jitter=0.5, deadline=5)
+    settings = dict(algorithm_name=algorithm_name, batch_norm=False, local_steps=6, stragglers=stragglers)
+    grouped_loop = federated_loop(**settings, client_path="grouped")
+    steps = [grouped_loop.trainer.steps_done(c, r) for r in range(3) for c in range(len(CLIENT_SIZES))]
+    assert len(set(steps)) > 2 and max(steps) == 5
+    grouped = rounds_of(grouped_loop)
     assert_same_run(grouped, rounds_of(federated_loop(**settings, client_path="loop")))
 
 

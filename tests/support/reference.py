@@ -8,13 +8,21 @@ files, its partition file and its client-sampling draw.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from fl_lightning.checkpoint import load_checkpoint
-from fl_lightning.clients.run import CLIENT_STREAM, batch_positions, seeded_generator
+from fl_lightning.clients.run import (
+    CLIENT_STREAM,
+    SPEED_STREAM,
+    STEPS_STREAM,
+    batch_positions,
+    seeded_generator,
+    seeded_numpy_generator,
+)
 from fl_lightning.config import ClientOptimizerArgs, DataArgs, FabricArgs, FederationArgs, LoggerArgs, ModelArgs
 from fl_lightning.data import load_dataset
 from fl_lightning.federation.aggregation import round_clients
@@ -194,6 +202,16 @@ def client_batches(problem, setup, round_index, client):
     positions = batch_positions(problem.num_samples(client), federation.batch_size, federation.local_steps,
                                 federation.local_epochs, generator)
     return [problem.client_samples[client][p] for p in positions]
+
+
+def straggler_steps(planned, round_index, client, stragglers):
+    """The steps a straggler does, written out: ceil(K_i * its speed class * its jitter of the round), at
+    least 1, at most the deadline; its class drawn once per run, its jitter each round, as every rank
+    draws them."""
+    speed = stragglers.speeds[seeded_numpy_generator(SEED, SPEED_STREAM, client).integers(len(stragglers.speeds))]
+    jitter = 1 - stragglers.jitter * seeded_numpy_generator(SEED, STEPS_STREAM, round_index, client).random()
+    steps = max(1, math.ceil(planned * speed * jitter - 1e-9))
+    return steps if stragglers.deadline is None else min(steps, stragglers.deadline)
 
 
 HIDDEN, PROJECTION = 16, 32
