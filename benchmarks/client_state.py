@@ -10,7 +10,8 @@ client holds two random 8x8 one-channel images and trains one step of batch 2 a 
 configuration: the process's resident memory once the run is set up (data, partition, model: what does not
 depend on the store) and its peak by the end; the mean seconds per round (`run_round`, checkpoints apart); the
 mean bytes a checkpoint writes (every file it writes, the client-state files included), beside what a checkpoint
-of the earlier layout, every client's state in the shard, would have written at the last checkpoint; and the
+of the earlier layout, every client's state in the shard, would have written at the last checkpoint (a state
+file's size times the clients that trained); and the
 bytes the store wrote between checkpoints (states past the bound).
 
     python benchmarks/client_state.py
@@ -46,7 +47,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--clients", type=int, nargs="+", default=[1000, 10000, 100000],
                         help="N, the federation's clients, one configuration each (default: 1000 10000 100000)")
     parser.add_argument("--algorithms", default=",".join(ALGORITHMS), help="comma-separated (default: scaffold,moon)")
-    parser.add_argument("--rounds", type=int, default=20, help="rounds; S = N / rounds per round (default: 20)")
+    parser.add_argument("--rounds", type=int, default=20, help="rounds (default: 20)")
+    parser.add_argument("--clients-per-round", type=int, default=None,
+                        help="S, the same at every N (default: N / rounds, every client trained once by the end)")
     parser.add_argument("--checkpoint-every", type=int, default=5, help="rounds between checkpoints (default: 5)")
     parser.add_argument("--bound-mib", type=int, default=16,
                         help="compute.client_state_memory_mib of the store on (default: 16)")
@@ -80,7 +83,7 @@ def resident_mib() -> float:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def run_one(algorithm_name: str, num_clients: int, memory_mib: int, rounds: int, checkpoint_every: int) -> dict:
+def run_one(algorithm_name: str, num_clients: int, memory_mib: int, args: argparse.Namespace) -> dict:
     """One configuration, in this process: its figures."""
     from lightning.fabric import Fabric
 
@@ -92,6 +95,8 @@ def run_one(algorithm_name: str, num_clients: int, memory_mib: int, rounds: int,
     from fl_lightning.server_optimizers import ServerSGD
 
     torch.set_num_threads(1)
+    rounds, checkpoint_every = args.rounds, args.checkpoint_every
+    per_round = args.clients_per_round or num_clients // rounds
     images, labels = random_images(2 * num_clients + 100, channels=1, image_size=8, seed=SEED)
     train = ImageDataset(images[:-100], labels[:-100], 10, (0.5,), (0.5,))
     test = ImageDataset(images[-100:], labels[-100:], 10, (0.5,), (0.5,))
@@ -100,7 +105,7 @@ def run_one(algorithm_name: str, num_clients: int, memory_mib: int, rounds: int,
     settings = RunSettings(
         algorithm=algorithm, model=ModelArgs(name="mlp", options={"hidden": 16, "depth": 1}),
         data=DataArgs(augment=False),
-        federation=FederationArgs(rounds=rounds, num_clients=num_clients, clients_per_round=num_clients // rounds,
+        federation=FederationArgs(rounds=rounds, num_clients=num_clients, clients_per_round=per_round,
                                   local_steps=1, batch_size=2),
         client_optimizer=ClientOptimizerArgs(lr=0.01), server_optimizer=ServerSGD(lr=1.0),
         compute=ComputeArgs(client_path="loop", client_state_memory_mib=memory_mib), seed=SEED,
@@ -122,24 +127,26 @@ def run_one(algorithm_name: str, num_clients: int, memory_mib: int, rounds: int,
                 loop.save_checkpoint()
                 checkpoint_seconds.append(time.perf_counter() - started)
                 checkpoint_bytes.append(written.take())
-        state_bytes = sum(path.stat().st_size for path in Path(out_dir, "client_states").rglob("*.pt")
-                          if path.name.endswith(f".r{rounds:06d}.pt"))  # the last round's clients'
-    held = loop.client_states
+        files = list(Path(out_dir, "client_states").rglob("client_*.pt"))
+        file_bytes = np.mean([path.stat().st_size for path in files])
+        trained = {int(path.name.split(".")[0].removeprefix("client_")) for path in files}
+        trained |= set(loop.client_states.by_client)
     return {"algorithm": algorithm_name, "clients": num_clients, "memory_mib": memory_mib,
             "set_up_rss_mib": set_up, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "seconds_per_round": float(np.mean(round_seconds)), "checkpoint_bytes": float(np.mean(checkpoint_bytes)),
             "checkpoint_seconds": float(np.mean(checkpoint_seconds)),
-            "between_checkpoints_bytes": between_bytes, "states_in_memory": len(held.by_client),
-            "earlier_layout_checkpoint_bytes": int(state_bytes / (num_clients // rounds) * num_clients)}
+            "between_checkpoints_bytes": between_bytes, "states_in_memory": len(loop.client_states.by_client),
+            "earlier_layout_checkpoint_bytes": int(file_bytes * len(trained))}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> list[dict]:
     args = parse_args(argv)
     if args.one:
         algorithm, clients, mib = args.one
-        print(json.dumps(run_one(algorithm, int(clients), int(mib), args.rounds, args.checkpoint_every)))
+        print(json.dumps(run_one(algorithm, int(clients), int(mib), args)))
         return []
-    print(f"SCAFFOLD and MOON, MLP hidden 16 on 8x8 images, 2 per client, 1 step of batch 2; S = N/{args.rounds} over "
+    per_round = args.clients_per_round or f"N/{args.rounds}"
+    print(f"SCAFFOLD and MOON, MLP hidden 16 on 8x8 images, 2 per client, 1 step of batch 2; S = {per_round} over "
           f"{args.rounds} rounds, a checkpoint every {args.checkpoint_every}; one CPU rank of one thread per "
           f"configuration; store off: all states in memory; store on: compute.client_state_memory_mib "
           f"{args.bound_mib}")
@@ -167,7 +174,8 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict]:
 def measured(algorithm: str, clients: int, mib: int, args: argparse.Namespace) -> dict:
     """One configuration in a process of its own: its figures."""
     command = [sys.executable, __file__, "--one", algorithm, str(clients), str(mib), "--rounds", str(args.rounds),
-               "--checkpoint-every", str(args.checkpoint_every)]
+               "--checkpoint-every", str(args.checkpoint_every),
+               *(["--clients-per-round", str(args.clients_per_round)] if args.clients_per_round else [])]
     completed = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if completed.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{completed.stderr}")
