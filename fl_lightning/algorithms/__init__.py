@@ -14,11 +14,12 @@ from fl_lightning.algorithms.fedavg_server_momentum import FedAvgServerMomentum
 from fl_lightning.algorithms.fedavgm import FedAvgM
 from fl_lightning.algorithms.fedcm import FedCM
 from fl_lightning.algorithms.feddyn import FedDyn
+from fl_lightning.algorithms.fednova import FedNova
 from fl_lightning.algorithms.fedprox import FedProx
 from fl_lightning.algorithms.fedsam import FedSAM
 from fl_lightning.algorithms.moon import MOON
 from fl_lightning.algorithms.scaffold import SCAFFOLD
 
 __all__ = ["Algorithm", "SHORT_NAMES", "FORMER_NAMES", "CTPFL", "FedAvg", "FedAvgClientMomentum",
-           "FedAvgServerMomentum", "FedCM", "FedDyn", "FedProx", "FedSAM", "MOON", "SCAFFOLD", "FedAvgMomentum",
-           "FedAvgM"]
+           "FedAvgServerMomentum", "FedCM", "FedDyn", "FedNova", "FedProx", "FedSAM", "MOON", "SCAFFOLD",
+           "FedAvgMomentum", "FedAvgM"]

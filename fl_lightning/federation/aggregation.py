@@ -112,7 +112,7 @@ def is_final_vote(total: float, world_size: int) -> bool:
 
 
 class UploadBuffer:
-    """The flat buffer one all-reduce sums: weighted uploads, float buffers, summed uploads, the
+    """The flat buffer one all-reduce sums: weighted uploads and scalars, float buffers, summed uploads, the
     weighted training loss, the ranks' stop votes (`stop_vote`) and the number of ranks asked to
     requeue (a preemption signal), in that order. Riding on the aggregation, a stop request needs no
     collective of its own."""
@@ -120,6 +120,7 @@ class UploadBuffer:
     def __init__(self, algorithm: Algorithm, num_params: int, num_buffers: int, device: torch.device):
         self.sections: list[tuple[str, int, bool]] = (
             [(name, num_params, True) for name in algorithm.weighted_uploads]
+            + [(name, 1, True) for name in algorithm.weighted_scalars]
             + [("buffers", num_buffers, True)]
             + [(name, num_params, False) for name in algorithm.summed_uploads]
             + [("train_loss", 1, True), (STOP_REQUESTED, 1, False), (REQUEUE_REQUESTED, 1, False)]

@@ -17,6 +17,7 @@ from fl_lightning.algorithms.fedavg_client_momentum import FedAvgClientMomentum
 from fl_lightning.algorithms.fedavg_server_momentum import FedAvgServerMomentum
 from fl_lightning.algorithms.fedcm import FedCM
 from fl_lightning.algorithms.feddyn import FedDyn
+from fl_lightning.algorithms.fednova import FedNova
 from fl_lightning.algorithms.fedprox import FedProx
 from fl_lightning.algorithms.fedsam import FedSAM
 from fl_lightning.algorithms.moon import MOON
@@ -152,7 +153,7 @@ def test_runs_recorded_under_a_former_class_path_stay_the_same_experiment_in_the
 def test_all_baselines_register_their_short_names():
     assert {"fedavg_server_momentum": FedAvgServerMomentum, "fedavg_client_momentum": FedAvgClientMomentum,
             "fedcm": FedCM, "fedprox": FedProx, "fedsam": FedSAM, "scaffold": SCAFFOLD, "feddyn": FedDyn,
-            "moon": MOON}.items() <= SHORT_NAMES.items()
+            "fednova": FedNova, "moon": MOON}.items() <= SHORT_NAMES.items()
 
 
 @pytest.mark.parametrize("make, field", [

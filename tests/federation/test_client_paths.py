@@ -26,6 +26,7 @@ from fl_lightning.algorithms import (
     FedAvgServerMomentum,
     FedCM,
     FedDyn,
+    FedNova,
     FedProx,
     FedSAM,
 )
@@ -70,7 +71,7 @@ class SmallConvNet(FeatureClassifier):
 
 ALGORITHMS = {
     "fedavg": FedAvg, "fedavg_server_momentum": FedAvgServerMomentum, "fedavg_client_momentum": FedAvgClientMomentum,
-    "fedcm": FedCM, "scaffold": SCAFFOLD,
+    "fedcm": FedCM, "fednova": FedNova, "scaffold": SCAFFOLD,
     "scaffold_effective_steps": lambda: SCAFFOLD(effective_steps=True),
     "fedprox": lambda: FedProx(mu=0.1), "feddyn": lambda: FedDyn(alpha=0.1), "fedsam": lambda: FedSAM(rho=0.05),
     "moon": lambda: MOON(mu=1.0, projection_dim=6), "ctpfl": lambda: CTPFL(span=0.2, weight_decay=1e-3, clip_norm=5.0),
@@ -168,7 +169,7 @@ def test_clients_with_fewer_steps_and_short_batches_are_masked_and_padded(algori
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algorithm_name", ["fedavg", "scaffold", "moon"])
+@pytest.mark.parametrize("algorithm_name", ["fedavg", "fednova", "scaffold", "moon"])
 def test_stragglers_grouped_match_the_loop(algorithm_name, group_sizes):
     """Stragglers cut each client-round's steps (a speed class, a jitter, a deadline): the group's clients
     that stop early are masked as those with fewer planned steps are."""
