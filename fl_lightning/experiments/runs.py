@@ -38,6 +38,7 @@ from fl_lightning.metric_names import (
     TEST_LOSS,
     VAL_ACCURACY,
     VAL_LOSS,
+    best_round,
 )
 from fl_lightning.run_dir import CONFIG_FILE, DifferentExperiment, RunDirLock, check_same_experiment, recorded_config
 from fl_lightning.run_logging import METRICS_FILE
@@ -106,6 +107,16 @@ class RunFolder:
     def points(self, metric: str) -> list[tuple[int, float]]:
         """(round, value) of every row that logged `metric`."""
         return [(row["round"], row[metric]) for row in self.history if row.get(metric) is not None]
+
+    def value(self, metric: str, at: str) -> Optional[float]:
+        """The run's value of `metric` at `at` (AT_CHOICES), as `table --at`, the tuning choice and
+        `compare` all take it: the last logged, the mean of the last K logged, or the best by
+        fl_lightning.metric_names.best_round (a test metric at its validation counterpart's best round
+        when the run holds out a validation split); None before its first."""
+        if parse_at(at)[0] == "best":
+            best = best_round(self.history, metric)
+            return None if best is None else best.value
+        return value_at([value for _, value in self.points(metric)], at)
 
     def metrics_logged(self) -> set[str]:
         return {key for row in self.history for key, value in row.items() if value is not None} - {"round"}

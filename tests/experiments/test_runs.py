@@ -143,6 +143,24 @@ def test_points_and_the_metrics_logged_leave_out_missing_and_null_values(tmp_pat
     assert run.metrics_logged() == {"train_loss", "round_seconds", "test_accuracy", "test_loss"}
 
 
+def test_a_runs_value_at_final_last_k_and_best(tmp_path):
+    write_rows(tmp_path, [row(1, test_accuracy=0.4, val_accuracy=0.5, test_loss=0.9),
+                          row(2, test_accuracy=0.7, val_accuracy=0.9, test_loss=0.6),
+                          row(3, test_accuracy=0.8, val_accuracy=0.6, test_loss=0.7)])
+    run = RunFolder(tmp_path)
+    assert run.value("test_accuracy", "final") == 0.8
+    assert run.value("test_accuracy", "last:2") == pytest.approx((0.7 + 0.8) / 2)
+    assert run.value("test_accuracy", "last:9") == pytest.approx((0.4 + 0.7 + 0.8) / 3)  # fewer than K: all
+    # A test metric's best is at its validation counterpart's best round (2), not its own (3).
+    assert run.value("test_accuracy", "best") == 0.7
+    assert run.value("val_accuracy", "best") == 0.9
+    assert run.value("test_loss", "best") == 0.6  # a loss's best is its lowest
+    assert run.value("client_val_accuracy_mean", "final") is None  # before its first
+    assert run.value("client_val_accuracy_mean", "best") is None
+    with pytest.raises(ConfigError, match="at: expected final, best or last:K"):
+        run.value("test_accuracy", "last:0")
+
+
 def test_the_metrics_to_come_follow_the_configs_evaluation_settings(tmp_path):
     write_rows(tmp_path, [row(1)])
     plain, validated, per_client = (tmp_path / name for name in ("plain", "validated", "per_client"))

@@ -25,8 +25,9 @@ import yaml
 from fl_lightning.atomic_files import write_text_atomically
 from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.plans.overrides import value_text
-from fl_lightning.experiments.plans.plan import Plan, describe_candidate
+from fl_lightning.experiments.plans.plan import Plan
 from fl_lightning.experiments.plans.resolve import ResolvedPoint
+from fl_lightning.experiments.plans.tune_grid import describe_candidate
 from fl_lightning.experiments.runs import parse_at
 from fl_lightning.metric_names import best_value, lower_is_better
 from fl_lightning.run_dir import experiment_digest

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import IO, Optional
 
 from fl_lightning.errors import ConfigError
-from fl_lightning.experiments.plans.plan import GridPoint, Plan, describe_candidate, same_setting
+from fl_lightning.experiments.plans.plan import GridPoint, Plan
 from fl_lightning.experiments.plans.resolve import (
     GridResolver,
     ResolvedPoint,
@@ -64,6 +64,7 @@ from fl_lightning.experiments.plans.selection import (
     run_basis,
     write_selection,
 )
+from fl_lightning.experiments.plans.tune_grid import describe_candidate, same_setting
 from fl_lightning.experiments.runs import (
     LOG_FILE,
     PER_CLIENT_METRICS,
@@ -73,11 +74,8 @@ from fl_lightning.experiments.runs import (
     RunState,
     fit_running_in,
     held_elsewhere,
-    parse_at,
-    value_at,
 )
 from fl_lightning.file_lock import FileLock, LockHeld
-from fl_lightning.metric_names import best_round
 
 CHOICE_LOCK_FILE = ".selection.lock"
 """Held in a cell's tuning folder while its choice is made: one sweep or array task makes it."""
@@ -163,19 +161,10 @@ def _run_figure(plan: Plan, cell: Cell, entry: ResolvedPoint, state: RunState, e
         if not ended:
             raise NotChosen(cell, f"[{point.index}] {describe_point(point)} in {point.out_dir} is {state.describe()}")
         return record, f"seed {point.seed}: {state.describe()}, {ENDED_UNFINISHED} (cancelled, failed or never run)"
-    value = run_value(RunFolder(point.out_dir), plan.tune.select, plan.tune.at)
+    value = RunFolder(point.out_dir).value(plan.tune.select, plan.tune.at)
     if value is None or not math.isfinite(value):
         return record, f"seed {point.seed}: no finite {plan.tune.select} logged (diverged?)"
     return {**record, "value": value}, None
-
-
-def run_value(run: RunFolder, metric: str, at: str) -> Optional[float]:
-    """The run's value of `metric` at `at`, as `table --at` takes it: its final value, the mean of its
-    last K, or its best (a validation metric is its own best: fl_lightning.metric_names.best_round)."""
-    if parse_at(at)[0] == "best":
-        best = best_round(run.history, metric)
-        return None if best is None else best.value
-    return value_at([value for _, value in run.points(metric)], at)
 
 
 def check_tuning(plan: Plan, tuning: list[ResolvedPoint]) -> None:

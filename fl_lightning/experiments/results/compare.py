@@ -40,7 +40,7 @@ from fl_lightning.experiments.plans.tuning import TunedGrid
 from fl_lightning.experiments.results.plot import save_laid_out
 from fl_lightning.experiments.results.statistics import MIN_PAIRS, paired_difference
 from fl_lightning.experiments.results.table_cells import paired_difference_text
-from fl_lightning.experiments.runs import RunFolder, check_metric, find_runs, run_labels, value_at
+from fl_lightning.experiments.runs import RunFolder, check_metric, find_runs, run_labels
 from fl_lightning.metric_names import TEST_ACCURACY, best_keys, best_round, final_key, is_test_metric, selection_note
 from fl_lightning.run_dir import seedless_digest
 from fl_lightning.run_logging import METRICS_FILE
@@ -128,7 +128,7 @@ class _Comparison:
             return
         points, best = run.points(metric), best_round(run.history, metric)
         self.rows.append({"run": str(path), "method": method, "rounds": run.rounds_done,
-                          final_key(metric): value_at([value for _, value in points], "final"),
+                          final_key(metric): run.value(metric, "final"),
                           **(dict.fromkeys(best_keys(metric)) if best is None else best.summary())})
         if best is not None and is_test_metric(metric):
             self.selected[best.on_validation].append(label)
@@ -138,9 +138,7 @@ class _Comparison:
 
 def run_values(run: RunFolder, metric: str) -> dict[str, Optional[float]]:
     """A run's final and best value of `metric` (None before its first), the best by metric_names' rule."""
-    best = best_round(run.history, metric)
-    return {"final": value_at([value for _, value in run.points(metric)], "final"),
-            "best": None if best is None else best.value}
+    return {at: run.value(metric, at) for at in ("final", "best")}
 
 
 def _run_folders(field_name: str, given: Union[list[Path], str]) -> list[Path]:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from fl_lightning.experiments.results.table_sources import Entry
-from fl_lightning.experiments.runs import RunFolder, value_at
+from fl_lightning.experiments.runs import RunFolder
 from fl_lightning.metric_names import best_round, is_test_metric, selection_note
 from fl_lightning.run_dir import CONFIG_FILE
 
@@ -67,14 +67,11 @@ def judge(entry: Entry, metric: str, at: str, include_partial: bool) -> Verdict:
         if not include_partial:
             return Verdict(entry, EXCLUDED, run)
         unfinished = "partial"
-    verdict = Verdict(entry, COUNTED, run, points=run.points(metric), unfinished=unfinished, under_way=under_way)
-    if at == "best":
-        best = best_round(run.history, metric)
-        verdict.value = None if best is None else best.value
-        if best is not None and is_test_metric(metric):
-            verdict.on_validation = best.on_validation
-    else:
-        verdict.value = value_at([value for _, value in verdict.points], at)
+    verdict = Verdict(entry, COUNTED, run, points=run.points(metric), value=run.value(metric, at),
+                      unfinished=unfinished, under_way=under_way)
+    best = best_round(run.history, metric) if at == "best" and is_test_metric(metric) else None
+    if best is not None:
+        verdict.on_validation = best.on_validation
     return verdict
 
 

@@ -16,8 +16,9 @@ from typing import Any, Optional, Union
 
 from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.plans.overrides import SET_BY_THE_PLAN, value_text
-from fl_lightning.experiments.plans.plan import GridPoint, describe_candidate, load_plan, same_setting
+from fl_lightning.experiments.plans.plan import GridPoint, load_plan
 from fl_lightning.experiments.plans.resolve import GridResolver, accepted_config, resolve_variant
+from fl_lightning.experiments.plans.tune_grid import describe_candidate, same_setting
 from fl_lightning.experiments.plans.tuning import TunedGrid
 from fl_lightning.experiments.results.reference import paper_numbers
 from fl_lightning.experiments.runs import RunFolder, find_runs

@@ -44,8 +44,9 @@ from pathlib import Path
 from fl_lightning.config import DataArgs, FederationArgs
 from fl_lightning.cpu import available_cores
 from fl_lightning.errors import ConfigError
-from fl_lightning.experiments.plans.plan import Plan, describe_candidate
+from fl_lightning.experiments.plans.plan import Plan
 from fl_lightning.experiments.plans.resolve import ResolvedPoint, describe_point
+from fl_lightning.experiments.plans.tune_grid import describe_candidate
 from fl_lightning.experiments.sweeps import step_costs
 from fl_lightning.experiments.sweeps.local import note_unused_gpus
 from fl_lightning.experiments.sweeps.machine import Resources, SweepOptions, plan_resources

@@ -8,8 +8,9 @@ import sys
 import time
 from pathlib import Path
 
-from fl_lightning.experiments.plans.plan import GridPoint, describe_candidate
+from fl_lightning.experiments.plans.plan import GridPoint
 from fl_lightning.experiments.plans.resolve import ResolvedPoint, read_states
+from fl_lightning.experiments.plans.tune_grid import describe_candidate
 from fl_lightning.experiments.plans.tuning import TunedGrid
 from fl_lightning.experiments.runs import POLL_SECONDS, held_elsewhere
 from fl_lightning.experiments.sweeps.local import StopRequest, run_locally
