@@ -2,19 +2,19 @@
 top of a file and inside functions alike): no cycle between files, and no file imports from a layer
 above its own.
 
-The layers, lowest first (LAYERS): the errors every layer may raise; helpers that import nothing of
-the package but errors (dotted paths, the choices of settings, flat vectors, the metrics' names and
-the rule of a run's best value); the data and model registries (which know nothing of the settings);
-the settings (config.py, which checks dataset and model names against those registries); the run
-folder, checkpoints, logging and the cluster; the pieces of training (the LightningModule, client
-updates, server optimizers, constraints); the algorithms; the callbacks and diagnostics; the
-federation; `fit`; the command line's parser (`cli`), which the experiments use to read their grid
-points; the experiments' reader of run folders (`experiments.runs`), then their plans (`experiments.plans`:
-the plan file, its grid, the tuning rule), then running them (`experiments.sweeps`) and reading what they
-logged (`experiments.results`: tables, compare, the dashboard) side by side, results never importing
-sweeps (NEVER); and last the commands (`commands`, and `python -m fl_lightning`). Each package is one
-floor, each module outside a package one entry: a module belongs to the layer of the longest prefix listed for it; within a layer any import is
-allowed that makes no cycle.
+The layers, lowest first (LAYERS): the errors every layer may raise; helpers that import nothing of the
+package but errors (dotted paths, the choices of settings, flat vectors, the metrics' names and the rule of a
+run's best value); the data and model registries (which know nothing of the settings); the settings
+(config.py, which checks dataset and model names against those registries); the run folder, checkpoints,
+logging and the cluster; the pieces of training (the LightningModule, client updates, server optimizers,
+constraints); the algorithms; the callbacks and diagnostics; the federation; `fit`; the command line's parser
+(`cli`), which the experiments use to read their grid points; the experiments' reader of run folders
+(`experiments.runs`), then their plans (`experiments.plans`: the plan file, its grid, the tuning rule), then
+running them (`experiments.sweeps`) and reading what they logged (`experiments.results`: tables, compare, the
+dashboard) side by side, results never importing sweeps (NEVER); and last the commands (`commands`, and
+`python -m fl_lightning`). Each package is one floor, each module outside a package one entry: a module
+belongs to the layer of the longest prefix listed for it; within a layer any import is allowed that makes no
+cycle.
 
 Imports in `if TYPE_CHECKING:` blocks never run on import, but they may close no cycle either (a
 module that needs a type of a module importing it is one module in two files) nor reach above

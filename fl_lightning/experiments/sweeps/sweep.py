@@ -88,33 +88,27 @@ def sweep(
     Args:
         plan: the plan file (YAML: name, configs, methods, settings, seeds, and optionally reference, metric,
             resources and tune; each key in docs/experiments.md, "The plan file").
-        mode: run (train here the points not finished), list (every grid point's state, round, time left and
-            folder), estimate (price the plan before it runs, from its kinds of local step and a run's start-up
-            timed here; docs/experiments.md, "The budget before submitting"),
-            submit (one SLURM array job of slurm/sweep.sbatch, task I point I; two with tune:) or fit_config
-            (write point --index's resolved `fit` settings, what an array task launches). Each mode takes only
-            its own options (docs/experiments.md, "Running a plan").
+        mode: run (train here the points not finished), list (each point's state, round, time left, folder),
+            estimate (price the plan before it runs; docs/experiments.md, "The budget before submitting"), submit
+            (one SLURM array job of slurm/sweep.sbatch, task I point I; two with tune:) or fit_config (write point
+            --index's resolved `fit` settings, what an array task launches). Each mode takes only its own options.
         jobs: runs at a time. Locally (default 1), processes on this machine; submitted, array tasks at
             once (sbatch --array=...%jobs; default: as many as SLURM allows).
-        gpus_per_run: GPUs (and ranks) of each run; default the plan's resources.gpus_per_run, else 0. A
-            plan that asks for GPUs is refused where its runs would get none, unless this is given (0
-            trains them on the CPU on purpose). 0 runs on the CPU with one rank. Locally each run gets
-            CUDA_VISIBLE_DEVICES of its own: jobs x gpus_per_run must not exceed the GPUs visible.
-            Submitted, each array task asks for --gpus-per-node and --ntasks-per-node of this many.
-        threads_per_run: CPUs of each run: on the CPU locally the CPUs it is bound to, from which it chooses
-            its threads; on GPUs OMP_NUM_THREADS, split over its ranks. Locally by default the cores divided by
-            jobs. Submitted, each task asks for these CPUs (--cpus-per-task per rank).
+        gpus_per_run: GPUs (and ranks) of each run; default the plan's resources.gpus_per_run, else 0 (the CPU,
+            one rank). A plan that asks for GPUs is refused where its runs would get none, unless this is given.
+            Locally each run gets CUDA_VISIBLE_DEVICES of its own (jobs x gpus_per_run GPUs at most); submitted,
+            each array task asks for --gpus-per-node and --ntasks-per-node of this many.
+        threads_per_run: CPUs of each run (default: the cores divided by jobs): on the CPU the CPUs it is bound
+            to, on GPUs OMP_NUM_THREADS split over its ranks; submitted, each task's --cpus-per-task per rank.
         index: the grid point of fit_config, or run's only point, in the foreground (its output on the terminal).
         sbatch_options: more sbatch options to submit with ([--time=06:00:00, --partition=gpu]; a --time
             overrides the plan's resources.time_per_run).
         runs_root: folder under which run folders go: <runs_root>/<plan>/<setting>/<method>/seed<k>.
         dry_run: print what would be run or submitted, without doing it.
-        override: KEY=VALUE settings applied last to every grid point (repeat --override for several),
-            e.g. federation.rounds=20 or data.root=/scratch/data. One that changes the experiment makes a
-            variant of the plan, <plan>@<hint>-<digest>, with run folders of its own (printed).
+        override: KEY=VALUE settings applied last to every point (repeatable: federation.rounds=20); one that
+            changes the experiment makes a variant of the plan, <plan>@<hint>-<digest>, with folders of its own.
         tuning_ended: the tuning stage has ended (the second array job of a submitted plan is told so): a choice
-            still to make counts a tuning run left unfinished as failed, not waited for (docs/experiments.md,
-            "Tuning each method per setting").
+            still to make counts a tuning run left unfinished as ended, not waited for.
         list: an alias of --mode list.
         estimate: an alias of --mode estimate.
         slurm: an alias of --mode submit.
