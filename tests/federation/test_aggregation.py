@@ -299,7 +299,7 @@ def test_several_ranks_sum_the_whole_buffer_in_one_all_reduce():
 
 
 def test_an_algorithm_with_two_weighted_uploads_gets_a_section_for_each():
-    algorithm = SimpleNamespace(weighted_uploads=("a", "b"), summed_uploads=())
+    algorithm = SimpleNamespace(weighted_uploads=("a", "b"), summed_uploads=(), weighted_scalars=())
     buffer = UploadBuffer(algorithm, num_params=2, num_buffers=1, device=CPU)
     assert [name for name, _, _ in buffer.sections] == ["a", "b", "buffers", "train_loss", STOP_REQUESTED,
                                                          REQUEUE_REQUESTED]
