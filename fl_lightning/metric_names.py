@@ -25,6 +25,12 @@ CLIENT_VAL_ACCURACY_MIN = "client_val_accuracy_min"
 CLIENT_VAL_ACCURACY_P10 = "client_val_accuracy_p10"
 """The global model's accuracy on each client's held-out samples, summarised over the clients
 (data.per_client_eval): mean, std (ddof = 0), minimum and 10th percentile."""
+COST_SAMPLES, COST_GRAD_EVALS, COST_FORWARD_PASSES = "cost_samples", "cost_grad_evals", "cost_forward_passes"
+COST_UPLOAD_BYTES, COST_DOWNLOAD_BYTES = "cost_upload_bytes", "cost_download_bytes"
+COST_CLIENT_SECONDS = "cost_client_seconds"
+COST_COUNTERS = (COST_SAMPLES, COST_GRAD_EVALS, COST_FORWARD_PASSES, COST_UPLOAD_BYTES, COST_DOWNLOAD_BYTES,
+                 COST_CLIENT_SECONDS)
+"""What a run spent up to the end of a round, logged with every round (`fl_lightning.federation.costs`)."""
 
 
 def lower_is_better(metric: str) -> bool:

@@ -15,6 +15,7 @@ from typing import Callable, ClassVar, Optional
 import torch
 from torch import nn
 
+from fl_lightning.algorithms.costs import Cost, Passes
 from fl_lightning.choices import Weighting
 from fl_lightning.clients import Batch, ClientRound
 from fl_lightning.config import FederationArgs
@@ -54,6 +55,9 @@ class Algorithm(FrozenConfigurable):
     same all-reduce (FedNova's tau_eff)."""
     client_state: ClassVar[tuple[str, ...]] = ()
     """Names of per-client vectors that persist across rounds (e.g. SCAFFOLD's c_i)."""
+    cost: ClassVar[Cost] = Cost()
+    """What a client of the method spends in a round (`fl_lightning.algorithms.costs`): one forward and
+    one backward pass per local step, its update up, the model down."""
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -101,6 +105,16 @@ class Algorithm(FrozenConfigurable):
         then serves the whole group; a client's own uploads are computed again, alone, only for a
         callback that reads them (`on_client_end`)."""
         return False
+
+    def step_passes(self, reported_before: bool) -> Passes:
+        """The passes of one local step of a client that has (or has not) reported an update in an
+        earlier round: `cost.passes`, unless the rule differs on a client's first round (MOON)."""
+        return self.cost.passes
+
+    def rebuilds_from_models(self, server_optimizer: ServerOptimizer, equal_steps: bool) -> bool:
+        """Whether `cost.rebuilt_down` is the server's last step over a constant under this server
+        optimizer, when the clients that reported in that step's round took `equal_steps` (or not)."""
+        return True
 
     def client_update(self, client: ClientRound) -> dict[str, torch.Tensor]:
         raise NotImplementedError

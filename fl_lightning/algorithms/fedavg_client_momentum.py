@@ -17,12 +17,14 @@ from __future__ import annotations
 import torch
 
 from fl_lightning.algorithms.base import PSEUDO_GRADIENT, Algorithm, train_locally
+from fl_lightning.algorithms.costs import Cost
 from fl_lightning.clients import ClientRound
 from fl_lightning.errors import ConfigError
-from fl_lightning.server_optimizers import ServerState
+from fl_lightning.server_optimizers import ServerOptimizer, ServerSGD, ServerState
 
 MEAN_LOCAL_STEP = "mean_local_step"
 """A client's (x - y_i) / (lr K_i): its average local step direction."""
+GLOBAL_DIRECTION = "global_direction"
 
 
 def check_gradient_weight(field_name: str, value: float) -> None:
@@ -36,6 +38,9 @@ class FedAvgClientMomentum(Algorithm):
     former_names = ("fedavg_m", "FedAvgMomentum")
     default_weighting = "uniform"
     weighted_uploads = (PSEUDO_GRADIENT, MEAN_LOCAL_STEP)
+    # A deployed client sends x - y_i alone: the server knows lr and K_i. g^r goes down, unless it is the
+    # server's last step over gamma lr K (`rebuilds_from_models`), as in the paper's full participation.
+    cost = Cost(rebuilt_down=(GLOBAL_DIRECTION,))
 
     def __init__(self, beta: float = 0.1):
         """
@@ -51,10 +56,15 @@ class FedAvgClientMomentum(Algorithm):
         return self.beta
 
     def initial_server_state(self, num_params: int, device: torch.device) -> dict[str, torch.Tensor]:
-        return {"global_direction": torch.zeros(num_params, device=device)}
+        return {GLOBAL_DIRECTION: torch.zeros(num_params, device=device)}
+
+    def rebuilds_from_models(self, server_optimizer: ServerOptimizer, equal_steps: bool) -> bool:
+        # g^{r+1} = sum_i p_i (x - y_i) / (lr K) = (x^r - x^{r+1}) / (gamma lr K) when every K_i is K and
+        # the server steps plainly by gamma times the aggregate.
+        return equal_steps and isinstance(server_optimizer, ServerSGD) and not server_optimizer.momentum
 
     def client_update(self, client: ClientRound) -> dict[str, torch.Tensor]:
-        global_share = (1 - self.gradient_weight) * client.server.tensors["global_direction"]
+        global_share = (1 - self.gradient_weight) * client.server.tensors[GLOBAL_DIRECTION]
         local_params = train_locally(
             client, direction=lambda _, gradient, __: self.gradient_weight * gradient + global_share
         )
@@ -62,8 +72,8 @@ class FedAvgClientMomentum(Algorithm):
         return {PSEUDO_GRADIENT: update, MEAN_LOCAL_STEP: update / (client.optimizer_args.lr * client.num_steps)}
 
     def server_update(self, state: ServerState, params: torch.Tensor, aggregate: dict[str, torch.Tensor]) -> None:
-        state.tensors["global_direction"] = aggregate[MEAN_LOCAL_STEP].clone()
+        state.tensors[GLOBAL_DIRECTION] = aggregate[MEAN_LOCAL_STEP].clone()
         super().server_update(state, params, aggregate)
 
     def round_metrics(self, state: ServerState) -> dict[str, float]:
-        return {"global_direction_norm": state.tensors["global_direction"].norm().item()}
+        return {"global_direction_norm": state.tensors[GLOBAL_DIRECTION].norm().item()}

@@ -7,12 +7,14 @@ from __future__ import annotations
 import torch
 
 from fl_lightning.algorithms.base import PSEUDO_GRADIENT, Algorithm, train_locally
+from fl_lightning.algorithms.costs import Cost, Passes
 from fl_lightning.clients import Batch, ClientRound
 from fl_lightning.errors import ConfigError
 
 
 class FedSAM(Algorithm):
     short_name = "fedsam"
+    cost = Cost(passes=Passes(forward=2, backward=2))  # the gradient at y, then at the ascent point
 
     def __init__(self, rho: float = 0.1):
         """

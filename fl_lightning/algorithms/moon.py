@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fl_lightning.algorithms.base import PSEUDO_GRADIENT, Algorithm, train_locally
+from fl_lightning.algorithms.costs import Passes
 from fl_lightning.clients import PADDING_LABEL, Batch, ClientRound
 from fl_lightning.errors import ConfigError
 from fl_lightning.models import FeatureClassifier
@@ -98,6 +99,13 @@ class MOON(Algorithm):
         self.mu = mu
         self.tau = tau
         self.projection_dim = projection_dim
+
+    def step_passes(self, reported_before: bool) -> Passes:
+        # The CE pass; with the contrastive term, the representation z differentiated, and z_glob and
+        # z_prev of the frozen models (forward only). A client's first round has no term.
+        if reported_before and self.mu:
+            return Passes(forward=4, backward=2)
+        return Passes()
 
     def prepare_model(self, network: nn.Module) -> nn.Module:
         return ProjectedClassifier(network, self.projection_dim)

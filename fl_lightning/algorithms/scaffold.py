@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from fl_lightning.algorithms.base import PSEUDO_GRADIENT, Algorithm, train_locally
+from fl_lightning.algorithms.costs import Cost
 from fl_lightning.clients import ClientRound
 from fl_lightning.server_optimizers import ServerState
 
@@ -45,6 +46,7 @@ class SCAFFOLD(Algorithm):
     default_weighting = "uniform"
     summed_uploads = (CONTROL_DELTA,)
     client_state = (CONTROL,)
+    cost = Cost(uploads=2, sent_down=(CONTROL,))  # x - y_i and c_i+ - c_i up, x and c down
 
     def __init__(self, effective_steps: bool = False):
         """

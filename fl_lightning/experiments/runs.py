@@ -34,6 +34,7 @@ from fl_lightning.metric_names import (
     CLIENT_VAL_ACCURACY_MIN,
     CLIENT_VAL_ACCURACY_P10,
     CLIENT_VAL_ACCURACY_STD,
+    COST_COUNTERS,
     TEST_ACCURACY,
     TEST_LOSS,
     VAL_ACCURACY,
@@ -123,12 +124,15 @@ class RunFolder:
 
     def metrics_to_come(self) -> set[str]:
         """What its config has it log at the evaluations it has not reached yet (every run evaluates
-        after its last round): none once it has logged its last round, or without a config."""
+        after its last round), and before its first round the cost counters every round logs (a run
+        resumed from a checkpoint written before they existed logs none): none once it has logged its
+        last round, or without a config."""
         if self.rounds_planned is None or self.rounds_done >= self.rounds_planned:
             return set()
         data = self.config.get("data") or {}
         validation = VALIDATION_METRICS + (PER_CLIENT_METRICS if data.get("per_client_eval") else ())
-        return {*EVALUATION_METRICS, *(validation if data.get("validation") else ())}
+        per_round = () if self.history else COST_COUNTERS
+        return {*EVALUATION_METRICS, *per_round, *(validation if data.get("validation") else ())}
 
     @property
     def pace(self) -> Optional[Pace]:

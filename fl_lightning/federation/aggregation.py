@@ -96,6 +96,8 @@ def clients_of_rank(clients: list[int], rank: int, world_size: int, stateful: bo
 
 STOP_REQUESTED = "stop_requested"
 REQUEUE_REQUESTED = "requeue_requested"
+CLIENT_SECONDS = "client_seconds"
+"""The seconds the ranks spent computing their clients' updates, summed (the run's `cost_client_seconds`)."""
 
 
 def stop_vote(asked_final: list[bool], world_size: int) -> int:
@@ -113,9 +115,9 @@ def is_final_vote(total: float, world_size: int) -> bool:
 
 class UploadBuffer:
     """The flat buffer one all-reduce sums: weighted uploads and scalars, float buffers, summed uploads, the
-    weighted training loss, the ranks' stop votes (`stop_vote`) and the number of ranks asked to
-    requeue (a preemption signal), in that order. Riding on the aggregation, a stop request needs no
-    collective of its own."""
+    weighted training loss, the ranks' stop votes (`stop_vote`), the number of ranks asked to requeue (a
+    preemption signal) and the seconds of the ranks' client updates, in that order. Riding on the
+    aggregation, a stop request needs no collective of its own."""
 
     def __init__(self, algorithm: Algorithm, num_params: int, num_buffers: int, device: torch.device):
         self.sections: list[tuple[str, int, bool]] = (
@@ -123,7 +125,8 @@ class UploadBuffer:
             + [(name, 1, True) for name in algorithm.weighted_scalars]
             + [("buffers", num_buffers, True)]
             + [(name, num_params, False) for name in algorithm.summed_uploads]
-            + [("train_loss", 1, True), (STOP_REQUESTED, 1, False), (REQUEUE_REQUESTED, 1, False)]
+            + [("train_loss", 1, True), (STOP_REQUESTED, 1, False), (REQUEUE_REQUESTED, 1, False),
+               (CLIENT_SECONDS, 1, False)]
         )
         self.flat = torch.zeros(sum(size for _, size, _ in self.sections), device=device)
         self._views = dict(zip([n for n, _, _ in self.sections], self.flat.split([s for _, s, _ in self.sections])))

@@ -25,6 +25,7 @@ from fl_lightning.checkpoint import (
 )
 from fl_lightning.data import DeviceTransform
 from fl_lightning.federation.aggregation import (
+    CLIENT_SECONDS,
     REQUEUE_REQUESTED,
     STOP_REQUESTED,
     UploadBuffer,
@@ -36,6 +37,7 @@ from fl_lightning.federation.aggregation import (
 )
 from fl_lightning.federation.client_paths import ClientPath
 from fl_lightning.federation.client_store import ClientStates
+from fl_lightning.federation.costs import ModelSizes, RunCosts, seconds_since
 from fl_lightning.federation.evaluation import Evaluation
 from fl_lightning.federation.global_state import FlatGlobalModel
 from fl_lightning.federation.groups import client_updates, normalise_batches_in_float32
@@ -84,6 +86,11 @@ class FederatedLoop:
             self.out_dir, settings.compute.client_state_memory_mib * 2**20, self.start_round,
             {} if state is None else state["client_states"], engine.global_rank, engine.world_size)
         self.trainer = self._local_trainer(device)
+        self.costs = RunCosts(self.algorithm, self.server_state.optimizer, settings.federation, settings.seed,
+                              [len(p) for p in inputs.data.partition], self.trainer.steps_done,
+                              ModelSizes(self.algorithm, self.global_model.params, self.global_model.buffers,
+                                         self.server_state))
+        self.costs.resume(self.history)
         self.client_path = ClientPath.of(settings.compute, self.algorithm, device, settings.federation.batch_size)
         if self.client_path.grouped:
             normalise_batches_in_float32(self.module)
@@ -158,6 +165,7 @@ class FederatedLoop:
                               engine.device)
         hooks_seconds = 0.0  # diagnostics' time on their rounds, left out of the round's own time
         self.client_states.round_completed = round_index + 1
+        clients_started = time.perf_counter()
         runs = self._client_rounds(clients, round_index)
         for client, contribution, uploads in client_updates(algorithm, runs, self.client_path, weights):
             if self.stateful:
@@ -168,6 +176,8 @@ class FederatedLoop:
             hooks_seconds += time.perf_counter() - hook_started
             buffer.add({**contribution, "buffers": client.buffers, "train_loss": client.mean_loss.reshape(1)},
                        weights[client.client_id])
+        client_seconds = seconds_since(clients_started, engine.device) - hooks_seconds
+        buffer.add({CLIENT_SECONDS: torch.full((1,), client_seconds, device=engine.device)}, 1.0)
         asked, self._asked_since_aggregation = self._asked_since_aggregation, {}
         vote = stop_vote(list(asked.values()), engine.world_size)
         one = torch.ones(1, device=engine.device)
@@ -192,6 +202,7 @@ class FederatedLoop:
                    "train_loss": aggregate["train_loss"].item() if clients else float("nan"),
                    **algorithm.round_metrics(self.server_state), **taking_part.counts(),
                    **self._steps_done(clients, round_index),
+                   **self.costs.after_round(round_index, taking_part, aggregate[CLIENT_SECONDS].item()),
                    "round_seconds": time.perf_counter() - started - hooks_seconds}
         self.history.append(metrics)
         return metrics

@@ -13,6 +13,7 @@ from fl_lightning.algorithms import SCAFFOLD, FedAvg
 from fl_lightning.clients.run import SAMPLING_STREAM, seeded_generator
 from fl_lightning.config import FederationArgs
 from fl_lightning.federation.aggregation import (
+    CLIENT_SECONDS,
     REQUEUE_REQUESTED,
     STOP_REQUESTED,
     UploadBuffer,
@@ -211,8 +212,9 @@ def test_the_summed_votes_say_whether_any_rank_asked_to_stop_and_whether_any_for
 def test_the_buffer_holds_each_section_in_order_at_its_size():
     buffer = UploadBuffer(SCAFFOLD(), num_params=6, num_buffers=2, device=CPU)
     assert buffer.sections == [("pseudo_gradient", 6, True), ("buffers", 2, True), ("control_delta", 6, False),
-                               ("train_loss", 1, True), (STOP_REQUESTED, 1, False), (REQUEUE_REQUESTED, 1, False)]
-    assert buffer.flat.shape == (6 + 2 + 6 + 1 + 1 + 1,)
+                               ("train_loss", 1, True), (STOP_REQUESTED, 1, False), (REQUEUE_REQUESTED, 1, False),
+                               (CLIENT_SECONDS, 1, False)]
+    assert buffer.flat.shape == (6 + 2 + 6 + 1 + 1 + 1 + 1,)
     assert buffer.flat.eq(0).all()
 
 
@@ -221,7 +223,8 @@ def test_weighted_uploads_are_scaled_by_the_weight_and_summed_uploads_are_not():
     buffer.add({"pseudo_gradient": torch.tensor([1.0, 2.0, 3.0]), "buffers": torch.tensor([4.0, 8.0]),
                 "control_delta": torch.tensor([1.0, -1.0, 2.0]), "train_loss": torch.tensor([2.0])}, 0.25)
     buffer.add({STOP_REQUESTED: torch.tensor([3.0]), REQUEUE_REQUESTED: torch.tensor([1.0])}, 0.25)
-    torch.testing.assert_close(buffer.flat, torch.tensor([0.25, 0.5, 0.75, 1.0, 2.0, 1.0, -1.0, 2.0, 0.5, 3.0, 1.0]))
+    torch.testing.assert_close(buffer.flat,
+                               torch.tensor([0.25, 0.5, 0.75, 1.0, 2.0, 1.0, -1.0, 2.0, 0.5, 3.0, 1.0, 0.0]))
 
 
 def test_a_section_left_out_of_an_add_keeps_its_value():
@@ -302,7 +305,7 @@ def test_an_algorithm_with_two_weighted_uploads_gets_a_section_for_each():
     algorithm = SimpleNamespace(weighted_uploads=("a", "b"), summed_uploads=(), weighted_scalars=())
     buffer = UploadBuffer(algorithm, num_params=2, num_buffers=1, device=CPU)
     assert [name for name, _, _ in buffer.sections] == ["a", "b", "buffers", "train_loss", STOP_REQUESTED,
-                                                         REQUEUE_REQUESTED]
+                                                         REQUEUE_REQUESTED, CLIENT_SECONDS]
     buffer.add({"a": torch.tensor([1.0, 1.0]), "b": torch.tensor([2.0, 2.0])}, 0.5)
     reduced = buffer.reduced(OneRank())
     torch.testing.assert_close(reduced["a"], torch.tensor([0.5, 0.5]))
