@@ -37,6 +37,7 @@ from paths import QUICKSTART
 
 from fl_lightning.checkpoint import checkpoint_dir, load_checkpoint, numbered_checkpoints
 from fl_lightning.commands.main import main
+from fl_lightning.metric_names import COST_CLIENT_SECONDS, COST_COUNTERS
 
 # Every test runs fl-lightning in other processes, each starting outside SLURM whatever the shell has set.
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("outside_slurm")]
@@ -66,6 +67,11 @@ def checkpoint_round(path: Path) -> int:
 
 def final_model(out_dir: Path) -> dict[str, torch.Tensor]:
     return torch.load(checkpoint_dir(out_dir) / "last.ckpt", map_location="cpu", weights_only=False)["model"]
+
+
+def spent(row: dict) -> dict:
+    """A metrics row's cost counters, but the seconds, which no two runs share."""
+    return {key: row[key] for key in COST_COUNTERS if key != COST_CLIENT_SECONDS}
 
 
 def assert_same_model(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
@@ -103,6 +109,7 @@ def test_sigkill_then_rerun_reaches_the_uninterrupted_model(reference, tmp_path)
     # Rows up to the checkpoint are kept as they were: the rerun resumed rather than restarted.
     assert rows[:resumed_round] == rows_before[:resumed_round]
     assert_same_model(final_model(out_dir), final_model(reference))
+    assert spent(rows[-1]) == spent(completed_rows(reference)[-1])
 
 
 def test_corrupt_newest_checkpoint_resumes_from_the_previous_one(reference, tmp_path):
@@ -233,6 +240,7 @@ def test_stop_under_slurm_checkpoints_requeues_and_resumes(signum, signalled_ran
     assert [row["round"] for row in rows] == list(range(1, HELD_RUN_ROUNDS + 1))
     assert rows[:stop_round] == rows_before[:stop_round]
     assert_same_model(final_model(out_dir), final_model(two_rank_reference))
+    assert spent(rows[-1]) == spent(completed_rows(two_rank_reference)[-1])
 
 
 RANK_LOST = 75
