@@ -8,6 +8,7 @@ import re
 import shlex
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,15 +17,18 @@ from paths import EXAMPLES, QUICKSTART, REPOSITORY
 from torch import nn
 
 from fl_lightning.algorithms import SHORT_NAMES, FedAvg
+from fl_lightning.algorithms.base import PSEUDO_GRADIENT
 from fl_lightning.commands.main import main
 from fl_lightning.config import DataArgs, ModelArgs
 from fl_lightning.data import DATASET_NAMES, load_dataset
 from fl_lightning.errors import ConfigError
+from fl_lightning.federation.aggregation import UploadBuffer
 from fl_lightning.models import create_model
 from fl_lightning.models.registry import check_model_settings
+from fl_lightning.server_optimizers import ServerSGD, ServerState
 
 DOC = REPOSITORY / "docs" / "extending.md"
-EXAMPLE_MODULES = ("my_algorithm", "my_model", "my_dataset", "my_callback", "bad_extensions")
+EXAMPLE_MODULES = ("my_algorithm", "my_server_rule", "my_model", "my_dataset", "my_callback", "bad_extensions")
 # Appended to the documented commands: later settings override earlier ones.
 TINY = ["--federation.rounds", "2", "--federation.num_clients", "4", "--federation.clients_per_round", "2",
         "--federation.local_steps", "2", "--federation.eval_every", "1", "--checkpoint.every", "1",
@@ -130,8 +134,9 @@ def error_line(arguments: list[str], out_dir: Path, capsys) -> str:
 
 def test_the_doc_shows_each_example_once_and_runs_it():
     commands = [" ".join(command) for command in documented_commands()]
-    assert len(commands) == 5
-    for name in ("--algorithm my_algorithm.ClippedFedAvg", "--model.name my_model.make_net",
+    assert len(commands) == 6
+    for name in ("--algorithm my_algorithm.ClippedFedAvg", "--algorithm my_server_rule.FedExP",
+                 "--model.name my_model.make_net",
                  "--data.name my_dataset.load_shapes", "--config examples/extending.yaml",
                  "--config examples/callback.yaml"):
         assert sum(name in command for command in commands) == 1, name
@@ -142,7 +147,7 @@ def test_the_doc_quotes_the_example_files_as_they_are():
     that it runs as shown."""
     sources = {path: path.read_text() for path in EXAMPLES.glob("*.py")}
     blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.DOTALL)
-    assert len(blocks) == 5
+    assert len(blocks) == 6
     for block in blocks:
         (source,) = [text for text in sources.values() if block in text] or [None]
         assert source is not None, block.splitlines()[0]
@@ -225,6 +230,39 @@ def test_user_algorithm_runs_grouped_as_it_runs_client_by_client(tmp_path, on_pa
     grouped = run_fit([*arguments, "--compute.client_path", "grouped"], tmp_path / "grouped")
     for name in ("train_loss", "update_norm", "test_accuracy"):
         assert [row[name] for row in grouped] == pytest.approx([row[name] for row in loop], rel=1e-5, abs=1e-7)
+
+
+def test_user_server_rule_steps_by_the_extrapolation_of_its_clients_numbers(on_path):
+    """FedExP's squared norms ride the all-reduce as one element each; the server's step against a direct
+    computation from the clients' changes."""
+    from my_server_rule import SQUARED_NORM, FedExP
+
+    algorithm, generator = FedExP(epsilon=1e-3), torch.Generator().manual_seed(0)
+    changes = [torch.randn(5, generator=generator, dtype=torch.float64) for _ in range(3)]
+    weights = [0.5, 0.3, 0.2]
+    buffer = UploadBuffer(algorithm, num_params=5, num_buffers=0, device=torch.device("cpu"))
+    assert buffer.flat.numel() == UploadBuffer(FedAvg(), 5, 0, torch.device("cpu")).flat.numel() + 1
+    for change, weight in zip(changes, weights):
+        buffer.add({PSEUDO_GRADIENT: change.float(), SQUARED_NORM: change.float().square().sum().reshape(1)}, weight)
+    aggregate = buffer.reduced(SimpleNamespace(world_size=1))
+    params, state = torch.zeros(5), ServerState(ServerSGD(lr=1.0), num_clients=3)
+    algorithm.server_update(state, params, aggregate)
+
+    mean_change = sum(w * c for w, c in zip(weights, changes))
+    mean_square = sum(w * float(c @ c) for w, c in zip(weights, changes))
+    eta = max(1.0, mean_square / (2 * (float(mean_change @ mean_change) + 1e-3)))
+    assert eta > 1  # extrapolated: the clients disagree
+    torch.testing.assert_close(params, (-eta * mean_change).float())
+
+
+def test_user_server_rule_sends_its_number_at_its_size(tmp_path, on_path):
+    arguments = ["fit", "--config", QUICKSTART, "--model.options", "{hidden: 16}"]
+    fedexp = run_fit([*arguments, "--algorithm", "my_server_rule.FedExP"], tmp_path / "fedexp")
+    fedavg = run_fit([*arguments, "--algorithm", "fedavg"], tmp_path / "fedavg")
+    assert all(row["server_lr"] >= 1 for row in fedexp)
+    reported = sum(row["clients_reported"] for row in fedexp)
+    assert fedexp[-1]["cost_upload_bytes"] == fedavg[-1]["cost_upload_bytes"] + 4 * reported
+    assert fedexp[-1]["cost_download_bytes"] == fedavg[-1]["cost_download_bytes"]
 
 
 def test_user_model_follows_the_interface(on_path):
