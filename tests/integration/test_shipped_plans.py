@@ -36,6 +36,7 @@ from typing import Optional
 
 import pytest
 import yaml
+from jsonargparse import Namespace
 from paths import REPOSITORY
 
 from fl_lightning.algorithms import SHORT_NAMES
@@ -201,10 +202,16 @@ EXPECTED = {
                           rounds=3, batch_size=32, local_steps=2) for alpha in (0.5, 0.1)],
                   {"FedAvg": Row("fedavg", tuned=SMOKE_LRS),
                    "FedAvg + CONST": Row("fedavg", constraint=CONST_BOTH, tuned=SMOKE_LRS)}, [0, 1, 2]),
+    # FedAvg, SCAFFOLD, FedNova and CTP-FL under full participation, 2 cyclic groups of 5 (each drawn whole)
+    # and 20% lost uploads (the participation itself: test_participation_plan_puts_participation_on_its_axis).
+    "participation": Grid([Column(dataset="digits", alpha=0.5, model="mlp", num_clients=10, clients_per_round=drawn,
+                                  rounds=30, batch_size=32, local_steps=10) for drawn in (10, 5, 10)],
+                          {"FedAvg": Row("fedavg"), "SCAFFOLD": Row("scaffold", {"effective_steps": True}),
+                           "FedNova": Row("fednova"), "CTP-FL": Row("ctpfl", {"span": None})}, [0, 1, 2]),
 }
 SIZES = {"ctpfl_table1": 192, "fedconst_table1_lenet5_cross-device": 90, "fedconst_table1_lenet5_cross-silo": 90,
          "fedconst_table1_resnet18_cross-device": 108, "fedconst_table1_resnet18_cross-silo": 108,
-         "fedconst_table3": 12, "dev_cifar10_const": 15, "smoke": 12}
+         "fedconst_table3": 12, "dev_cifar10_const": 15, "smoke": 12, "participation": 36}
 
 
 def shipped_plans() -> list[str]:
@@ -347,6 +354,14 @@ def test_every_point_parses_to_its_column_and_its_row(name, parser):
     for point in later_seeds:
         assert grid_parser.parse(point.fit_arguments()) == parse_command_line(point.fit_arguments(), fresh)
     assert grid_parser.full_parses == full_parses  # each parsed from its first seed's settings
+
+
+def test_participation_plan_puts_participation_on_its_axis(parser):
+    parsed = {point.setting_name: GridPointParser(parser).parse(point.fit_arguments()).fit.federation
+              for point in load("participation").grid() if point.seed == 0 and point.method == "FedAvg"}
+    assert [(federation.participation, federation.dropout) for federation in parsed.values()] == [
+        (None, 0.0), (Namespace(class_path="fl_lightning.participation.Cyclic", init_args=Namespace(groups=2)), 0.0),
+        (None, 0.2)]
 
 
 @pytest.mark.parametrize("after, seed", [(["--config", "seed.yaml"], 7), (["--seed", "5"], 5)],
