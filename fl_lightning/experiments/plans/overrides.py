@@ -22,7 +22,7 @@ table.
 
 An override that restates what every grid point already has (`federation.rounds=3` of a 3-round
 plan, `data.validation=0`) names no variant: the plan's own runs are swept and tabulated
-(`fl_lightning.experiments.plans.resolve.resolve_variant`, decided from every point's resolved settings).
+(`fl_lightning.experiments.plans.resolve.settle_variant`, decided from every point's resolved settings).
 A variant's table says so in its caption, table.csv and plot, and its folder holds `variant.yaml`:
 the plan file and the overrides that make it.
 

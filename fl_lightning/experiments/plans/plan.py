@@ -42,6 +42,7 @@ setting that a setting axis's mappings set is refused (the axis's columns would 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import re
 from dataclasses import dataclass, field, fields
@@ -141,8 +142,11 @@ class GridPoint:
         return f"{self.plan_name}-tune-{self.setting_name}-{name}", name, "tune"
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
+    """A plan file as read, with the command line's overrides: a value, named for its variant once
+    resolve.settle_variant has decided which overrides change a point."""
+
     name: str
     configs: list[Part]
     methods: dict[str, list[Part]]
@@ -158,7 +162,7 @@ class Plan:
     base_name: str = ""
     """The plan file's own name (`name` without the variant)."""
     restated: frozenset[str] = frozenset()
-    """Overrides that restate what every point already has (resolve.resolve_variant): they name no variant."""
+    """Overrides that restate what every point already has (resolve.settle_variant): they name no variant."""
     tune: Optional[TuneGrid] = None
 
     @property
@@ -167,13 +171,11 @@ class Plan:
         return {key: value for key, value in self.overrides.items()
                 if key not in self.restated and changes_the_experiment(key)}
 
-    def restate(self, keys: set[str]) -> bool:
-        """Name the plan for its overrides but `keys`, which change nothing at any point; True when
-        that renames it (its points' folders and W&B names are then the new name's)."""
-        self.restated = frozenset(keys)
-        name = variant_name(self.base_name, {k: v for k, v in self.overrides.items() if k not in self.restated})
-        renamed, self.name = name != self.name, name
-        return renamed
+    def restating(self, keys: frozenset[str]) -> "Plan":
+        """The plan named for its overrides but `keys`, which change nothing at any point
+        (resolve.settle_variant decides which)."""
+        kept = {key: value for key, value in self.overrides.items() if key not in keys}
+        return dataclasses.replace(self, restated=keys, name=variant_name(self.base_name, kept))
 
     def grid(self, choices: Optional[dict[tuple[str, str], dict[str, Any]]] = None) -> list[GridPoint]:
         """The plan's own runs, after the tuning points: settings outermost, then methods, then seeds

@@ -134,29 +134,29 @@ def check_folders(plan: Path, resolved: list[ResolvedPoint], states: dict[int, R
                           "then run the same command again)", plan, problems)
 
 
-def resolve_variant(plan: Plan, resolver: Optional[GridResolver] = None) -> list[ResolvedPoint]:
-    """Every grid point of `plan` resolved with the plan's overrides, once the plan is named for those
-    that change a point (Plan.restate) and they are checked (check_overrides): how `sweep`, `table`
-    and `dashboard` begin a plan given with `--override`.
+def settle_variant(plan: Plan, resolver: Optional[GridResolver] = None) -> Plan:
+    """The plan named for the overrides that change a point, once they are checked (check_overrides, which
+    resolves every point of the named plan with `resolver`): how `sweep`, `table` and `dashboard` begin a
+    plan given with `--override`.
 
     An override that restates, at every point, what the point resolves to without the overrides
     (`federation.rounds=3` of a 3-round plan; `data.validation=0`, which `fit` reads as null) changes
-    no run: it names no variant, so the plan's own runs are the ones swept and tabulated. The seeds of
-    a setting and method differ in their seed alone, so the first seed's points stand for them all."""
-    resolver = resolver or GridResolver()
-    resolved = [resolver.resolve(point) for point in plan.grid()]
+    no run: it names no variant, so the plan's own runs are the ones swept and tabulated. Which do is
+    decided on the first seed's points before the plan is named: the seeds of a setting and method differ
+    in their seed alone, and what a point resolves to does not depend on the folder it is named into."""
     if not plan.overrides:
-        return resolved
-    own = GridResolver()
-    pairs = [(entry, own.resolve(dataclasses.replace(entry.point, overrides={}))) for entry in resolved
-             if entry.point.seed == plan.seeds[0]]
-    restated = {key for key in plan.overrides
-                if all(entry.config is not None and plain.config is not None
-                       and value_of(entry.config, key) == value_of(plain.config, key) for entry, plain in pairs)}
-    if plan.restate(restated):
-        resolved = [resolver.resolve(point) for point in plan.grid()]
-    check_overrides(plan, resolved, own)
-    return resolved
+        return plan
+    own, named_after = GridResolver(), GridResolver()
+    pairs = [(named_after.resolve(point), own.resolve(dataclasses.replace(point, overrides={})))
+             for point in plan.grid() if point.seed == plan.seeds[0]]
+    restated = frozenset(key for key in plan.overrides
+                         if all(entry.config is not None and plain.config is not None
+                                and value_of(entry.config, key) == value_of(plain.config, key)
+                                for entry, plain in pairs))
+    settled = plan.restating(restated)
+    resolver = resolver or GridResolver()
+    check_overrides(settled, [resolver.resolve(point) for point in settled.grid()], own)
+    return settled
 
 
 def check_overrides(plan: Plan, resolved: list[ResolvedPoint], own: Optional[GridResolver] = None) -> None:

@@ -67,10 +67,11 @@ def read_tune(tune, raw: dict) -> Optional[TuneGrid]:
     """A plan's `tune:` checked (its methods' grids against `raw`, the plan read so far); None without one."""
     if tune is None:
         return None
-    keys = [key.name for key in fields(TuneGrid)]
-    if not isinstance(tune, dict) or set(tune) - set(keys):
-        raise ConfigError("plan.tune", f"a mapping of {', '.join(keys)} (the last two optional)", tune)
     defaults = {key.name: key.default for key in fields(TuneGrid) if key.default is not MISSING}
+    required = [key.name for key in fields(TuneGrid) if key.name not in defaults]
+    if not isinstance(tune, dict) or set(tune) - {*required, *defaults}:
+        raise ConfigError("plan.tune", f"a mapping of {', '.join(required)} and optionally {' and '.join(defaults)}",
+                          tune)
     seeds, plan_seeds = tune.get("seeds"), raw.get("seeds", [0])
     check_seeds("plan.tune.seeds", seeds)
     if set(seeds) & set(plan_seeds):

@@ -48,7 +48,7 @@ from fl_lightning.experiments.plans.resolve import (
     check_folders,
     describe_point,
     read_states,
-    resolve_variant,
+    settle_variant,
     value_of,
 )
 from fl_lightning.experiments.plans.selection import (
@@ -213,10 +213,9 @@ def check_tuned_settings(plan: Plan, tuning: list[ResolvedPoint]) -> None:
 
 def tuned_grid(plan: Plan) -> TunedGrid:
     """The plan's grid with its tuning stage, in the folders of its variant once its overrides are
-    settled (resolve.resolve_variant)."""
+    settled (resolve.settle_variant): `TunedGrid.plan` is the plan so named."""
     resolver = GridResolver()
-    resolve_variant(plan, resolver)
-    return TunedGrid(plan, resolver)
+    return TunedGrid(settle_variant(plan, resolver), resolver)
 
 
 @dataclass

@@ -164,8 +164,8 @@ def plan_report(plan: Path, project: Optional[str], runs_root: Path, override: O
     """The plan's own runs, a tuned method's with its setting's choice (or `waiting` for it), resolved as
     `fit` resolves them (a plan with a point `fit` would refuse, or with overrides that `check_overrides`
     refuses, is refused), and the project its report shows."""
-    loaded = load_plan(plan, runs_root=runs_root, overrides=override)
-    resolved = tuned_grid(loaded).final()
+    grid = tuned_grid(load_plan(plan, runs_root=runs_root, overrides=override))
+    loaded, resolved = grid.plan, grid.final()
     check_grid(loaded.path, resolved)
     runs = _runs_settings(resolved)
     if project is None:

@@ -17,7 +17,7 @@ from typing import Any, Optional, Union
 from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.plans.overrides import SET_BY_THE_PLAN, value_text
 from fl_lightning.experiments.plans.plan import GridPoint, load_plan
-from fl_lightning.experiments.plans.resolve import GridResolver, accepted_config, resolve_variant
+from fl_lightning.experiments.plans.resolve import GridResolver, accepted_config, settle_variant
 from fl_lightning.experiments.plans.tune_grid import describe_candidate, same_setting
 from fl_lightning.experiments.plans.tuning import TunedGrid
 from fl_lightning.experiments.results.reference import paper_numbers
@@ -146,8 +146,8 @@ def load_entries(plan: Union[str, list[str]], runs_root: Path, overrides: Option
 def _from_plan(path: Path, runs_root: Path, overrides: Optional[list[str]] = None) -> Loaded:
     plan = load_plan(path, runs_root=runs_root, overrides=overrides)
     resolver = GridResolver()
-    if plan.overrides:  # checked at every point, those without runs too, as a sweep of them checks them
-        resolve_variant(plan, resolver)
+    # Overrides are checked at every point, those without runs too, as a sweep of them checks them.
+    plan = settle_variant(plan, resolver)
     tuned = TunedGrid(plan, resolver)  # a tuned method's runs with their setting's choice, or waiting
     grid = tuned.final_points
     settings = list(dict.fromkeys(point.setting_name for point in grid))

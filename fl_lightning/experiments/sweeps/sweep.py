@@ -124,7 +124,7 @@ def sweep(
     check_index(Path(plan), index, len(loaded.tuning_grid()) + len(loaded.grid()))
     grid = tuned_grid(loaded)  # its tuning points, then its own with the choices made, in the variant's folders
     if mode != "fit_config":  # its output is the config's path alone, read by slurm/sweep.sbatch
-        describe_variant(loaded, options.runs_root)
+        describe_variant(grid.plan, options.runs_root)
     MODES[mode](Path(plan), grid, options)
 
 

@@ -3,6 +3,7 @@ that changes the experiment makes a variant of the plan whose runs live apart an
 apart, one that does not (data.root) keeps the plan's own runs."""
 
 import csv
+import dataclasses
 import io
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from fl_lightning.commands.main import main as fl_lightning_main
 from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.plans.overrides import parse_overrides, variant_name
 from fl_lightning.experiments.plans.plan import load_plan
-from fl_lightning.experiments.plans.resolve import check_overrides, resolve_grid
+from fl_lightning.experiments.plans.resolve import check_overrides, resolve_grid, settle_variant
 from fl_lightning.experiments.results.dashboard import dashboard
 from fl_lightning.experiments.results.table import table
 from fl_lightning.run_logging import read_metrics
@@ -158,6 +159,20 @@ def test_an_override_that_restates_what_every_point_has_is_the_plans_own_runs(tm
                        "--override", "federation.local_steps=2", "--list"])
     variant = load_plan(path, overrides=["federation.local_steps=2"]).name
     assert variant.startswith("tiny@local_steps2-") and f"plan variant {variant} of tiny " in capsys.readouterr().out
+
+
+def test_a_plan_is_a_value_named_for_its_variant_by_settle_variant(tmp_path):
+    path = write_plan(tmp_path / "plan.yaml")
+    given = load_plan(path, overrides=["federation.rounds=2", "federation.local_steps=2"])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        given.name = "another"
+    settled = settle_variant(given)
+    # Named for the override that changes a point alone; the plan given is left as it was.
+    assert settled.name == load_plan(path, overrides=["federation.local_steps=2"]).name != given.name
+    assert settled.restated == {"federation.rounds"} and given.restated == frozenset()
+    assert {point.out_dir.parent.parent.parent.name for point in settled.grid()} == {settled.name}
+    unchanged = load_plan(path)
+    assert settle_variant(unchanged) is unchanged  # no overrides: nothing to settle
 
 
 def test_the_dashboard_of_a_variant_shows_the_variants_runs(tmp_path, capsys):
