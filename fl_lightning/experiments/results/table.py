@@ -97,7 +97,7 @@ from fl_lightning.experiments.results.plot import plot_curves
 from fl_lightning.experiments.results.reference import paper_numbers
 from fl_lightning.experiments.results.table_cells import Cell, Table, mark_best, order_methods, pair_with_baseline
 from fl_lightning.experiments.results.table_latex import latex_table
-from fl_lightning.experiments.results.table_outcomes import COUNTED, Outcomes, Verdict, judge
+from fl_lightning.experiments.results.table_outcomes import Outcome, Outcomes, Verdict, judge
 from fl_lightning.experiments.results.table_sources import Loaded, describe_setting, load_entries
 from fl_lightning.experiments.runs import check_metric, parse_at
 
@@ -195,7 +195,7 @@ def _laid_out(loaded: Loaded, verdicts: list[Verdict], metric: str, at: str, sho
                  notes=outcomes.notes(metric) + _baseline_notes(baseline, apart, uncompared) + loaded.notes,
                  baseline=baseline, baseline_of=baseline_of, plan=loaded.name, overrides=loaded.overrides,
                  setting=describe_setting([verdict.entry.config or verdict.run.config for verdict in verdicts
-                                           if verdict.outcome == COUNTED and verdict.value is not None]),
+                                           if verdict.outcome is Outcome.COUNTED and verdict.value is not None]),
                  choices=loaded.choices, tuning=loaded.tuning)
 
 
@@ -219,7 +219,7 @@ def _cells(verdicts: list[Verdict], methods: list[str], settings: list[str], sca
     cells = {(m, s): Cell() for m in methods for s in settings}
     curves: dict[tuple[str, str], list] = {key: [] for key in cells}
     for verdict in verdicts:
-        if verdict.outcome == COUNTED and verdict.value is not None:
+        if verdict.outcome is Outcome.COUNTED and verdict.value is not None:
             entry = verdict.entry
             cells[entry.method, entry.setting].by_seed[entry.seed] = verdict.value * scale
             if verdict.unfinished == "partial":

@@ -4,6 +4,7 @@ not counted and its value, and the notes under the table that the verdicts come 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum, auto
 from typing import Optional
 
 from fl_lightning.experiments.results.table_sources import Entry
@@ -11,17 +12,72 @@ from fl_lightning.experiments.runs import RunFolder
 from fl_lightning.metric_names import best_round, is_test_metric, selection_note
 from fl_lightning.run_dir import CONFIG_FILE
 
-WAITING = "waiting"
-"""A run of a tuned method whose setting has no tuning choice yet (tuning.py): neither resolved nor read."""
-NOT_STARTED = "not started"
-WITHOUT_ROWS = "without rows"
-"""No metrics rows, but a checkpoint (rows lost to a kill between checkpoint and log)."""
-OTHER_SETTINGS = "other settings"
-"""Made with other settings than its grid point's."""
-EXCLUDED = "excluded"
-"""Unfinished, left out (no --include_partial)."""
-COUNTED = "counted"
-"""Its value counted (or, without one yet, pending or empty)."""
+
+class Outcome(Enum):
+    """What a run the table expects comes to: counted (with its value, or pending or empty without one),
+    or why it is not."""
+
+    WAITING = "waiting"
+    """A run of a tuned method whose setting has no tuning choice yet (tuning.py): neither resolved nor read."""
+    NOT_STARTED = "not started"
+    WITHOUT_ROWS = "without rows"
+    """No metrics rows, but a checkpoint (rows lost to a kill between checkpoint and log)."""
+    OTHER_SETTINGS = "other settings"
+    """Made with other settings than its grid point's."""
+    EXCLUDED = "excluded"
+    """Unfinished, left out (no --include_partial)."""
+    COUNTED = "counted"
+    """Its value counted (or, without one yet, pending or empty)."""
+
+
+class Note(Enum):
+    """A note under the table and the runs it lists, in the order the notes are printed (NOTES words them)."""
+
+    EXCLUDED = auto()
+    PARTIAL = auto()
+    EARLY = auto()
+    OTHER_SETTINGS = auto()
+    TORN = auto()
+    CHOSEN_ON_VALIDATION = auto()
+    CHOSEN_ON_TEST = auto()
+    UNCHECKED = auto()
+    NOT_STARTED = auto()
+    WITHOUT_ROWS = auto()
+    PENDING = auto()
+    EMPTY = auto()
+    WAITING = auto()
+
+
+NOTES = {
+    Note.EXCLUDED: "not counted, unfinished (--include_partial true counts them): {runs}",
+    Note.PARTIAL: "counted although unfinished: {runs}",
+    Note.EARLY: "finished early (a final stop in its checkpoint), counted at its last round: {runs}",
+    Note.OTHER_SETTINGS: "not counted, made with other settings than the plan's (rerun them in folders of their "
+                         "own): {runs}",
+    Note.TORN: "a torn last line of metrics.jsonl left out (a killed run; resuming it rewrites the line): {runs}",
+    Note.CHOSEN_ON_VALIDATION: "{on_validation}: {count} run(s)",
+    Note.CHOSEN_ON_TEST: "{on_test}: {runs}",
+    Note.UNCHECKED: "read as they recorded themselves, not checked against the plan's settings ({module} is not "
+                    "importable here: with its folder on PYTHONPATH they are): {runs}",
+    Note.NOT_STARTED: "not started: {runs}",
+    Note.WITHOUT_ROWS: "{runs}: no metrics rows (checkpoint at round {round}): resume it to rewrite them "
+                       "(fl-lightning fit --config {config})",
+    Note.PENDING: "pending, no {metric} logged yet (its evaluations are to come): {runs}",
+    Note.EMPTY: "no {metric} logged: {runs}",
+    Note.WAITING: "not counted, waiting for the tuning stage to choose their values (fl-lightning sweep runs it, "
+                  "then them): {runs}",
+}
+"""How each note reads: {runs} lists its runs (cut at twenty), {metric} is the table's; a note whose runs
+differ in another field ({module}, {round}) is one note for each value of it."""
+
+
+@dataclass(frozen=True)
+class Listed:
+    """A run a note lists: how it shows in the listing, and the note's other fields that it gives."""
+
+    entry: Entry
+    shown: str
+    fields: tuple[tuple[str, object], ...] = ()
 
 
 @dataclass
@@ -29,7 +85,7 @@ class Verdict:
     """What a run the table expects comes to."""
 
     entry: Entry
-    outcome: str
+    outcome: Outcome
     run: Optional[RunFolder] = None
     value: Optional[float] = None
     """Its value of the metric (in the metric's units), where counted and logged."""
@@ -48,16 +104,17 @@ class Verdict:
 def judge(entry: Entry, metric: str, at: str, include_partial: bool) -> Verdict:
     """The one rule of what a table does with a run: counts it, and with which value, or says why not."""
     if entry.point is not None and entry.point.waiting:
-        return Verdict(entry, WAITING)
+        return Verdict(entry, Outcome.WAITING)
     run = RunFolder(entry.path)
     if not run.history:
         checkpoint = run.state(None).round
-        return Verdict(entry, NOT_STARTED if checkpoint is None else WITHOUT_ROWS, run, detail=checkpoint)
+        outcome = Outcome.NOT_STARTED if checkpoint is None else Outcome.WITHOUT_ROWS
+        return Verdict(entry, outcome, run, detail=checkpoint)
     different = None if entry.config is None else run.difference(entry.config)
     if different is None and entry.rounds is not None and run.rounds_done > entry.rounds:
         different = f"federation.rounds: it logged round {run.rounds_done}, past the {entry.rounds} of the plan"
     if different is not None:
-        return Verdict(entry, OTHER_SETTINGS, run, detail=different)
+        return Verdict(entry, Outcome.OTHER_SETTINGS, run, detail=different)
     rounds = entry.rounds or run.rounds_planned
     under_way, unfinished = rounds is None or run.rounds_done < rounds, None
     # An early stop is final only by its checkpoint's word: a row count cannot tell it from a kill.
@@ -65,9 +122,9 @@ def judge(entry: Entry, metric: str, at: str, include_partial: bool) -> Verdict:
         under_way, unfinished = False, "early"
     elif under_way:
         if not include_partial:
-            return Verdict(entry, EXCLUDED, run)
+            return Verdict(entry, Outcome.EXCLUDED, run)
         unfinished = "partial"
-    verdict = Verdict(entry, COUNTED, run, points=run.points(metric), value=run.value(metric, at),
+    verdict = Verdict(entry, Outcome.COUNTED, run, points=run.points(metric), value=run.value(metric, at),
                       unfinished=unfinished, under_way=under_way)
     best = best_round(run.history, metric) if at == "best" and is_test_metric(metric) else None
     if best is not None:
@@ -77,28 +134,10 @@ def judge(entry: Entry, metric: str, at: str, include_partial: bool) -> Verdict:
 
 @dataclass
 class Outcomes:
-    """What became of the runs a table expects, besides the values counted: the notes under it (`of` the
-    runs' verdicts)."""
+    """What became of the runs a table expects, besides the values counted: the runs each note lists (`of` the
+    runs' verdicts), and the notes."""
 
-    not_started: list[Entry] = field(default_factory=list)
-    without_rows: list[tuple[Entry, int]] = field(default_factory=list)
-    """No metrics rows, and a checkpoint of that round (rows lost to a kill between checkpoint and log)."""
-    excluded: list[tuple[Entry, RunFolder]] = field(default_factory=list)
-    """Unfinished, left out (no --include_partial)."""
-    partial: list[tuple[Entry, RunFolder]] = field(default_factory=list)
-    early: list[tuple[Entry, RunFolder]] = field(default_factory=list)
-    other: list[str] = field(default_factory=list)
-    """Runs made with other settings than their point's, each with the fields that differ."""
-    torn: list[Entry] = field(default_factory=list)
-    chosen_on_validation: list[Entry] = field(default_factory=list)
-    chosen_on_test: list[Entry] = field(default_factory=list)
-    pending: list[Entry] = field(default_factory=list)
-    """Counted although unfinished, but with no value of the metric yet: its evaluations are to come."""
-    empty: list[Entry] = field(default_factory=list)
-    waiting: list[Entry] = field(default_factory=list)
-    """Runs of a tuned method whose setting has no tuning choice yet (tuning.py)."""
-    unchecked: list[Entry] = field(default_factory=list)
-    """Runs read as they recorded themselves: their point names a module this process cannot import."""
+    listed: dict[Note, list[Listed]] = field(default_factory=dict)
 
     @classmethod
     def of(cls, verdicts: list[Verdict]) -> "Outcomes":
@@ -107,67 +146,55 @@ class Outcomes:
             outcomes.add(verdict)
         return outcomes
 
+    def runs(self, note: Note) -> list[Entry]:
+        return [listed.entry for listed in self.listed.get(note, [])]
+
+    def shown(self, note: Note) -> list[str]:
+        return [listed.shown for listed in self.listed.get(note, [])]
+
+    def _list(self, note: Note, entry: Entry, shown: Optional[str] = None, **fields) -> None:
+        self.listed.setdefault(note, []).append(Listed(entry, shown or _where(entry), tuple(fields.items())))
+
     def add(self, verdict: Verdict) -> None:
         entry, run = verdict.entry, verdict.run
         if run is not None and run.torn_line:
-            self.torn.append(entry)
+            self._list(Note.TORN, entry)
         if entry.unimportable is not None:
-            self.unchecked.append(entry)
-        if verdict.outcome != COUNTED:
-            {WAITING: lambda: self.waiting.append(entry), NOT_STARTED: lambda: self.not_started.append(entry),
-             WITHOUT_ROWS: lambda: self.without_rows.append((entry, verdict.detail)),
-             OTHER_SETTINGS: lambda: self.other.append(f"{_where(entry)} ({verdict.detail})"),
-             EXCLUDED: lambda: self.excluded.append((entry, run))}[verdict.outcome]()
+            self._list(Note.UNCHECKED, entry, module=entry.unimportable)
+        if verdict.outcome is Outcome.WITHOUT_ROWS:
+            self._list(Note.WITHOUT_ROWS, entry, round=verdict.detail, config=entry.path / CONFIG_FILE)
+        elif verdict.outcome is Outcome.OTHER_SETTINGS:
+            self._list(Note.OTHER_SETTINGS, entry, f"{_where(entry)} ({verdict.detail})")
+        elif verdict.outcome is Outcome.EXCLUDED:
+            self._list(Note.EXCLUDED, entry, _progress(entry, run))
+        elif verdict.outcome is not Outcome.COUNTED:
+            self._list(Note[verdict.outcome.name], entry)  # WAITING, NOT_STARTED: a note of the same name
+        if verdict.outcome is not Outcome.COUNTED:
             return
         if verdict.unfinished is not None:
-            (self.early if verdict.unfinished == "early" else self.partial).append((entry, run))
+            self._list(Note.EARLY if verdict.unfinished == "early" else Note.PARTIAL, entry, _progress(entry, run))
         if verdict.on_validation is not None:
-            (self.chosen_on_validation if verdict.on_validation else self.chosen_on_test).append(entry)
+            self._list(Note.CHOSEN_ON_VALIDATION if verdict.on_validation else Note.CHOSEN_ON_TEST, entry)
         if verdict.value is None:
-            (self.pending if verdict.under_way else self.empty).append(entry)
+            self._list(Note.PENDING if verdict.under_way else Note.EMPTY, entry)
 
     def cells_under_way(self) -> set[tuple[str, str]]:
         """The cells with runs still training that a value of theirs may yet fill."""
-        return {(entry.method, entry.setting) for entry in [*self.pending, *(e for e, _ in self.excluded),
-                                                            *self.waiting]}
+        return {(entry.method, entry.setting) for note in (Note.PENDING, Note.EXCLUDED, Note.WAITING)
+                for entry in self.runs(note)}
 
     def notes(self, metric: str) -> list[str]:
+        """The notes, in NOTES' order: one for each note with runs (one for each value of its other fields)."""
         notes = []
-        if self.excluded:
-            notes.append("not counted, unfinished (--include_partial true counts them): "
-                         + _listing([_progress(e, r) for e, r in self.excluded]))
-        if self.partial:
-            notes.append("counted although unfinished: " + _listing([_progress(e, r) for e, r in self.partial]))
-        if self.early:
-            notes.append("finished early (a final stop in its checkpoint), counted at its last round: "
-                         + _listing([_progress(e, r) for e, r in self.early]))
-        if self.other:
-            notes.append("not counted, made with other settings than the plan's (rerun them in folders of their "
-                         "own): " + _listing(self.other))
-        if self.torn:
-            notes.append("a torn last line of metrics.jsonl left out (a killed run; resuming it rewrites the line): "
-                         + _listing([_where(e) for e in self.torn]))
-        if self.chosen_on_validation:
-            notes.append(f"{selection_note(metric, on_validation=True)}: {len(self.chosen_on_validation)} run(s)")
-        if self.chosen_on_test:
-            notes.append(f"{selection_note(metric, on_validation=False)}: "
-                         + _listing([_where(e) for e in self.chosen_on_test]))
-        for module in sorted({entry.unimportable for entry in self.unchecked}):
-            notes.append(f"read as they recorded themselves, not checked against the plan's settings ({module} is not "
-                         "importable here: with its folder on PYTHONPATH they are): "
-                         + _listing([_where(e) for e in self.unchecked if e.unimportable == module]))
-        if self.not_started:
-            notes.append("not started: " + _listing([_where(e) for e in self.not_started]))
-        notes += [f"{_where(entry)}: no metrics rows (checkpoint at round {checkpoint}): resume it to rewrite them "
-                  f"(fl-lightning fit --config {entry.path / CONFIG_FILE})" for entry, checkpoint in self.without_rows]
-        if self.pending:
-            notes.append(f"pending, no {metric} logged yet (its evaluations are to come): "
-                         + _listing([_where(e) for e in self.pending]))
-        if self.empty:
-            notes.append(f"no {metric} logged: " + _listing([_where(e) for e in self.empty]))
-        if self.waiting:
-            notes.append("not counted, waiting for the tuning stage to choose their values (fl-lightning sweep runs "
-                         "it, then them): " + _listing([_where(e) for e in self.waiting]))
+        for note in Note:
+            by_fields: dict[tuple, list[str]] = {}
+            for listed in self.listed.get(note, []):
+                by_fields.setdefault(listed.fields, []).append(listed.shown)
+            for fields_given, shown in by_fields.items():
+                notes.append(NOTES[note].format(
+                    runs=_listing(shown), count=len(shown), metric=metric, **dict(fields_given),
+                    on_validation=selection_note(metric, on_validation=True),
+                    on_test=selection_note(metric, on_validation=False)))
         return notes
 
 

@@ -12,12 +12,9 @@ import yaml
 from hand_written_runs import write_checkpoint
 
 from fl_lightning.experiments.results.table_outcomes import (
-    COUNTED,
-    EXCLUDED,
-    NOT_STARTED,
-    OTHER_SETTINGS,
-    WAITING,
-    WITHOUT_ROWS,
+    NOTES,
+    Note,
+    Outcome,
     Outcomes,
     Verdict,
     judge,
@@ -60,7 +57,7 @@ ACCURACIES = {2: {"test_accuracy": 0.5, "test_loss": 1.2}, 4: {"test_accuracy": 
 def test_a_finished_run_is_counted_at_its_final_value(tmp_path):
     write_run(tmp_path / "run", ACCURACIES, ROUNDS)
     verdict = judge(entry(tmp_path / "run", CONFIG), "test_accuracy", "final", include_partial=False)
-    assert verdict.outcome == COUNTED
+    assert verdict.outcome == Outcome.COUNTED
     assert verdict.value == pytest.approx(0.7)
     assert verdict.points == [(2, 0.5), (4, 0.7)]
     assert (verdict.unfinished, verdict.under_way, verdict.on_validation) == (None, False, None)
@@ -77,12 +74,12 @@ def test_the_value_at_last_k_is_the_mean_of_the_last_k_evaluations(tmp_path):
 def test_a_waiting_point_is_neither_read_nor_counted(tmp_path):
     waiting = Entry("FedAvg", "alpha-0.5", 0, tmp_path / "never_read", point=SimpleNamespace(waiting=True))
     verdict = judge(waiting, "test_accuracy", "final", include_partial=True)
-    assert verdict.outcome == WAITING and verdict.run is None and verdict.value is None
+    assert verdict.outcome == Outcome.WAITING and verdict.run is None and verdict.value is None
 
 
 def test_a_run_without_rows_or_checkpoint_is_not_started(tmp_path):
     verdict = judge(entry(tmp_path / "absent", CONFIG), "test_accuracy", "final", include_partial=True)
-    assert verdict.outcome == NOT_STARTED and verdict.detail is None
+    assert verdict.outcome == Outcome.NOT_STARTED and verdict.detail is None
 
 
 def test_a_run_with_a_checkpoint_but_no_rows_names_the_checkpoints_round(tmp_path):
@@ -90,7 +87,7 @@ def test_a_run_with_a_checkpoint_but_no_rows_names_the_checkpoints_round(tmp_pat
     write_run(tmp_path / "run", ACCURACIES, rounds_done=0)
     write_checkpoint(tmp_path / "run", 3, CONFIG)
     verdict = judge(entry(tmp_path / "run", CONFIG), "test_accuracy", "final", include_partial=True)
-    assert verdict.outcome == WITHOUT_ROWS and verdict.detail == 3
+    assert verdict.outcome == Outcome.WITHOUT_ROWS and verdict.detail == 3
 
 
 def test_a_run_made_with_other_settings_is_not_counted_and_says_which(tmp_path):
@@ -98,7 +95,7 @@ def test_a_run_made_with_other_settings_is_not_counted_and_says_which(tmp_path):
     point = copy.deepcopy(CONFIG)
     point["data"]["alpha"] = 0.1
     verdict = judge(entry(tmp_path / "run", point), "test_accuracy", "final", include_partial=True)
-    assert verdict.outcome == OTHER_SETTINGS
+    assert verdict.outcome == Outcome.OTHER_SETTINGS
     assert verdict.detail == "data.alpha 0.5 -> 0.1 (config.yaml)"
     assert verdict.value is None
 
@@ -109,16 +106,16 @@ def test_a_run_that_logged_rounds_past_the_plans_is_another_experiment(tmp_path)
     point = copy.deepcopy(CONFIG)
     point["federation"]["rounds"] = 3
     verdict = judge(entry(tmp_path / "run", point), "test_accuracy", "final", include_partial=True)
-    assert verdict.outcome == OTHER_SETTINGS
+    assert verdict.outcome == Outcome.OTHER_SETTINGS
     assert verdict.detail == "federation.rounds: it logged round 4, past the 3 of the plan"
 
 
 def test_an_unfinished_run_is_left_out_unless_partial_runs_are_asked_for(tmp_path):
     write_run(tmp_path / "run", ACCURACIES, rounds_done=3)
     left_out = judge(entry(tmp_path / "run", CONFIG), "test_accuracy", "final", include_partial=False)
-    assert left_out.outcome == EXCLUDED and left_out.value is None
+    assert left_out.outcome == Outcome.EXCLUDED and left_out.value is None
     counted = judge(entry(tmp_path / "run", CONFIG), "test_accuracy", "final", include_partial=True)
-    assert counted.outcome == COUNTED
+    assert counted.outcome == Outcome.COUNTED
     assert (counted.unfinished, counted.under_way) == ("partial", True)
     assert counted.value == pytest.approx(0.5)  # its last evaluation so far
 
@@ -127,7 +124,7 @@ def test_an_early_stopped_run_counts_as_finished_at_its_last_round(tmp_path):
     write_run(tmp_path / "run", ACCURACIES, rounds_done=2)
     write_checkpoint(tmp_path / "run", 2, CONFIG, final_stop="EarlyStopping: test_accuracy did not improve")
     verdict = judge(entry(tmp_path / "run", CONFIG), "test_accuracy", "final", include_partial=False)
-    assert verdict.outcome == COUNTED
+    assert verdict.outcome == Outcome.COUNTED
     assert (verdict.unfinished, verdict.under_way) == ("early", False)
     assert verdict.value == pytest.approx(0.5)
 
@@ -137,29 +134,29 @@ def test_a_checkpoint_without_a_final_stop_does_not_make_a_short_run_finished(tm
     write_run(tmp_path / "run", ACCURACIES, rounds_done=2)
     write_checkpoint(tmp_path / "run", 2, CONFIG)
     verdict = judge(entry(tmp_path / "run", CONFIG), "test_accuracy", "final", include_partial=False)
-    assert verdict.outcome == EXCLUDED
+    assert verdict.outcome == Outcome.EXCLUDED
 
 
 def test_a_partial_run_without_an_evaluation_yet_is_counted_without_a_value(tmp_path):
     write_run(tmp_path / "run", ACCURACIES, rounds_done=1)
     verdict = judge(entry(tmp_path / "run", CONFIG), "test_accuracy", "final", include_partial=True)
-    assert verdict.outcome == COUNTED and verdict.value is None and verdict.under_way
+    assert verdict.outcome == Outcome.COUNTED and verdict.value is None and verdict.under_way
 
 
 def test_without_a_plan_the_rounds_are_config_yamls(tmp_path):
     write_run(tmp_path / "done", ACCURACIES, ROUNDS)
     write_run(tmp_path / "short", ACCURACIES, rounds_done=3)
-    assert judge(entry(tmp_path / "done"), "test_accuracy", "final", False).outcome == COUNTED
-    assert judge(entry(tmp_path / "short"), "test_accuracy", "final", False).outcome == EXCLUDED
+    assert judge(entry(tmp_path / "done"), "test_accuracy", "final", False).outcome == Outcome.COUNTED
+    assert judge(entry(tmp_path / "short"), "test_accuracy", "final", False).outcome == Outcome.EXCLUDED
 
 
 def test_a_run_whose_rounds_are_unknown_is_never_taken_as_finished(tmp_path):
     folder = tmp_path / "run"
     write_run(folder, ACCURACIES, ROUNDS)
     (folder / "config.yaml").unlink()
-    assert judge(entry(folder), "test_accuracy", "final", include_partial=False).outcome == EXCLUDED
+    assert judge(entry(folder), "test_accuracy", "final", include_partial=False).outcome == Outcome.EXCLUDED
     verdict = judge(entry(folder), "test_accuracy", "final", include_partial=True)
-    assert (verdict.outcome, verdict.unfinished, verdict.under_way) == (COUNTED, "partial", True)
+    assert (verdict.outcome, verdict.unfinished, verdict.under_way) == (Outcome.COUNTED, "partial", True)
 
 
 def test_the_best_of_a_test_metric_is_taken_at_the_best_validation_round(tmp_path):
@@ -186,7 +183,7 @@ def test_a_torn_last_line_leaves_the_rows_before_it_to_be_judged(tmp_path):
     with open(tmp_path / "run" / "metrics.jsonl", "a") as handle:
         handle.write('{"round": 5, "tr')
     verdict = judge(entry(tmp_path / "run", CONFIG), "test_accuracy", "final", include_partial=False)
-    assert verdict.outcome == COUNTED and verdict.value == pytest.approx(0.7) and verdict.run.torn_line
+    assert verdict.outcome == Outcome.COUNTED and verdict.value == pytest.approx(0.7) and verdict.run.torn_line
 
 
 # Outcomes
@@ -213,7 +210,7 @@ def judged(tmp_path: Path) -> dict[str, Verdict]:
                                  "absent"]):
         runs[name] = judge(entry(tmp_path / name, other if name == "other" else CONFIG, seed=seed),
                            "test_accuracy", "best", include_partial=name in ("partial", "pending"))
-    runs["waiting"] = Verdict(Entry("Tuned", "alpha-0.1", 9, tmp_path / "waiting"), WAITING)
+    runs["waiting"] = Verdict(Entry("Tuned", "alpha-0.1", 9, tmp_path / "waiting"), Outcome.WAITING)
     return runs
 
 
@@ -222,19 +219,30 @@ def test_each_verdict_goes_to_its_note(tmp_path):
     outcomes = Outcomes.of(list(verdicts.values()))
     entries = {name: verdict.entry for name, verdict in verdicts.items()}
     # A run counted under way is partial, whether or not it has a value yet.
-    assert outcomes.partial == [(entries[name], verdicts[name].run) for name in ("partial", "pending")]
-    assert outcomes.early == [(entries["early"], verdicts["early"].run)]
-    assert outcomes.pending == [entries["pending"]]
-    assert outcomes.empty == [entries["empty"]]
-    assert outcomes.torn == [entries["torn"]]
-    assert outcomes.without_rows == [(entries["lost"], 3)]
-    assert outcomes.other == ["alpha-0.5/FedAvg/seed7 (data.alpha 0.5 -> 0.1 (config.yaml))"]
-    assert outcomes.not_started == [entries["absent"]]
-    assert outcomes.waiting == [entries["waiting"]]
-    assert outcomes.excluded == []
+    assert outcomes.runs(Note.PARTIAL) == [entries[name] for name in ("partial", "pending")]
+    assert outcomes.runs(Note.EARLY) == [entries["early"]]
+    assert outcomes.runs(Note.PENDING) == [entries["pending"]]
+    assert outcomes.runs(Note.EMPTY) == [entries["empty"]]
+    assert outcomes.runs(Note.TORN) == [entries["torn"]]
+    assert [(listed.entry, dict(listed.fields)["round"]) for listed in outcomes.listed[Note.WITHOUT_ROWS]] == [
+        (entries["lost"], 3)]
+    assert outcomes.shown(Note.OTHER_SETTINGS) == ["alpha-0.5/FedAvg/seed7 (data.alpha 0.5 -> 0.1 (config.yaml))"]
+    assert outcomes.runs(Note.NOT_STARTED) == [entries["absent"]]
+    assert outcomes.runs(Note.WAITING) == [entries["waiting"]]
+    assert outcomes.runs(Note.EXCLUDED) == []
     # Every counted run with a value was chosen on the test set: none logged a validation split.
-    assert outcomes.chosen_on_test == [entries[name] for name in ("finished", "partial", "early", "torn")]
-    assert outcomes.chosen_on_validation == []
+    assert outcomes.runs(Note.CHOSEN_ON_TEST) == [entries[name] for name in ("finished", "partial", "early", "torn")]
+    assert outcomes.runs(Note.CHOSEN_ON_VALIDATION) == []
+
+
+def test_every_outcome_but_counted_and_every_note_has_its_words(tmp_path):
+    assert set(NOTES) == set(Note)
+    # A run not counted is listed under the note of its outcome.
+    assert {outcome.name for outcome in Outcome} - {"COUNTED"} <= {note.name for note in Note}
+    verdicts = [Verdict(Entry("FedAvg", "alpha-0.5", 0, tmp_path / "a"), Outcome.WITHOUT_ROWS, detail=2),
+                Verdict(Entry("FedAvg", "alpha-0.5", 1, tmp_path / "b"), Outcome.WITHOUT_ROWS, detail=5)]
+    # A note whose runs differ in another field is one note for each value of it.
+    assert len(Outcomes.of(verdicts).notes("test_accuracy")) == 2
 
 
 def test_the_cells_under_way_are_those_a_value_may_yet_fill(tmp_path):
@@ -275,7 +283,8 @@ def test_a_table_whose_runs_all_counted_has_no_notes(tmp_path):
 
 
 def test_a_long_listing_is_cut_at_twenty_runs(tmp_path):
-    verdicts = [Verdict(Entry("FedAvg", "alpha-0.5", seed, tmp_path / str(seed)), NOT_STARTED) for seed in range(23)]
+    verdicts = [Verdict(Entry("FedAvg", "alpha-0.5", seed, tmp_path / str(seed)), Outcome.NOT_STARTED)
+                for seed in range(23)]
     (note,) = Outcomes.of(verdicts).notes("test_accuracy")
     listed = ", ".join(f"alpha-0.5/FedAvg/seed{seed}" for seed in range(20))
     assert note == f"not started: {listed} and 3 more"
