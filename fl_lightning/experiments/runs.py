@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import glob
 import json
+import math
 import re
 import statistics
 from dataclasses import dataclass
@@ -34,7 +35,12 @@ from fl_lightning.metric_names import (
     CLIENT_VAL_ACCURACY_MIN,
     CLIENT_VAL_ACCURACY_P10,
     CLIENT_VAL_ACCURACY_STD,
+    COST_CLIENT_SECONDS,
     COST_COUNTERS,
+    COST_DOWNLOAD_BYTES,
+    COST_GRAD_EVALS,
+    COST_SAMPLES,
+    COST_UPLOAD_BYTES,
     TEST_ACCURACY,
     TEST_LOSS,
     VAL_ACCURACY,
@@ -114,10 +120,29 @@ class RunFolder:
         `compare` all take it: the last logged, the mean of the last K logged, or the best by
         fl_lightning.metric_names.best_round (a test metric at its validation counterpart's best round
         when the run holds out a validation split); None before its first."""
+        budget = parse_budget(at)
+        if budget is not None:
+            within = [value for spent, value in self.points_on(budget[0], metric) if spent <= budget[1]]
+            return within[-1] if within and self.reaches(metric, at) else None
         if parse_at(at)[0] == "best":
             best = best_round(self.history, metric)
             return None if best is None else best.value
         return value_at([value for _, value in self.points(metric)], at)
+
+    def points_on(self, axis: str, metric: str) -> list[tuple[float, float]]:
+        """(what the run had spent on `axis` (BUDGET_AXES), value) of every row that logged `metric` and
+        the axis's counters."""
+        return [(spent, row[metric]) for row in self.history
+                if row.get(metric) is not None and (spent := axis_value(row, axis)) is not None]
+
+    def reaches(self, metric: str, at: str) -> bool:
+        """Whether its evaluations of `metric` reach `at`'s budget (AXIS=BUDGET): its last is at or past it,
+        so that its last within it is its value there; any other `at` is reached."""
+        budget = parse_budget(at)
+        if budget is None:
+            return True
+        points = self.points_on(budget[0], metric)
+        return bool(points) and points[-1][0] >= budget[1]
 
     def metrics_logged(self) -> set[str]:
         return {key for row in self.history for key, value in row.items() if value is not None} - {"round"}
@@ -294,11 +319,46 @@ class RunState:
 # A run's final / last-k value, for `table` and `compare`; its best is fl_lightning.metric_names.best_round's.
 
 
-AT_CHOICES = "final, best or last:K (the mean of the last K evaluations, K >= 1)"
+BUDGET_AXES = {"rounds": ("round",), "samples": (COST_SAMPLES,), "grad_evals": (COST_GRAD_EVALS,),
+               "upload_bytes": (COST_UPLOAD_BYTES,), "bytes": (COST_UPLOAD_BYTES, COST_DOWNLOAD_BYTES),
+               "seconds": (COST_CLIENT_SECONDS,)}
+"""The axes a run's value can be taken at (`--at AXIS=BUDGET`): the metrics rows' keys each sums."""
+AT_CHOICES = ("final, best, last:K (the mean of the last K evaluations, K >= 1) or AXIS=BUDGET (the last evaluation "
+              f"within a budget > 0 of {', '.join(BUDGET_AXES)}, e.g. grad_evals=2e6)")
+
+
+def parse_budget(at: str) -> Optional[tuple[str, float]]:
+    """"grad_evals=2e6" -> ("grad_evals", 2e6); None for an `at` that is no budget."""
+    axis, is_budget, budget = at.partition("=")
+    if not is_budget:
+        return None
+    try:
+        value = float(budget)
+    except ValueError:
+        value = math.nan
+    if axis not in BUDGET_AXES or not 0 < value < math.inf:
+        raise ConfigError("at", AT_CHOICES, at)
+    return axis, value
+
+
+def budget_phrase(at: str) -> Optional[str]:
+    """How a caption says an AXIS=BUDGET `at` ("at the last evaluation within grad_evals = 2e+06"); None
+    for another `at`."""
+    budget = parse_budget(at)
+    return None if budget is None else f"at the last evaluation within {budget[0]} = {budget[1]:g}"
+
+
+def axis_value(row: dict, axis: str) -> Optional[float]:
+    """What a metrics row says the run had spent on `axis` by its end; None in a row without its counters."""
+    keys = BUDGET_AXES[axis]
+    return None if any(row.get(key) is None for key in keys) else sum(row[key] for key in keys)
 
 
 def parse_at(at: str) -> tuple[str, int]:
-    """"final" -> ("final", 1), "best" -> ("best", 0), "last:5" -> ("last", 5)."""
+    """"final" -> ("final", 1), "best" -> ("best", 0), "last:5" -> ("last", 5), "grad_evals=2e6" ->
+    ("budget", 0)."""
+    if parse_budget(at) is not None:
+        return "budget", 0
     if at == "final":
         return "final", 1
     if at == "best":

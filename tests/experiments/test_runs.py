@@ -157,8 +157,28 @@ def test_a_runs_value_at_final_last_k_and_best(tmp_path):
     assert run.value("test_loss", "best") == 0.6  # a loss's best is its lowest
     assert run.value("client_val_accuracy_mean", "final") is None  # before its first
     assert run.value("client_val_accuracy_mean", "best") is None
-    with pytest.raises(ConfigError, match="at: expected final, best or last:K"):
+    with pytest.raises(ConfigError, match="at: expected final, best, last:K"):
         run.value("test_accuracy", "last:0")
+
+
+def test_a_runs_value_at_a_budget_is_its_last_evaluation_within_it_and_none_short_of_it(tmp_path):
+    """Evaluations every second round, 150 gradient evaluations and 1000 + 3000 bytes a round."""
+    rows = [row(r, cost_grad_evals=150 * r, cost_upload_bytes=1000 * r, cost_download_bytes=3000 * r,
+                **({"test_accuracy": r / 10} if r % 2 == 0 else {})) for r in range(1, 7)]
+    write_rows(tmp_path, rows)
+    run = RunFolder(tmp_path)
+    for axis, per_round in (("grad_evals", 150), ("upload_bytes", 1000), ("bytes", 4000), ("rounds", 1)):
+        for budget in (2 * per_round, 3.5 * per_round, 6 * per_round, 9 * per_round):
+            evaluated = [r for r in (2, 4, 6) if r * per_round <= budget]
+            reached = 6 * per_round >= budget
+            expected = evaluated[-1] / 10 if reached else None
+            assert run.value("test_accuracy", f"{axis}={budget:g}") == expected, (axis, budget)
+            assert run.reaches("test_accuracy", f"{axis}={budget:g}") == reached
+    assert run.value("test_accuracy", "grad_evals=100") is None  # reached, but no evaluation within it
+    assert not run.reaches("test_accuracy", "samples=1")  # its rows have no cost_samples
+    for at in ("flops=3", "grad_evals=0", "grad_evals=-1", "grad_evals=inf", "grad_evals=lots"):
+        with pytest.raises(ConfigError, match="AXIS=BUDGET"):
+            run.value("test_accuracy", at)
 
 
 def test_the_metrics_to_come_follow_the_configs_evaluation_settings(tmp_path):

@@ -28,7 +28,7 @@ from fl_lightning.experiments.plans.overrides import value_text
 from fl_lightning.experiments.plans.plan import Plan
 from fl_lightning.experiments.plans.resolve import ResolvedPoint
 from fl_lightning.experiments.plans.tune_grid import describe_candidate
-from fl_lightning.experiments.runs import parse_at
+from fl_lightning.experiments.runs import budget_phrase, parse_at
 from fl_lightning.metric_names import best_value, lower_is_better
 from fl_lightning.run_dir import experiment_digest
 from fl_lightning.yaml_text import load_yaml
@@ -135,7 +135,8 @@ def _numeric(value: Any) -> bool:
 def describe_at(at: str) -> str:
     """`at the final round`, `at its best evaluation`, `over the last 5 evaluations`."""
     rule, k = parse_at(at)
-    return {"final": "at the final round", "best": "at its best evaluation"}.get(rule, f"over the last {k} evaluations")
+    return {"final": "at the final round", "best": "at its best evaluation"}.get(
+        rule, budget_phrase(at) or f"over the last {k} evaluations")
 
 
 def basis(plan: Plan, entries: list[ResolvedPoint]) -> dict:

@@ -123,7 +123,10 @@ def table(plan: Union[str, list[str]], metric: Optional[str] = None, at: str = "
             run's best validation counterpart (val_accuracy; the maximum, the minimum for losses),
             so that the test set chooses nothing; a run without a validation split (data.validation)
             falls back on the best of the test metric itself, which the notes say. best of another
-            metric is its own maximum (minimum for losses).
+            metric is its own maximum (minimum for losses). AXIS=BUDGET (grad_evals=2e6): its value at
+            its last evaluation within a budget of rounds, samples, grad_evals, upload_bytes, bytes (up
+            and down) or seconds (the clients' compute), from the cost counters of its rows; a run whose
+            evaluations end short of the budget has no value, and the notes say so.
         include_partial: count runs that have not reached their config's federation.rounds, at their
             last round.
         out: folder for table.md, table.csv and plot.png; default runs/<plan>/, or the folder

@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional
 
 from fl_lightning.experiments.plans.overrides import describe_overrides
 from fl_lightning.experiments.results.statistics import MIN_PAIRS, PairedDifference, paired_difference
+from fl_lightning.experiments.runs import budget_phrase
 from fl_lightning.metric_names import best_value, lower_is_better
 
 
@@ -140,7 +141,7 @@ class Table:
         paired differences."""
         unit = " (%)" if self.percent else ""
         at = {"final": "at the final round", "best": "at the best evaluation"}.get(
-            self.at, f"mean of each run's last {self.at.partition(':')[2]} evaluations")
+            self.at, budget_phrase(self.at) or f"mean of each run's last {self.at.partition(':')[2]} evaluations")
         direction = "lowest" if lower_is_better(self.metric) else "highest"
         lines = [self.variant_sentence()] if self.overrides else []
         lines.append(f"{self.metric}{unit}, {at} (--metric {self.metric} --at {self.at}): mean ± sample std (ddof = 1) "

@@ -35,6 +35,7 @@ from typing import Optional
 
 from fl_lightning.experiments.results.statistics import MIN_PAIRS
 from fl_lightning.experiments.results.table_cells import Cell, Table
+from fl_lightning.experiments.runs import budget_phrase
 
 _SPECIAL = {"\\": r"\textbackslash{}", "{": r"\{", "}": r"\}", "$": r"\$", "&": r"\&", "#": r"\#", "%": r"\%",
             "_": r"\_", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}", "<": r"\textless{}",
@@ -105,7 +106,7 @@ def caption(table: Table, same_n: Optional[int]) -> str:
     interval are; with a reference what the paper's number and Δ are."""
     metric = table.metric.replace("_", " ").capitalize() + (" (%)" if table.percent else "")
     at = {"final": "at the final round", "best": "at the best evaluation"}.get(
-        table.at, f"mean of the last {table.at.partition(':')[2]} evaluations")
+        table.at, budget_phrase(table.at) or f"mean of the last {table.at.partition(':')[2]} evaluations")
     seeds = f"over {same_n} seed{'s' * (same_n > 1)}" if same_n else "over the seeds counted (n)"
     text = [f"{metric}, {at}" + (f"; {table.setting}" if table.setting else "") + ".",
             f"Mean ± sample std {seeds}; bold: the best of each column."]

@@ -45,6 +45,7 @@ class Note(Enum):
     WITHOUT_ROWS = auto()
     PENDING = auto()
     EMPTY = auto()
+    NOT_REACHED = auto()
     WAITING = auto()
 
 
@@ -64,6 +65,8 @@ NOTES = {
                        "(fl-lightning fit --config {config})",
     Note.PENDING: "pending, no {metric} logged yet (its evaluations are to come): {runs}",
     Note.EMPTY: "no {metric} logged: {runs}",
+    Note.NOT_REACHED: "not reached, no value: their evaluations of {metric} end short of --at's budget (or they "
+                      "logged no cost counters): {runs}",
     Note.WAITING: "not counted, waiting for the tuning stage to choose their values (fl-lightning sweep runs it, "
                   "then them): {runs}",
 }
@@ -99,6 +102,8 @@ class Verdict:
     """Its rounds are not all logged: a missing value is still to come."""
     on_validation: Optional[bool] = None
     """For --at best of a test metric: whether the validation split chose its round."""
+    reached: bool = True
+    """For --at AXIS=BUDGET: whether its evaluations reach the budget (`RunFolder.reaches`)."""
 
 
 def judge(entry: Entry, metric: str, at: str, include_partial: bool) -> Verdict:
@@ -125,7 +130,7 @@ def judge(entry: Entry, metric: str, at: str, include_partial: bool) -> Verdict:
             return Verdict(entry, Outcome.EXCLUDED, run)
         unfinished = "partial"
     verdict = Verdict(entry, Outcome.COUNTED, run, points=run.points(metric), value=run.value(metric, at),
-                      unfinished=unfinished, under_way=under_way)
+                      unfinished=unfinished, under_way=under_way, reached=run.reaches(metric, at))
     best = best_round(run.history, metric) if at == "best" and is_test_metric(metric) else None
     if best is not None:
         verdict.on_validation = best.on_validation
@@ -176,7 +181,8 @@ class Outcomes:
         if verdict.on_validation is not None:
             self._list(Note.CHOSEN_ON_VALIDATION if verdict.on_validation else Note.CHOSEN_ON_TEST, entry)
         if verdict.value is None:
-            self._list(Note.PENDING if verdict.under_way else Note.EMPTY, entry)
+            self._list(Note.PENDING if verdict.under_way else Note.EMPTY if verdict.reached else Note.NOT_REACHED,
+                       entry)
 
     def cells_under_way(self) -> set[tuple[str, str]]:
         """The cells with runs still training that a value of theirs may yet fill."""

@@ -57,7 +57,7 @@ def selection_of(folder: Path) -> dict:
     ({"seeds": [0, 100]}, "plan.tune.seeds", "seeds apart from the plan's seeds [0]"),
     ({"seeds": [100, 100]}, "plan.tune.seeds", "distinct seeds"),
     ({"select": None}, "plan.tune.select", "the validation metric the choice is made by"),
-    ({"at": "last:0"}, "plan.tune.at", "final, best or last:K"),
+    ({"at": "last:0"}, "plan.tune.at", "final, best, last:K"),
     ({"methods": {"FedProx": {"client_optimizer.lr": [0.1]}}}, "plan.tune.methods", "methods of the plan (FedAvg)"),
     ({"methods": {"FedAvg": {"client_optimizer.lr": []}}}, "plan.tune.methods.FedAvg", "a non-empty list"),
     ({"methods": {"FedAvg": {"seed": [1, 2]}}}, "plan.tune.methods.FedAvg", "dotted fit settings other than seed"),

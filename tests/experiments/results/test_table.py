@@ -14,6 +14,7 @@ import yaml
 from hand_written_runs import (
     PNG,
     ROUNDS,
+    RUNS,
     rows_by_method,
     run_folder,
     write_checkpoint,
@@ -189,7 +190,7 @@ def test_bad_at_is_refused_naming_the_option(sweep, capsys):
     with pytest.raises(SystemExit) as exit_info:
         run_table(sweep, "--at", "last:x")
     assert exit_info.value.code == 2
-    assert capsys.readouterr().err.startswith("error: at: expected final, best or last:K")
+    assert capsys.readouterr().err.startswith("error: at: expected final, best, last:K")
 
 
 def test_runs_made_with_other_settings_than_their_point_are_left_out_and_named(sweep):
@@ -411,3 +412,27 @@ def test_the_metrics_to_come_are_what_an_evaluation_logs(tmp_path):
     assert set(row) - {"round", "train_loss", "round_seconds"} == RunFolder(out).metrics_to_come()
 
 
+
+
+def add_grad_evals(plan_file: Path, per_round: dict[str, int]) -> None:
+    """Every run of the sweep logs cost_grad_evals, `per_round[method]` a round."""
+    for method_folder in (plan_file.parent / "runs" / "demo").glob("*/*"):
+        for metrics in method_folder.glob("seed*/metrics.jsonl"):
+            rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+            metrics.write_text("".join(json.dumps({**row, "cost_grad_evals": per_round[method_folder.name]
+                                                   * row["round"]}) + "\n" for row in rows))
+
+
+def test_at_a_budget_each_run_gives_its_last_evaluation_within_it_and_one_short_of_it_none(sweep):
+    """Evaluations at rounds 2 and 4: SCAFFOLD's (200 a round) at 400 and 800 give round 2's value at
+    grad_evals=450; FedAvg's (100 a round) end at 400, short of the budget: no value, never round 4's."""
+    add_grad_evals(sweep, {"fedavg": 100, "scaffold": 200, "fedavg+const": 50})
+    markdown, rows, _ = run_table(sweep, "--at", "grad_evals=450")
+    cells = rows_by_method(rows)
+    for setting in ("alpha-0.5", "alpha-0.1"):
+        round_two = [accuracies[0] for accuracies, _ in RUNS[setting, "SCAFFOLD"].values()]
+        assert float(cells["SCAFFOLD"][f"{setting}:mean"]) == pytest.approx(100 * statistics.fmean(round_two))
+        assert cells["FedAvg"][f"{setting}:mean"] == ""
+    assert "at the last evaluation within grad_evals = 450 (--metric test_accuracy --at grad_evals=450)" in markdown
+    assert ("not reached, no value: their evaluations of test_accuracy end short of --at's budget (or they logged "
+            "no cost counters): alpha-0.5/FedAvg/seed0, alpha-0.5/FedAvg/seed1") in markdown
