@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fl_lightning.algorithms.base import PSEUDO_GRADIENT, Algorithm, train_locally
-from fl_lightning.algorithms.costs import Passes
+from fl_lightning.algorithms.costs import Cost, Passes
 from fl_lightning.clients import PADDING_LABEL, Batch, ClientRound
 from fl_lightning.errors import ConfigError
 from fl_lightning.models import FeatureClassifier
@@ -81,6 +81,9 @@ class ProjectedClassifier(FeatureClassifier):
 class MOON(Algorithm):
     short_name = "moon"
     client_state = (PREVIOUS_MODEL, PREVIOUS_BUFFERS)
+    # A step's CE pass; the representation z differentiated; z_glob and z_prev of the frozen models
+    # (forward only). A client's first round has no contrastive term: the CE pass alone.
+    cost = Cost(passes=Passes(forward=4, backward=2))
 
     def __init__(self, mu: float = 5.0, tau: float = 0.5, projection_dim: int = 256):
         """
@@ -101,11 +104,7 @@ class MOON(Algorithm):
         self.projection_dim = projection_dim
 
     def step_passes(self, reported_before: bool) -> Passes:
-        # The CE pass; with the contrastive term, the representation z differentiated, and z_glob and
-        # z_prev of the frozen models (forward only). A client's first round has no term.
-        if reported_before and self.mu:
-            return Passes(forward=4, backward=2)
-        return Passes()
+        return self.cost.passes if reported_before and self.mu else Passes()
 
     def prepare_model(self, network: nn.Module) -> nn.Module:
         return ProjectedClassifier(network, self.projection_dim)

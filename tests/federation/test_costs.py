@@ -12,6 +12,7 @@ import processes
 import pytest
 import torch
 from lightning.fabric import Fabric
+from paths import REPOSITORY
 from reference import moon_setup
 from torch import nn
 
@@ -19,6 +20,7 @@ from fl_lightning.algorithms import (
     CTPFL,
     MOON,
     SCAFFOLD,
+    SHORT_NAMES,
     FedAvg,
     FedAvgClientMomentum,
     FedAvgServerMomentum,
@@ -273,3 +275,33 @@ def test_two_ranks_count_as_one(cifar_root, tmp_path):
     two_ranks = FabricArgs(accelerator="cpu", devices=2, process_group_timeout_s=120)
     processes.call_on_ranks(2, fit, **moon_fit(cifar_root, tmp_path / "two", 3, fabric=two_ranks))
     assert logged_counters(tmp_path / "two") == logged_counters(tmp_path / "one")
+
+
+def steps_of(passes_on_later_rounds: int, passes_on_first: int) -> str:
+    def times_k(count: int) -> str:
+        return "K" if count == 1 else f"{count}K"
+
+    shown = times_k(passes_on_later_rounds)
+    if passes_on_first == passes_on_later_rounds:
+        return shown
+    return f"{shown} ({times_k(passes_on_first)} on a client's first round)"
+
+
+def declared_row(algorithm_class) -> list[str]:
+    """The docs' row of a method, from its declaration."""
+    algorithm, cost = algorithm_class(), algorithm_class.cost
+    later, first = algorithm.step_passes(True), algorithm.step_passes(False)
+    scalars = len(algorithm_class.weighted_scalars)
+    down = str(1 + len(cost.sent_down))
+    if cost.rebuilt_down:
+        down += f", or {int(down) + len(cost.rebuilt_down)} where its direction cannot be rebuilt"
+    return [f"`{algorithm_class.short_name}`", steps_of(later.backward, first.backward),
+            steps_of(later.forward, first.forward),
+            str(cost.uploads) + (f" and {scalars} number" + "s" * (scalars > 1) if scalars else ""), down]
+
+
+def test_the_docs_table_of_methods_is_their_declared_cost():
+    text = (REPOSITORY / "docs" / "experiments.md").read_text()
+    table = text[text.index("| method | gradient evaluations |"):].split("\n\n")[0].splitlines()[2:]
+    documented = [[cell.strip() for cell in line.strip("|").split("|")] for line in table]
+    assert documented == [declared_row(SHORT_NAMES[name]) for name in sorted(SHORT_NAMES)]
