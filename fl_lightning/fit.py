@@ -10,7 +10,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import sys
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -32,15 +31,9 @@ from fl_lightning.callbacks import (
     WriteMetrics,
 )
 from fl_lightning.checkpoint import (
-    FINAL_STOP,
     LAST,
     checkpoint_dir,
-    load_resume_file,
-    newest_good_checkpoint,
-    remove_orphan_shards,
-    remove_temporary_files,
     rerun_advice,
-    restore_last,
     run_is_over,
 )
 from fl_lightning.cluster import Ranks, check_signal_name, check_slurm_allocation, ranks_of
@@ -68,17 +61,11 @@ from fl_lightning.run_dir import (
     CONFIG_FILE,
     PARTITION_PLOT,
     VALIDATION_FILE,
-    RunDirLock,
-    check_same_experiment,
     default_out_dir,
-    holds_results,
     is_launching_process,
-    recorded_config,
-    remove_results,
-    report_safe_changes,
 )
+from fl_lightning.run_folder import check_writable, complete_logs_of_finished_run, resume_state, taken
 from fl_lightning.run_logging import (
-    MetricsLog,
     WandbIdentity,
     new_run_id,
     new_wandb_run,
@@ -151,22 +138,16 @@ def train_run(checked: FitConfig) -> torch.Tensor:
     settings, out_dir = checked.settings, checked.out_dir
     settings.fabric.validate()
     check_slurm_allocation(settings.fabric)
-    _check_writable(out_dir)
+    check_writable(out_dir)
     launching = is_launching_process()
-    lock = RunDirLock(out_dir)
-    try:
-        if launching:
-            lock.acquire()
-            print(f"run folder: {out_dir}", flush=True)
-            remove_temporary_files(out_dir)
-            remove_orphan_shards(out_dir)
-        resume_state = _resume_state(checked, launching)
-        return _build_and_train(checked, resume_state, launching)
-    except RunInterrupted as err:
-        err.advice = rerun_advice(out_dir, err.remedy)
-        raise
-    finally:
-        lock.release()
+    with taken(out_dir, launching):
+        try:
+            state = resume_state(out_dir, checked.config, settings.federation.rounds, checked.resume,
+                                 checked.overwrite, launching)
+            return _build_and_train(checked, state, launching)
+        except RunInterrupted as err:
+            err.advice = rerun_advice(out_dir, err.remedy)
+            raise
 
 
 @dataclasses.dataclass
@@ -237,37 +218,6 @@ def _validate_settings(settings: RunSettings, resume, overwrite: bool) -> None:
                           "afresh; resuming from a checkpoint continues one)", overwrite)
 
 
-def _resume_state(checked: FitConfig, launching: bool) -> Optional[dict]:
-    """The checkpoint to continue from, once it is certain to belong to the same experiment."""
-    resume, overwrite, out_dir, config = checked.resume, checked.overwrite, checked.out_dir, checked.config
-    rounds = checked.settings.federation.rounds
-    if resume is None or overwrite:
-        # Only the launching process judges the folder: other ranks may start after it wrote there.
-        if launching and holds_results(out_dir):
-            if not overwrite:
-                raise ConfigError("resume", f"'auto' to continue the run already in {out_dir}, overwrite: true to "
-                                  "replace it, or another out_dir", None)
-            remove_results(out_dir)
-        return None
-    state = newest_good_checkpoint(out_dir) if str(resume) == "auto" else load_resume_file(Path(resume))
-    records = [(recorded_config(out_dir), f"{out_dir / CONFIG_FILE}")]
-    if state is not None:
-        records.insert(0, (state["hyperparameters"], f"the checkpoint of round {state['round']}"))
-    if state is not None and state["round"] > rounds:
-        raise ConfigError("federation.rounds", f"at least {state['round']}, the round the checkpoint in {out_dir} "
-                          "reached (more rounds continue the run)", rounds)
-    # The checkpoint and the folder's config.yaml (which differ when --resume names a checkpoint
-    # elsewhere) must both be this experiment's; the checkpoint's safe changes are the ones reported.
-    compared = [(recorded, source) for recorded, source in records if recorded is not None]
-    for index, (recorded, source) in enumerate(compared):
-        changes = check_same_experiment(recorded, config, source, out_dir)
-        if launching and index == 0:
-            report_safe_changes(changes)
-    if launching and state is not None and str(resume) == "auto":
-        restore_last(out_dir, state)
-    return state
-
-
 def _build_and_train(checked: FitConfig, resume_state: Optional[dict], launching: bool) -> torch.Tensor:
     settings, config, out_dir, method = checked.settings, checked.config, checked.out_dir, checked.method
     logger = settings.logger
@@ -277,7 +227,7 @@ def _build_and_train(checked: FitConfig, resume_state: Optional[dict], launching
     module, rounds = inputs.module, settings.federation.rounds
     if resume_state is not None and run_is_over(resume_state, rounds):
         if launching:
-            _complete_logs_of_finished_run(logger, out_dir, identity, config, resume_state, rounds)
+            complete_logs_of_finished_run(logger, out_dir, identity, config, resume_state, rounds)
         module.load_state_dict(resume_state["model"])
         return FlatLayout.of(module.named_parameters()).flatten(dict(module.named_parameters()))
 
@@ -309,25 +259,6 @@ def _run_callbacks(federation: FederationArgs, logger: LoggerArgs, checkpoint: C
         ShowProgress(logger.progress_bar),
         StopOnSignal(checkpoint.requeue_signal),
     ]
-
-
-def _complete_logs_of_finished_run(logger: LoggerArgs, out_dir: Path, identity: WandbIdentity, config: dict,
-                                   state: dict, rounds: int) -> None:
-    """A finished run asked to run again (a requeued job that had ended, a sweep run again) trains
-    nothing, but makes sure its logs hold every round: it may have been killed between its last
-    checkpoint and logs. So does a run stopped for good (early stopping), whatever `rounds` is now."""
-    if state.get(FINAL_STOP) is None:
-        print(f"{out_dir} holds a finished run (round {state['round']}); nothing to train", file=sys.stderr, flush=True)
-    else:
-        print(f"{out_dir} holds a run stopped for good at round {state['round']} ({state[FINAL_STOP]}); nothing to "
-              f"train, also with federation.rounds {rounds}: a final stop is not continued (a new run, in another "
-              "out_dir, trains past it)", file=sys.stderr, flush=True)
-    MetricsLog(out_dir, state["metrics"])
-    wandb = new_wandb_run(logger, out_dir, identity)
-    if wandb is not None:
-        wandb.start(config)
-        wandb.replay(state["metrics"])
-        wandb.finish(state["metrics"])
 
 
 def _train_and_record(fabric, inputs: RankInputs, threads: Optional[ThreadChoice]) -> None:
@@ -414,16 +345,6 @@ def _ranks_per_node(ranks: Ranks) -> int:
     if isinstance(ranks.per_node, int):
         return ranks.per_node
     return torch.cuda.device_count() if torch.cuda.is_available() else 1
-
-
-def _check_writable(out_dir: Path) -> None:
-    try:
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-        probe = Path(out_dir) / f".write_probe_{os.getpid()}"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as err:
-        raise ConfigError("out_dir", "a folder that can be created and written", f"{out_dir} ({err.strerror})") from err
 
 
 def _as_config(value):

@@ -41,6 +41,7 @@ LAYERS = [
     ("settings", ["fl_lightning.config", "fl_lightning.participation"]),
     ("run folder, logging and cluster",
      ["fl_lightning.run_dir", "fl_lightning.checkpoint", "fl_lightning.wandb_file", "fl_lightning.run_logging",
+      "fl_lightning.run_folder",
       "fl_lightning.cluster", "fl_lightning.lost_ranks"]),
     ("training pieces",
      ["fl_lightning.module", "fl_lightning.clients", "fl_lightning.server_optimizers", "fl_lightning.constraints"]),
