@@ -70,3 +70,13 @@ def test_changing_the_listed_names_leaves_the_registry_as_it_was():
     models.names().append("intruder")
     assert models.names() == ["mlp"]
     assert models.get("intruder") is None
+
+
+def test_a_label_is_given_at_registration_and_found_however_a_plan_spells_the_name():
+    datasets = Registry("dataset")
+    datasets.register("tiny_imagenet", label="Tiny-ImageNet")(list)
+    datasets.register("digits")(tuple)
+    assert [datasets.label(name) for name in ("tiny_imagenet", "tiny-imagenet", "TinyImageNet")] == [
+        "Tiny-ImageNet"] * 3
+    assert datasets.label("digits") == "digits"  # no label given: the name
+    assert datasets.label("svhn") is None

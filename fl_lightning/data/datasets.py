@@ -66,11 +66,16 @@ DatasetLoader = Callable[..., "tuple[ImageDataset, ImageDataset]"]
 _dataset_loaders: Registry[DatasetLoader] = Registry("dataset")
 
 
-def register_dataset(name: str) -> Callable[[DatasetLoader], DatasetLoader]:
-    """Register a built-in dataset's loader, called as loader(root, download), under `name` (as
-    models register: fl_lightning.models.register_model). A dataset of your own needs no entry: its
-    loader is named by its dotted path (docs/extending.md)."""
-    return _dataset_loaders.register(name)
+def register_dataset(name: str, label: Optional[str] = None) -> Callable[[DatasetLoader], DatasetLoader]:
+    """Register a built-in dataset's loader, called as loader(root, download), under `name`, labelled
+    `label` in tables (as models register: fl_lightning.models.register_model). A dataset of your own
+    needs no entry: its loader is named by its dotted path (docs/extending.md)."""
+    return _dataset_loaders.register(name, label)
+
+
+def dataset_label(name: str) -> str:
+    """How a table names the dataset `name` (CIFAR-10 for cifar10); a name not registered as it is given."""
+    return _dataset_loaders.label(name) or name
 
 
 def registered_datasets() -> list[str]:
@@ -319,7 +324,7 @@ def _whole_folder(name: str, root: Path, download: bool) -> Path:
     return _prepared_folder(name, root, download, lambda: not layout.lacking(root / layout.folder))
 
 
-@register_dataset("cifar10")
+@register_dataset("cifar10", label="CIFAR-10")
 def _load_cifar10(root: Path, download: bool) -> tuple[ImageDataset, ImageDataset]:
     folder = _whole_folder("cifar10", root, download)
     return (
@@ -328,7 +333,7 @@ def _load_cifar10(root: Path, download: bool) -> tuple[ImageDataset, ImageDatase
     )
 
 
-@register_dataset("cifar100")
+@register_dataset("cifar100", label="CIFAR-100")
 def _load_cifar100(root: Path, download: bool) -> tuple[ImageDataset, ImageDataset]:
     folder = _whole_folder("cifar100", root, download)
     return (
@@ -337,7 +342,7 @@ def _load_cifar100(root: Path, download: bool) -> tuple[ImageDataset, ImageDatas
     )
 
 
-@register_dataset("tiny_imagenet")
+@register_dataset("tiny_imagenet", label="Tiny-ImageNet")
 def _load_tiny_imagenet(root: Path, download: bool) -> tuple[ImageDataset, ImageDataset]:
     """Decodes the JPEGs once, in one process of all those sharing root, and keeps them in a cache
     file; delete it to decode again."""

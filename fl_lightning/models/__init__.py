@@ -5,8 +5,9 @@ from fl_lightning.models import mlp, lenet, resnet, timm_models  # noqa: F401  i
 from fl_lightning.models.registry import (
     FeatureClassifier,
     create_model,
+    model_label,
     register_model,
     registered_models,
 )
 
-__all__ = ["FeatureClassifier", "create_model", "register_model", "registered_models"]
+__all__ = ["FeatureClassifier", "create_model", "model_label", "register_model", "registered_models"]

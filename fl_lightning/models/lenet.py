@@ -51,7 +51,7 @@ class LeNet5(FeatureClassifier):
         return torch.relu(self.fc2(x))
 
 
-@register_model("lenet5")
+@register_model("lenet5", label="LeNet-5")
 def lenet5(
     num_classes: int, in_channels: int, image_size: int, norm: str, bias: bool
 ) -> LeNet5:

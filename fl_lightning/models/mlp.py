@@ -46,14 +46,14 @@ class MLP(FeatureClassifier):
         return self.features(x)
 
 
-@register_model("linear")
+@register_model("linear", label="linear model")
 def linear(
     num_classes: int, in_channels: int, image_size: int, norm: str, bias: bool
 ) -> LinearClassifier:
     return LinearClassifier(num_classes, in_channels * image_size * image_size, bias=bias)
 
 
-@register_model("mlp")
+@register_model("mlp", label="MLP")
 def mlp(
     num_classes: int,
     in_channels: int,

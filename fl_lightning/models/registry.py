@@ -71,13 +71,18 @@ class FeatureClassifier(nn.Module):
         return self.classifier(self.forward_features(x))
 
 
-def register_model(name: str) -> Callable[[ModelConstructor], ModelConstructor]:
-    """Register a constructor under `name`.
+def register_model(name: str, label: Optional[str] = None) -> Callable[[ModelConstructor], ModelConstructor]:
+    """Register a constructor under `name`, labelled `label` in tables (default: the name).
 
     A constructor takes `(num_classes, in_channels, image_size, norm, bias)` plus its options as
     keyword-only parameters; `create_model` rejects any option not among them.
     """
-    return _model_constructors.register(name)
+    return _model_constructors.register(name, label)
+
+
+def model_label(name: str) -> str:
+    """How a table names the model `name` (LeNet-5 for lenet5); a name not registered as it is given."""
+    return _model_constructors.label(name) or name
 
 
 def registered_models() -> list[str]:

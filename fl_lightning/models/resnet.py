@@ -81,7 +81,7 @@ class CifarResNet18(FeatureClassifier):
         return torch.flatten(self.pool(self.stages(self.stem(x))), 1)
 
 
-@register_model("resnet18")
+@register_model("resnet18", label="ResNet-18")
 def resnet18(
     num_classes: int, in_channels: int, image_size: int, norm: str, bias: bool
 ) -> CifarResNet18:

@@ -9,7 +9,7 @@ from fl_lightning.errors import ConfigError
 from fl_lightning.models.registry import TimmClassifier, create_timm_model, register_model, require_positive_int
 
 
-@register_model("vit_tiny")
+@register_model("vit_tiny", label="ViT-Tiny")
 def vit_tiny(
     num_classes: int,
     in_channels: int,

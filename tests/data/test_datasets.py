@@ -6,7 +6,7 @@ import pytest
 import torch
 from PIL import Image
 
-from fl_lightning.data import DATASET_NAMES, load_dataset, register_dataset, registered_datasets
+from fl_lightning.data import DATASET_NAMES, dataset_label, load_dataset, register_dataset, registered_datasets
 from fl_lightning.data.generate import write_cifar, write_tiny_imagenet
 from fl_lightning.errors import ConfigError
 
@@ -238,6 +238,11 @@ def test_digits_load_offline(tmp_path):
     assert train.std == pytest.approx((pixels.std(unbiased=False).item(),))
     again, _ = load_dataset("digits", tmp_path)
     assert torch.equal(again.labels, train.labels)
+
+
+def test_a_built_in_dataset_is_labelled_as_papers_name_it():
+    assert [dataset_label(name) for name in ("cifar10", "cifar100", "tiny_imagenet", "digits", "my_data.load")] == [
+        "CIFAR-10", "CIFAR-100", "Tiny-ImageNet", "digits", "my_data.load"]
 
 
 def test_the_registry_holds_the_built_in_datasets_once_each():

@@ -5,11 +5,16 @@ import pytest
 from model_checks import CIFAR, DIGITS, check_feature_classifier
 
 from fl_lightning.errors import ConfigError
-from fl_lightning.models import create_model, registered_models
+from fl_lightning.models import create_model, model_label, registered_models
 
 
 def test_registered_names():
     assert registered_models() == ["linear", "mlp", "lenet5", "resnet18", "vit_tiny"]
+
+
+def test_a_registered_model_is_labelled_as_papers_name_it():
+    assert [model_label(name) for name in ("lenet5", "resnet18", "vit_tiny", "mlp", "resnet50")] == [
+        "LeNet-5", "ResNet-18", "ViT-Tiny", "MLP", "resnet50"]
 
 
 @pytest.mark.parametrize("name", ["linear", "mlp", "lenet5", "resnet18", "vit_tiny"])

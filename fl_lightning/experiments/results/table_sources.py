@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from fl_lightning.data import dataset_label
 from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.plans.overrides import SET_BY_THE_PLAN, value_text
 from fl_lightning.experiments.plans.plan import GridPoint, load_plan
@@ -23,6 +24,7 @@ from fl_lightning.experiments.plans.tuning import TunedGrid
 from fl_lightning.experiments.results.reference import paper_numbers
 from fl_lightning.experiments.runs import RunFolder, find_runs
 from fl_lightning.metric_names import TEST_ACCURACY
+from fl_lightning.models import model_label
 from fl_lightning.run_dir import defining_settings, flatten
 from fl_lightning.run_logging import METRICS_FILE
 
@@ -309,10 +311,6 @@ def _parse_setting_name(name: str) -> Optional[dict[str, str]]:
     return setting or None
 
 
-MODEL_NAMES = {"linear": "linear model", "mlp": "MLP", "lenet5": "LeNet-5", "resnet18": "ResNet-18",
-               "vit_tiny": "ViT-Tiny"}
-
-
 def describe_setting(configs: list[dict]) -> str:
     """What every run of `configs` shares of the setting a paper states: `LeNet-5 on CIFAR-10, N = 100
     clients, S = 10 per round, K = 50 local steps (or E = 1 local epochs), 300 rounds`. What differs
@@ -324,8 +322,8 @@ def describe_setting(configs: list[dict]) -> str:
         return values[0] if values and values[0] is not None and all(v == values[0] for v in values) else None
 
     model, dataset = shared("model.name"), shared("data.name")
-    model = None if model is None else MODEL_NAMES.get(model, _block_value("model.name", model))
-    dataset = None if dataset is None else DATASET_NAMES.get(dataset.lower(), _block_value("data.name", dataset))
+    model = None if model is None else model_label(_block_value("model.name", model))
+    dataset = None if dataset is None else dataset_label(_block_value("data.name", dataset))
     parts = [" on ".join(filter(None, [model, dataset]))] if model or dataset else []
     steps, epochs = shared("federation.local_steps"), shared("federation.local_epochs")
     for value, text in ((shared("federation.num_clients"), "N = {} clients"),
@@ -337,8 +335,6 @@ def describe_setting(configs: list[dict]) -> str:
     return ", ".join(parts)
 
 
-DATASET_NAMES = {"cifar10": "CIFAR-10", "cifar100": "CIFAR-100", "tinyimagenet": "Tiny-ImageNet",
-                 "tiny-imagenet": "Tiny-ImageNet", "tiny_imagenet": "Tiny-ImageNet", "digits": "digits"}
 AXIS_SYMBOLS = {"alpha": "α", "dirichlet": "α", "beta": "β", "gamma": "γ", "mu": "μ", "rho": "ρ"}
 
 
@@ -351,7 +347,7 @@ def setting_label(setting: dict[str, str], axis_values: dict[str, list[str]]) ->
     parts = []
     for axis, value in varying.items():
         if axis.lower() in ("dataset", "data"):
-            parts.append(DATASET_NAMES.get(value.lower(), value))
+            parts.append(dataset_label(value))
         else:
             parts.append(f"{AXIS_SYMBOLS.get(axis.lower(), axis)} = {value}")
     return ", ".join(parts)
