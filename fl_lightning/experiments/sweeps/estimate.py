@@ -18,6 +18,11 @@ the plan (and per tuned method, `FedAvg (tuning)`) and in total:
   timed per kind, x those it writes); the total wall time is the runs', `--jobs` at a time;
 - rounds, CPU core-hours (CPU seconds x rounds, over the runs) and, on GPUs, GPU-hours (wall
   seconds x rounds x GPUs);
+- gradient evaluations and bytes sent and received per run, from each method's declared cost
+  (`Algorithm.cost`, as the runs' cost counters count them): its clients' sampled local steps x its
+  gradient evaluations per step (MOON's contrastive steps, which a client's first round has not), and
+  its clients per round x what a client sends and receives (a direction the clients rebuild from two
+  consecutive models priced as sent unless every client takes part in every round) x rounds;
 - peak memory of a run while it trains (the GPU's, or the process's resident set on the CPU) and the
   memory of the client state of a stateful method (SCAFFOLD, FedDyn, MOON) once every client that will
   hold state does (`num_clients`, or `clients_per_round` x rounds), on the CPU of its owner ranks;
@@ -85,6 +90,10 @@ class PricedPoint:
     """Rounds it evaluates the global model after."""
     checkpoints: int = 0
     """Checkpoints it writes."""
+    grad_evals_per_round: float = 0.0
+    """Its clients' gradient evaluations in a round, all ranks' (its method's declared cost)."""
+    bytes_per_round: float = 0.0
+    """What its clients send and receive in a round (its method's declared cost)."""
 
     @property
     def rounds(self) -> int:
@@ -211,7 +220,7 @@ def _report(resolved: list[ResolvedPoint], costs: dict[str, StepCost], start_ups
 
 def _price(resolved: list[ResolvedPoint], costs: dict[str, StepCost], start_ups: dict[str, float],
            machine: Resources) -> list[PricedPoint]:
-    units: dict[str, float] = {}
+    units: dict[str, tuple[float, float]] = {}
     priced = []
     for entry in resolved:
         cost = costs.get(kind_of(entry.config))
@@ -224,7 +233,9 @@ def _price(resolved: list[ResolvedPoint], costs: dict[str, StepCost], start_ups:
         if key not in units:
             units[key] = units_per_round(cost, DataArgs(**config["data"]), federation, config["seed"], machine.devices)
         holding = min(federation.num_clients, federation.clients_per_round * federation.rounds)
-        priced.append(PricedPoint(entry=entry, cost=cost, units_per_round=units[key], ranks=machine.devices,
+        priced.append(PricedPoint(entry=entry, cost=cost, units_per_round=units[key][0], ranks=machine.devices,
+                                  grad_evals_per_round=units[key][1] * cost.grad_evals_per_step,
+                                  bytes_per_round=bytes_per_round(cost, federation),
                                   holding=holding, kept=_checkpoints_kept(config["checkpoint"], entry.rounds),
                                   start_up=start_ups[dataset_of(entry)],
                                   evaluations=evaluated_rounds(federation.eval_every, entry.rounds),
@@ -237,22 +248,33 @@ def evaluated_rounds(every: int, rounds: int) -> int:
     return rounds // every + (rounds % every != 0)
 
 
-def units_per_round(cost: StepCost, data: DataArgs, federation: FederationArgs, seed: int, ranks: int) -> float:
+def units_per_round(cost: StepCost, data: DataArgs, federation: FederationArgs, seed: int, ranks: int
+                    ) -> tuple[float, float]:
     """One rank's work in a round of a point, in its kind's units, over the point's first rounds: the
     local steps of the rank's clients on the loop path, its longest client's on the grouped path
-    (where a group steps as long as its longest client)."""
+    (where a group steps as long as its longest client); and the local steps of all its clients."""
     from fl_lightning.federation.aggregation import clients_of_rank, sample_clients
     from fl_lightning.federation.setup import split_over_clients
 
     partition, _ = split_over_clients(cost.train_labels, data, federation.num_clients, seed)
     steps = [client_steps(federation, len(part)) for part in partition]
     rounds = range(min(federation.rounds, SAMPLED_ROUNDS))
-    work = 0
+    work = all_steps = 0
     for round_index in rounds:
         clients = sample_clients(seed, round_index, federation.num_clients, federation.clients_per_round)
         taken = [steps[client] for client in clients_of_rank(clients, 0, ranks, cost.stateful)]
         work += max(taken, default=0) if cost.grouped else sum(taken)
-    return work / len(rounds)
+        all_steps += sum(steps[client] for client in clients)
+    return work / len(rounds), all_steps / len(rounds)
+
+
+def bytes_per_round(cost: StepCost, federation: FederationArgs) -> float:
+    """What a point's clients send and receive in a round, by its method's declared cost: a direction the
+    clients may rebuild from two consecutive models is free only when every client takes part in every
+    round (else most clients missed the previous one), and priced as sent otherwise."""
+    everyone = federation.clients_per_round >= federation.num_clients and federation.participation is None
+    rebuilt = 0 if cost.rebuilds and everyone else cost.rebuilt_bytes
+    return federation.clients_per_round * (cost.bytes_per_client + rebuilt)
 
 
 def _checkpoints_written(checkpoint: dict, rounds: int) -> set[int]:
@@ -268,7 +290,8 @@ def _checkpoints_kept(checkpoint: dict, rounds: int) -> int:
 def _print_budget(priced: list[PricedPoint], machine: Resources, jobs: int) -> None:
     on_gpus = machine.gpu_slots is not None
     memory = "GPU memory" if on_gpus else "memory"
-    header = ("method", "runs", "s/round", "CPU s/round", "rounds", "s/run", "CPU core-h",
+    header = ("method", "runs", "s/round", "CPU s/round", "rounds", "s/run", "grad evals/run", "bytes/run",
+              "CPU core-h",
               *(("GPU h",) if on_gpus else ()), f"peak {memory}", "client state", "checkpoint", "kept", "disk per run")
     by_method: dict[str, list[PricedPoint]] = {}
     for point in priced:
@@ -317,7 +340,8 @@ def _method_row(method: str, points: list[PricedPoint], on_gpus: bool) -> tuple[
     gpu_hours = sum(_hours(point, point.wall_per_round * point.ranks) for point in points)
     return (method, str(len(points)), _spread([p.wall_per_round for p in points]),
             _spread([p.cpu_per_round for p in points]), "/".join(map(str, sorted({p.rounds for p in points}))),
-            _spread([p.run_seconds for p in points]),
+            _spread([p.run_seconds for p in points]), _spread([p.grad_evals_per_round * p.rounds for p in points]),
+            _size_spread([p.bytes_per_round * p.rounds for p in points]),
             f"{sum(_hours(point, point.cpu_per_round) for point in points):.3g}",
             *((f"{gpu_hours:.3g}",) if on_gpus else ()),
             _size(max(p.cost.peak_bytes for p in points)), _size(max(p.client_state_bytes for p in points)),
@@ -352,6 +376,11 @@ def machine_note(stretches: list[Stretch], load_before: float, load_after: float
                "on a quiet machine for a round's wall seconds") if busy else "not busy"
     return (f"the timed steps waited for a CPU {waited:.0%} of the time they were ready to run; load average "
             f"{load_before:.1f} before, {load_after:.1f} after, on {cores} core(s): {verdict}")
+
+
+def _size_spread(counts: list[float]) -> str:
+    low, high = _size(min(counts)), _size(max(counts))
+    return low if low == high else f"{low}-{high}"
 
 
 def _size(count: float) -> str:

@@ -132,6 +132,16 @@ class StepCost:
     """Wall seconds of one evaluation of the global model (an evaluated round's eval_seconds)."""
     checkpoint_seconds: float = 0.0
     """Wall seconds of writing one checkpoint."""
+    grad_evals_per_step: int = 1
+    """A client's gradient evaluations per local step (its method's `step_passes` once it has reported)."""
+    bytes_per_client: int = 0
+    """What one client sends and receives in a round (fl_lightning.federation.costs.ModelSizes), its
+    method's rebuilt directions apart."""
+    rebuilt_bytes: int = 0
+    """The directions a client rebuilds from two consecutive models where it received the previous one
+    and the rule makes them the server's step (`Algorithm.rebuilds_from_models`), else receives."""
+    rebuilds: bool = False
+    """Whether the rule makes them the server's step in this kind's runs."""
 
     @property
     def cpu_per_unit(self) -> float:
@@ -221,7 +231,17 @@ def _time_loop(loop, grouped: bool, device: torch.device, most_steps: int, round
     return StepCost(grouped=grouped, stateful=loop.stateful, work=work, timed=timed, peak_bytes=peak,
                     checkpoint_bytes=checkpoint, state_bytes_per_client=state_bytes / holding,
                     shard_bytes_per_client=shards / holding, train_labels=loop.inputs.data.train.labels.numpy(),
-                    eval_seconds=evaluation, checkpoint_seconds=checkpoint_seconds)
+                    eval_seconds=evaluation, checkpoint_seconds=checkpoint_seconds, **_declared_cost(loop))
+
+
+def _declared_cost(loop) -> dict:
+    """What the kind's method declares it costs (`Algorithm.cost`), in the StepCost's terms."""
+    sizes, algorithm, federation = loop.costs.sizes, loop.algorithm, loop.inputs.settings.federation
+    equal_steps = federation.local_epochs is None and federation.stragglers is None
+    return {"grad_evals_per_step": algorithm.step_passes(True).backward,
+            "bytes_per_client": sizes.upload + sizes.model + sizes.buffers + sizes.sent_down,
+            "rebuilt_bytes": sizes.rebuilt_down,
+            "rebuilds": algorithm.rebuilds_from_models(loop.server_state.optimizer, equal_steps)}
 
 
 def _wall_seconds(call: Callable[[], object]) -> float:

@@ -124,6 +124,15 @@ def test_fedsam_and_moon_are_priced_above_fedavg(tmp_path, capsys):
     assert total.startswith("total: 6 runs, ") and re.search(r", ([\d.e+-]+) CPU core-hours, ", total)
     assert float(re.search(r", ([\d.e+-]+) CPU core-hours, ", total).group(1)) == pytest.approx(core_hours, rel=0.02)
     assert re.search(r"^timed in \d+ s; the timed steps waited for a CPU \d+% .*: (busy|not busy)", out, re.M)
+    # From the methods' declared costs: 3 rounds of 5 clients x 2 steps, FedSAM's and MOON's steps two
+    # backward passes each; every method sends its model and BatchNorm statistics each way.
+    assert [float(rows[method]["grad evals/run"]) for method in rows] == [30, 60, 60]
+    network = create_model("mlp", num_classes=10, in_channels=1, image_size=8, norm="bn", bias=True, hidden=256,
+                           depth=2)
+    floats = sum(p.numel() for p in network.parameters()) + sum(
+        b.numel() for b in network.buffers() if b.is_floating_point())
+    assert size(rows["FedAvg"]["bytes/run"]) == pytest.approx(3 * 5 * 2 * 4 * floats, rel=0.01)
+    assert rows["FedSAM"]["bytes/run"] == rows["FedAvg"]["bytes/run"]
 
 
 @pytest.mark.slow
@@ -214,7 +223,7 @@ def test_a_runs_wall_time_adds_its_start_up_evaluations_and_checkpoints_to_its_r
     # The smoke plan's runs: 3 rounds, each evaluated (eval_every 1), one checkpoint (every 3); 100 client
     # steps a round of 0.01 s; a start-up of 7 s, an evaluation of 0.5 s and a checkpoint of 0.25 s timed.
     resolved = resolve_grid(load_plan(SMOKE).grid())
-    monkeypatch.setattr(estimate_module, "units_per_round", lambda *args: 100.0)
+    monkeypatch.setattr(estimate_module, "units_per_round", lambda *args: (100.0, 100.0))
     kinds = {step_costs.kind_of(entry.config): cost(grouped=False, eval_seconds=0.5, checkpoint_seconds=0.25)
              for entry in resolved}
     cpus = Resources(accelerator="cpu", devices=1, threads=1, gpu_slots=None)
