@@ -245,10 +245,10 @@ def test_a_history_logged_before_the_counters_gives_none():
     assert costs.after_round(1, round_clients(0, 1, loop.inputs.settings.federation), 1.0) == {}
 
 
-def moon_fit(root, out_dir: Path, rounds: int, resume=None, **fabric) -> dict:
+def moon_fit(root, out_dir: Path, rounds: int, resume=None, **settings) -> dict:
     """fit()'s keyword arguments of a small MOON run, three clients of five a round."""
     setup = moon_setup(root, out_dir, rounds=rounds, eval_every=2)
-    setup.update(resume=resume, **fabric)
+    setup.update(resume=resume, **settings)
     return dict(algorithm=MOON(mu=1.0, projection_dim=8), client_optimizer=ClientOptimizerArgs(lr=0.05), **setup)
 
 
@@ -270,10 +270,12 @@ def test_a_resumed_run_ends_with_the_uninterrupted_runs_counters(cifar_root, tmp
 
 
 @pytest.mark.multiprocess
-def test_two_ranks_count_as_one(cifar_root, tmp_path):
-    fit(**moon_fit(cifar_root, tmp_path / "one", 3))
+@pytest.mark.parametrize("client_path", ["loop", "grouped"])
+def test_two_ranks_count_as_one(cifar_root, tmp_path, client_path):
+    compute = ComputeArgs(client_path=client_path)
+    fit(**moon_fit(cifar_root, tmp_path / "one", 3, compute=ComputeArgs(client_path="loop")))
     two_ranks = FabricArgs(accelerator="cpu", devices=2, process_group_timeout_s=120)
-    processes.call_on_ranks(2, fit, **moon_fit(cifar_root, tmp_path / "two", 3, fabric=two_ranks))
+    processes.call_on_ranks(2, fit, **moon_fit(cifar_root, tmp_path / "two", 3, fabric=two_ranks, compute=compute))
     assert logged_counters(tmp_path / "two") == logged_counters(tmp_path / "one")
 
 
