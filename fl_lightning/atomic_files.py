@@ -29,16 +29,20 @@ def replace_atomically(write: Callable[[Path], None], target: Path) -> None:
                 temporary.unlink()
 
 
-def write_atomically(target: Path, write: Callable[[BinaryIO], None]) -> None:
-    """Replace `target` by what `write(file)` writes into a binary file, on disk before the rename."""
+def write_atomically(target: Path, write: Callable[[BinaryIO], None], synced: bool = True) -> None:
+    """Replace `target` by what `write(file)` writes into a binary file, on disk before the rename.
+    `synced=False` leaves it to the caller to sync (`os.sync`) before anything depends on the file
+    surviving a crash of the machine: a process killed at any moment still leaves the old file or the
+    new one whole, and writing many small files costs no disk flush each."""
 
-    def synced(temporary: Path) -> None:
+    def written(temporary: Path) -> None:
         with open(temporary, "wb") as file:
             write(file)
             file.flush()
-            os.fsync(file.fileno())
+            if synced:
+                os.fsync(file.fileno())
 
-    replace_atomically(synced, target)
+    replace_atomically(written, target)
 
 
 def write_text_atomically(target: Path, text: str) -> None:

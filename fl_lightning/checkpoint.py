@@ -100,9 +100,9 @@ def remove_orphan_shards(out_dir: Path) -> None:
             shard.unlink(missing_ok=True)
 
 
-def _save_file(obj: dict, target: Path) -> None:
+def _save_file(obj: dict, target: Path, synced: bool = True) -> None:
     obj = {**obj, DIGEST: content_digest(obj)}
-    atomic_files.write_atomically(target, lambda file: torch.save(obj, file))
+    atomic_files.write_atomically(target, lambda file: torch.save(obj, file), synced)
 
 
 def _load_verified(path: Path, what: str = "checkpoint", **load_options) -> dict:
@@ -136,9 +136,11 @@ def client_state_path(out_dir: Path, client_id: int, version: int) -> Path:
 
 
 def save_client_state(out_dir: Path, client_id: int, version: int, state: dict) -> None:
+    """Written atomically but not synced: the store syncs the files a checkpoint refers to (`os.sync`,
+    once) before the checkpoint's shard and main file."""
     path = client_state_path(out_dir, client_id, version)
     path.parent.mkdir(parents=True, exist_ok=True)
-    _save_file({"client": client_id, "version": version, "state": state}, path)
+    _save_file({"client": client_id, "version": version, "state": state}, path, synced=False)
 
 
 def load_client_state(out_dir: Path, client_id: int, version: int) -> dict:

@@ -12,6 +12,11 @@ checkpoint refers to stays as it was (memory-mapped arrays are written in place:
 would tear the state a checkpoint promised, and keeping versions would mean copying the array);
 and the ranks' files never overlap, whatever the number of ranks a resume runs on.
 
+A file is renamed into place whole but not flushed to disk on its own: a checkpoint syncs every file
+written since the previous one (`os.sync`, once) before its shard and main file, so that a crash of
+the machine loses nothing a checkpoint refers to, while a round that writes thousands of states past
+the bound costs no disk flush each (a killed process leaves the page cache, and so each file, whole).
+
 A checkpoint writes the states changed since the previous one (`checkpoint`) and refers to every
 client's file by its version (one int per client, `fl_lightning.checkpoint.save_client_shard`),
 so what it writes grows with the clients that trained, not with the clients of the federation.
@@ -20,6 +25,7 @@ A file that a newer version replaces is removed once no kept checkpoint can refe
 
 from __future__ import annotations
 
+import os
 import re
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -57,6 +63,7 @@ class ClientStates:
         self._version = np.full(0, NOT_SAVED, dtype=np.int32)  # of each client's newest state
         self._saved = np.full(0, NOT_SAVED, dtype=np.int32)  # of its newest file
         self._last_checkpoint = 0
+        self._unsynced = False  # a file was written since the last sync
         self._superseded: list[tuple[int, int, int]] = []  # (client, version, replaced by version)
         for client_id, state in (initial or {}).items():
             self.put(client_id, state)
@@ -103,9 +110,13 @@ class ClientStates:
             self._evict(next(iter(self.by_client)))
 
     def checkpoint(self, round_completed: int) -> np.ndarray:
-        """Write the states changed since the last checkpoint; which file holds each client's state."""
+        """Write the states changed since the last checkpoint, and sync every file written since (one
+        `os.sync` rather than a flush a file); which file holds each client's state."""
         for client_id in self.by_client:
             self._write(client_id)
+        if self._unsynced:
+            os.sync()
+            self._unsynced = False
         self._last_checkpoint = round_completed
         saved = np.flatnonzero(self._saved != NOT_SAVED)
         return self._saved[:saved[-1] + 1 if len(saved) else 0].copy()
@@ -139,6 +150,7 @@ class ClientStates:
             return
         save_client_state(self.out_dir, client_id, version, self.by_client[client_id])
         self._saved[client_id] = version
+        self._unsynced = True
         if previous == NOT_SAVED:
             return
         if previous > self._last_checkpoint:  # written since the last checkpoint: nothing refers to it

@@ -126,6 +126,21 @@ def test_a_checkpoint_writes_only_the_states_changed_since_the_previous_one(tmp_
     assert versions.tolist() == [1, 1, 1, 1, 2, 1, 1, 2, 1, 1]
 
 
+def test_state_files_are_synced_to_disk_once_by_the_checkpoint_that_refers_to_them(tmp_path, monkeypatch):
+    """A flush a file would cost a round of many clients more than its training; a kill leaves each file
+    whole without it, and a crash of the machine loses nothing a checkpoint refers to."""
+    flushes, syncs = [], []
+    monkeypatch.setattr(os, "fsync", flushes.append)
+    monkeypatch.setattr(os, "sync", lambda: syncs.append("sync"))
+    states = bounded(tmp_path, clients_in_memory=1)
+    trained(states, 1, [0, 1, 2])
+    assert len(files_of(tmp_path)) == 2 and flushes == [] and syncs == []
+    states.checkpoint(1)
+    assert len(files_of(tmp_path)) == 3 and flushes == [] and syncs == ["sync"]
+    states.checkpoint(1)  # nothing written since
+    assert syncs == ["sync"]
+
+
 def test_a_file_goes_once_no_kept_checkpoint_refers_to_it(tmp_path):
     states = bounded(tmp_path, clients_in_memory=100)
     trained(states, 1, [0, 1])
