@@ -45,8 +45,9 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
-from fl_lightning.config import DataArgs, FederationArgs
+from fl_lightning.config import ComputeArgs, DataArgs, FederationArgs
 from fl_lightning.cpu import available_cores
 from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.plans.plan import Plan
@@ -94,6 +95,8 @@ class PricedPoint:
     """Its clients' gradient evaluations in a round, all ranks' (its method's declared cost)."""
     bytes_per_round: float = 0.0
     """What its clients send and receive in a round (its method's declared cost)."""
+    client_state_bound: Optional[int] = None
+    """The most client state the run keeps in memory: compute.client_state_memory_mib x its ranks."""
 
     @property
     def rounds(self) -> int:
@@ -115,8 +118,14 @@ class PricedPoint:
 
     @property
     def client_state_bytes(self) -> int:
-        """In memory, once every client that will hold state does."""
-        return round(self.cost.state_bytes_per_client * self.holding)
+        """In memory, once every client that will hold state does, up to the run's bound."""
+        held = round(self.cost.state_bytes_per_client * self.holding)
+        return held if self.client_state_bound is None else min(held, self.client_state_bound)
+
+    @property
+    def client_store_bytes(self) -> int:
+        """On disk in the run's client_states/: a file of every client that will hold state."""
+        return round(self.cost.shard_bytes_per_client * self.holding)
 
     @property
     def checkpoint_bytes(self) -> int:
@@ -239,7 +248,8 @@ def _price(resolved: list[ResolvedPoint], costs: dict[str, StepCost], start_ups:
                                   holding=holding, kept=_checkpoints_kept(config["checkpoint"], entry.rounds),
                                   start_up=start_ups[dataset_of(entry)],
                                   evaluations=evaluated_rounds(federation.eval_every, entry.rounds),
-                                  checkpoints=len(_checkpoints_written(config["checkpoint"], entry.rounds))))
+                                  checkpoints=len(_checkpoints_written(config["checkpoint"], entry.rounds)),
+                                  client_state_bound=_client_state_bound(config, machine.devices)))
     return priced
 
 
@@ -305,6 +315,22 @@ def _print_budget(priced: list[PricedPoint], machine: Resources, jobs: int) -> N
     _print_total(priced, machine, jobs)
 
 
+def _client_state_bound(config: dict, ranks: int) -> int:
+    mib = config.get("compute", {}).get("client_state_memory_mib", ComputeArgs.client_state_memory_mib)
+    return mib * 2**20 * ranks
+
+
+def _client_store_line(priced: list[PricedPoint]) -> str:
+    """The store of client state, where a stateful method's runs have one; else nothing."""
+    stored = [point for point in priced if point.client_store_bytes]
+    if not stored:
+        return ""
+    bound = max(stored, key=lambda point: point.client_store_bytes)
+    return (f"; client state: up to {_size(bound.client_store_bytes)} per run on disk (client_states/, one file a "
+            f"client), at most {_size(bound.client_state_bound)} of it in memory (compute.client_state_memory_mib "
+            f"x {bound.ranks} rank(s))")
+
+
 def _print_total(priced: list[PricedPoint], machine: Resources, jobs: int) -> None:
     cpu_hours = sum(_hours(point, point.cpu_per_round) for point in priced)
     wall_hours = sum(point.run_seconds for point in priced) / 3600
@@ -318,7 +344,7 @@ def _print_total(priced: list[PricedPoint], machine: Resources, jobs: int) -> No
         memory = (f"peak memory {_size(max(p.cost.peak_bytes + p.client_state_bytes for p in priced))} per run "
                   "with its client state")
     print(f"total: {len(priced)} runs, {cpu_hours:.3g} CPU core-hours{devices}, {wall_hours / jobs:.3g} h of wall "
-          f"time ({jobs} at a time), {_size(disk)} of checkpoints, {memory}", flush=True)
+          f"time ({jobs} at a time), {_size(disk)} of checkpoints, {memory}{_client_store_line(priced)}", flush=True)
     print(_besides_rounds(priced), flush=True)
 
 

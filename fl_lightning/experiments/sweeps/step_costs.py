@@ -48,7 +48,7 @@ from typing import Callable, Literal, Union
 import numpy as np
 import torch
 
-from fl_lightning.checkpoint import checkpoint_dir, numbered_checkpoints
+from fl_lightning.checkpoint import CLIENT_STATES, checkpoint_dir, numbered_checkpoints
 from fl_lightning.config import FederationArgs
 from fl_lightning.cpu import run_threads
 from fl_lightning.errors import ConfigError
@@ -317,10 +317,12 @@ def _waiting_seconds() -> float:
 
 
 def _checkpoint_sizes(out_dir: Path) -> tuple[int, int]:
-    """Bytes of the newest checkpoint's main file and of its client-state shards."""
+    """Bytes of the newest checkpoint's main file and of the client state it wrote: its shards and the
+    client-state files (the loop's first checkpoint writes every state it holds)."""
     newest = numbered_checkpoints(checkpoint_dir(out_dir))[-1]
     shards = newest.parent.glob(newest.name.removesuffix(".ckpt") + ".clients_rank*.pt")
-    return newest.stat().st_size, sum(shard.stat().st_size for shard in shards)
+    states = (Path(out_dir) / CLIENT_STATES).rglob("client_*.pt")
+    return newest.stat().st_size, sum(path.stat().st_size for path in [*shards, *states])
 
 
 STATUS_FILE = Path("/proc/self/status")

@@ -190,8 +190,12 @@ def test_a_stateful_methods_client_state_is_priced_at_every_client(tmp_path, cap
     network = create_model("mlp", num_classes=10, in_channels=1, image_size=8, norm="bn", bias=True, hidden=16, depth=1)
     state = 10 * 4 * sum(parameter.numel() for parameter in network.parameters())
     assert size(row["client state"]) == pytest.approx(state, rel=0.01)
-    assert size(row["checkpoint"]) > state  # the checkpoint's shards hold it too
+    assert size(row["checkpoint"]) > state  # the checkpoint's client-state files hold it too
     assert size(row["disk per run"]) == pytest.approx(int(row["kept"]) * size(row["checkpoint"]), rel=0.01)
+    store = re.search(r"; client state: up to ([\d.]+ \w+) per run on disk \(client_states/, one file a client\), at "
+                      r"most 4.0 GiB of it in memory \(compute.client_state_memory_mib x 1 rank\(s\)\)$", out, re.M)
+    assert store is not None, out
+    assert state < size(store.group(1)) < size(row["checkpoint"])
 
 
 def cost(**fields) -> StepCost:
