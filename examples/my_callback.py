@@ -10,7 +10,7 @@ class StopAtAccuracy(Callback):
     def __init__(self, target: float = 0.95):
         self.target = target
 
-    def on_round_end(self, fabric, loop, metrics: dict) -> None:
+    def on_round_end(self, engine, loop, metrics: dict) -> None:
         accuracy = metrics.get("test_accuracy")  # on evaluation rounds; the same on every rank
         if accuracy is not None and accuracy >= self.target:
             metrics["reached_target_at"] = metrics["round"]  # saved and logged with the round's row
@@ -30,7 +30,7 @@ class CountEvaluations(Callback):
     def load_state_dict(self, state: dict) -> None:
         self.evaluations = state["evaluations"]
 
-    def on_round_end(self, fabric, loop, metrics: dict) -> None:
+    def on_round_end(self, engine, loop, metrics: dict) -> None:
         if "test_accuracy" in metrics:
             self.evaluations += 1
             metrics["evaluations"] = self.evaluations

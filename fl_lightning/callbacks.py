@@ -1,18 +1,18 @@
 """Callbacks: everything a run does around its rounds, as small separate pieces.
 
 The loop (`fl_lightning.federation.train`) calls these hooks on every rank through Fabric's
-`fabric.call`, in the order the callbacks are listed:
+`engine.call` (the Fabric object of the run), in the order the callbacks are listed:
 
-- `on_fit_start(fabric, loop)`: once, before the first round (also after a resume).
-- `on_round_start(fabric, loop, round_index)`: before the round's clients train.
-- `on_client_end(fabric, loop, client, uploads, weight)`: on the rank that trained it, after each
+- `on_fit_start(engine, loop)`: once, before the first round (also after a resume).
+- `on_round_start(engine, loop, round_index)`: before the round's clients train.
+- `on_client_end(engine, loop, client, uploads, weight)`: on the rank that trained it, after each
   client's update: `client` is its `ClientRound` (id, round, global parameters), `uploads` its
   flat upload vectors by name (read only), `weight` its aggregation weight p_i. A diagnostic sums
   what it needs here and reduces it once on its own rounds.
-- `on_round_end(fabric, loop, metrics)`: after the server step; `metrics` (a dict with "round",
+- `on_round_end(engine, loop, metrics)`: after the server step; `metrics` (a dict with "round",
   the 1-based number of the round just completed) may be extended in place, and is the row that
   metrics.jsonl, W&B and the checkpoint record.
-- `on_fit_end(fabric, loop)`: once, after the last round, a stop, or a failure (`loop.failed`, and
+- `on_fit_end(engine, loop)`: once, after the last round, a stop, or a failure (`loop.failed`, and
   `loop.failure` the exception that ended the run).
 
 To stop a run, a hook calls `loop.request_stop(reason)`. Requests ride the stop slot of the next
@@ -69,19 +69,19 @@ class Callback(Configurable):
             raise TypeError(f"{type(self).__name__} saved its state ({', '.join(sorted(state))}) but has no "
                             "load_state_dict to restore it")
 
-    def on_fit_start(self, fabric, loop) -> None:
+    def on_fit_start(self, engine, loop) -> None:
         pass
 
-    def on_round_start(self, fabric, loop, round_index: int) -> None:
+    def on_round_start(self, engine, loop, round_index: int) -> None:
         pass
 
-    def on_client_end(self, fabric, loop, client, uploads: dict, weight: float) -> None:
+    def on_client_end(self, engine, loop, client, uploads: dict, weight: float) -> None:
         pass
 
-    def on_round_end(self, fabric, loop, metrics: dict) -> None:
+    def on_round_end(self, engine, loop, metrics: dict) -> None:
         pass
 
-    def on_fit_end(self, fabric, loop) -> None:
+    def on_fit_end(self, engine, loop) -> None:
         pass
 
 
@@ -128,7 +128,7 @@ class EarlyStopping(Callback):
     def load_state_dict(self, state: dict) -> None:
         self.best, self.evaluations_without_improvement = state["best"], state["evaluations_without_improvement"]
 
-    def on_round_end(self, fabric, loop, metrics: dict) -> None:
+    def on_round_end(self, engine, loop, metrics: dict) -> None:
         value = metrics.get(self.metric)
         if value is None:
             return
@@ -161,10 +161,10 @@ class TimeBudget(Callback):
     def load_state_dict(self, state: dict) -> None:
         self._longest_round = state["longest_round_seconds"]
 
-    def on_fit_start(self, fabric, loop) -> None:
+    def on_fit_start(self, engine, loop) -> None:
         self._started = time.monotonic()
 
-    def on_round_start(self, fabric, loop, round_index: int) -> None:
+    def on_round_start(self, engine, loop, round_index: int) -> None:
         now = time.monotonic()
         if self._round_started:
             self._longest_round = max(self._longest_round, now - self._round_started)
@@ -184,7 +184,7 @@ class Evaluate(Callback):
     def __init__(self, every: int):
         self.every = every
 
-    def on_round_end(self, fabric, loop, metrics: dict) -> None:
+    def on_round_end(self, engine, loop, metrics: dict) -> None:
         if metrics["round"] % self.every == 0 or metrics["round"] == loop.rounds:
             started = time.perf_counter()
             metrics.update(loop.evaluate())
@@ -197,7 +197,7 @@ class SaveCheckpoint(Callback):
     def __init__(self, every: int):
         self.every = every
 
-    def on_round_end(self, fabric, loop, metrics: dict) -> None:
+    def on_round_end(self, engine, loop, metrics: dict) -> None:
         if loop.stopping or metrics["round"] % self.every == 0 or metrics["round"] == loop.rounds:
             loop.save_checkpoint()
 
@@ -205,10 +205,10 @@ class SaveCheckpoint(Callback):
 class WriteMetrics(Callback):
     """metrics.jsonl (rank 0): the checkpoint's rows first, then one row per round."""
 
-    def on_fit_start(self, fabric, loop) -> None:
-        self.log = MetricsLog(loop.out_dir, loop.history) if fabric.global_rank == 0 else None
+    def on_fit_start(self, engine, loop) -> None:
+        self.log = MetricsLog(loop.out_dir, loop.history) if engine.global_rank == 0 else None
 
-    def on_round_end(self, fabric, loop, metrics: dict) -> None:
+    def on_round_end(self, engine, loop, metrics: dict) -> None:
         if self.log is not None:
             self.log.append(metrics)
 
@@ -221,17 +221,17 @@ class LogToWandb(Callback):
     def __init__(self, run: WandbRun):
         self.run = run
 
-    def on_fit_start(self, fabric, loop) -> None:
-        if fabric.global_rank == 0:
+    def on_fit_start(self, engine, loop) -> None:
+        if engine.global_rank == 0:
             self.run.start(loop.hyperparameters)
             self.run.replay(loop.history)
 
-    def on_round_end(self, fabric, loop, metrics: dict) -> None:
-        if fabric.global_rank == 0:
+    def on_round_end(self, engine, loop, metrics: dict) -> None:
+        if engine.global_rank == 0:
             self.run.log(metrics)
 
-    def on_fit_end(self, fabric, loop) -> None:
-        if fabric.global_rank == 0:
+    def on_fit_end(self, engine, loop) -> None:
+        if engine.global_rank == 0:
             self.run.finish(loop.history, folder_writable=not isinstance(loop.failure, WriteFailed))
 
 
@@ -244,15 +244,15 @@ class ShowProgress(Callback):
         self.progress_bar = progress_bar
         self._bar = None
 
-    def on_fit_start(self, fabric, loop) -> None:
-        if fabric.global_rank == 0 and self.progress_bar and sys.stderr.isatty():
+    def on_fit_start(self, engine, loop) -> None:
+        if engine.global_rank == 0 and self.progress_bar and sys.stderr.isatty():
             from tqdm.auto import tqdm
 
             self._bar = tqdm(total=loop.rounds, initial=loop.start_round, desc="rounds", unit="round",
                              dynamic_ncols=True)
 
-    def on_round_end(self, fabric, loop, metrics: dict) -> None:
-        if fabric.global_rank != 0:
+    def on_round_end(self, engine, loop, metrics: dict) -> None:
+        if engine.global_rank != 0:
             return
         if self._bar is None:
             print(round_line(metrics, loop.rounds), flush=True)
@@ -262,10 +262,10 @@ class ShowProgress(Callback):
         self._bar.set_postfix(s_per_round=f"{metrics['round_seconds']:.2f}",
                               acc=f"{accuracies[-1]:.4f}" if accuracies else "-")
 
-    def on_fit_end(self, fabric, loop) -> None:
+    def on_fit_end(self, engine, loop) -> None:
         if self._bar is not None:
             self._bar.close()
-        if fabric.global_rank == 0 and not loop.failed:
+        if engine.global_rank == 0 and not loop.failed:
             print(summary_line(loop.history, loop.rounds, loop.out_dir, loop.stop_reasons, loop.final_stop),
                   flush=True)
 
@@ -279,16 +279,16 @@ class StopOnSignal(Callback):
         self.signal_name = signal_name
         self._installed: list = []
 
-    def on_fit_start(self, fabric, loop) -> None:
+    def on_fit_start(self, engine, loop) -> None:
         self._installed = STOP_SIGNALS.install(self.signal_name)
         STOP_SIGNALS.listener = lambda signum: loop.request_stop(f"signal {signum.name}", requeue=True)
         for signum in sorted(STOP_SIGNALS.received):
             STOP_SIGNALS.listener(signum)
 
-    def on_fit_end(self, fabric, loop) -> None:
+    def on_fit_end(self, engine, loop) -> None:
         STOP_SIGNALS.listener = None
         try:
-            if fabric.global_rank == 0 and loop.requeue_agreed and loop.stopped_early:
+            if engine.global_rank == 0 and loop.requeue_agreed and loop.stopped_early:
                 requeue_after_stop(self.signal_name, STOP_SIGNALS.received)
         finally:
             STOP_SIGNALS.uninstall(self._installed)

@@ -261,15 +261,15 @@ def _run_callbacks(federation: FederationArgs, logger: LoggerArgs, checkpoint: C
     ]
 
 
-def _train_and_record(fabric, inputs: RankInputs, threads: Optional[ThreadChoice]) -> None:
+def _train_and_record(engine, inputs: RankInputs, threads: Optional[ThreadChoice]) -> None:
     # The loop imports Lightning, which parsing and refusing a command line need not wait for.
     from fl_lightning.federation.loop import train
 
     precision = inputs.settings.fabric.precision
     with contextlib.nullcontext() if threads is None else cpu_rank(threads, precision):
-        if fabric.global_rank == 0:
+        if engine.global_rank == 0:
             _write_run_files(inputs)
-        train(fabric, inputs)
+        train(engine, inputs)
         # Lightning closes an NCCL process group when the process exits but leaves a gloo one to the
         # interpreter's teardown, where its threads can abort a rank after the run has finished.
         if torch.distributed.is_initialized():

@@ -52,14 +52,14 @@ class RankProcesses:
     own_rank: int
 
     @classmethod
-    def gather(cls, fabric) -> "RankProcesses":
+    def gather(cls, engine) -> "RankProcesses":
         """Collective: each rank's host and pid, told to every rank (nothing to tell on one rank)."""
-        own = RankProcess(fabric.global_rank, socket.gethostname(), os.getpid())
+        own = RankProcess(engine.global_rank, socket.gethostname(), os.getpid())
         processes = [own]
-        if fabric.world_size > 1:
-            processes = [None] * fabric.world_size
+        if engine.world_size > 1:
+            processes = [None] * engine.world_size
             torch.distributed.all_gather_object(processes, own)
-        return cls(processes, fabric.global_rank)
+        return cls(processes, engine.global_rank)
 
     def lost(self, err: BaseException, round_number: int) -> Optional[RankLost]:
         """RankLost naming the rank that is gone, when `err` is a collective's failure for a peer gone

@@ -29,7 +29,7 @@ class Diagnostic(Callback):
         return round_number % self.every == 0 or round_number == loop.rounds
 
     @staticmethod
-    def sum_over_ranks(fabric, values: torch.Tensor) -> torch.Tensor:
+    def sum_over_ranks(engine, values: torch.Tensor) -> torch.Tensor:
         """One all-reduce(sum) of a flat tensor (nothing on a single rank): a diagnostic's own
         reduction, made only on the rounds it measures."""
-        return fabric.all_reduce(values, reduce_op="sum") if fabric.world_size > 1 else values
+        return engine.all_reduce(values, reduce_op="sum") if engine.world_size > 1 else values

@@ -67,12 +67,12 @@ class DisplacementBias(Diagnostic):
         super().__init__(every)
         self._measuring = False
 
-    def on_fit_start(self, fabric, loop) -> None:
+    def on_fit_start(self, engine, loop) -> None:
         if not isinstance(loop.algorithm, CTPFL):
             raise ConfigError("callbacks.DisplacementBias", "a CTP-FL run (algorithm ctpfl)",
                               type(loop.algorithm).__name__)
 
-    def on_round_start(self, fabric, loop, round_index: int) -> None:
+    def on_round_start(self, engine, loop, round_index: int) -> None:
         self._measuring = self.due(loop, round_index + 1)
         if not self._measuring:
             return
@@ -82,7 +82,7 @@ class DisplacementBias(Diagnostic):
         self._seconds = 0.0
         self._previous_direction_norm = loop.server_state.tensors["direction"].norm().item()  # |v^r|
 
-    def on_client_end(self, fabric, loop, client, uploads: dict, weight: float) -> None:
+    def on_client_end(self, engine, loop, client, uploads: dict, weight: float) -> None:
         if not self._measuring:
             return
         started = time.perf_counter()
@@ -95,12 +95,12 @@ class DisplacementBias(Diagnostic):
         self._client_bias_sum += weight * (uploads[PSEUDO_GRADIENT] - gradient).norm().item()
         self._seconds += time.perf_counter() - started
 
-    def on_round_end(self, fabric, loop, metrics: dict) -> None:
+    def on_round_end(self, engine, loop, metrics: dict) -> None:
         if not self._measuring:
             return
         self._measuring = False
         started = time.perf_counter()
-        reduced = self.sum_over_ranks(fabric, torch.cat([
+        reduced = self.sum_over_ranks(engine, torch.cat([
             self._gradient_sum, torch.tensor([self._client_bias_sum], device=self._gradient_sum.device)]))
         gradient, client_bias = reduced[:-1], reduced[-1].item()
         self.gradient = gradient  # g(x^r), kept for inspection until the next measured round

@@ -160,13 +160,13 @@ class GSNR(RoundSums):
         self.per_layer, self.update_fraction = per_layer, update_fraction
         self._start_params: Optional[torch.Tensor] = None
 
-    def on_fit_start(self, fabric, loop) -> None:
+    def on_fit_start(self, engine, loop) -> None:
         if self.batch_size == 1 and loop.global_model.buffer_layout.numel > 0:
             raise ConfigError(f"callbacks.{type(self).__name__}.batch_size",
                               "an integer >= 2 for a model with BatchNorm (it normalises by batch statistics)", 1)
 
-    def on_round_start(self, fabric, loop, round_index: int) -> None:
-        super().on_round_start(fabric, loop, round_index)
+    def on_round_start(self, engine, loop, round_index: int) -> None:
+        super().on_round_start(engine, loop, round_index)
         if self.due(loop, round_index + 1) and self.update_fraction > 0:
             self._start_params = loop.global_model.params.detach().clone()
 
@@ -230,7 +230,7 @@ class WeightNorms(Diagnostic):
         super().__init__(every)
         self.all_parameters = all_parameters
 
-    def on_round_end(self, fabric, loop, metrics: dict) -> None:
+    def on_round_end(self, engine, loop, metrics: dict) -> None:
         if not self.due(loop, metrics["round"]):
             return
         views = {name: view for name, view in loop.global_model.param_layout.views(loop.global_model.params).items()

@@ -223,13 +223,13 @@ class Landscape(Diagnostic):
             "hessian/seconds": time.perf_counter() - started,
         }
 
-    def on_round_end(self, fabric, loop, metrics: dict) -> None:
+    def on_round_end(self, engine, loop, metrics: dict) -> None:
         if not self.due(loop, metrics["round"]):
             return
         values = torch.zeros(len(METRICS), dtype=torch.float64)
-        if fabric.global_rank == 0:
+        if engine.global_rank == 0:
             measured = self.measure(loop)
             values = torch.tensor([measured[name] for name in METRICS], dtype=torch.float64)
         # Rank 0 measures, the others add zeros: one reduction gives every rank the same row.
-        summed = self.sum_over_ranks(fabric, values.to(fabric.device)).cpu()
+        summed = self.sum_over_ranks(engine, values.to(engine.device)).cpu()
         metrics.update({name: value.item() for name, value in zip(METRICS, summed)})

@@ -47,26 +47,26 @@ class RoundSums(Diagnostic):
     def metrics(self, total: torch.Tensor, loop) -> dict[str, float]:
         raise NotImplementedError
 
-    def _local_sums(self, fabric, loop) -> torch.Tensor:
+    def _local_sums(self, engine, loop) -> torch.Tensor:
         if self._sums is None:
-            self._sums = torch.zeros(self.size(loop), dtype=accumulation_dtype(fabric.device), device=fabric.device)
+            self._sums = torch.zeros(self.size(loop), dtype=accumulation_dtype(engine.device), device=engine.device)
         return self._sums
 
-    def on_round_start(self, fabric, loop, round_index: int) -> None:
+    def on_round_start(self, engine, loop, round_index: int) -> None:
         if self.due(loop, round_index + 1):
             self._sums = None  # nothing left over from a round that failed before its end
 
-    def on_client_end(self, fabric, loop, client, uploads: dict, weight: float) -> None:
+    def on_client_end(self, engine, loop, client, uploads: dict, weight: float) -> None:
         if self.due(loop, client.round + 1):
-            self.add(self._local_sums(fabric, loop), loop, client, uploads, weight)
+            self.add(self._local_sums(engine, loop), loop, client, uploads, weight)
 
-    def on_round_end(self, fabric, loop, metrics: dict) -> None:
+    def on_round_end(self, engine, loop, metrics: dict) -> None:
         if not self.due(loop, metrics["round"]):
             return
         # A rank that trained no client this round still joins the reduction, with zeros.
-        local = self._local_sums(fabric, loop)
+        local = self._local_sums(engine, loop)
         self._sums = None
-        metrics.update(self.metrics(self.sum_over_ranks(fabric, local), loop))
+        metrics.update(self.metrics(self.sum_over_ranks(engine, local), loop))
 
 
 def _upload(uploads: dict, dtype: torch.dtype) -> torch.Tensor:

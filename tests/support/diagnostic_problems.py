@@ -72,17 +72,17 @@ def federated_loop(network: nn.Module, images: torch.Tensor, labels: torch.Tenso
     )
     run = rank_inputs(settings, out_dir=Path("unused"), run_id="test", hyperparameters={},
                     data=RunData(dataset, test_set, partition), network=network, module_type=module_type)
-    fabric = Fabric(accelerator="cpu", devices=1, callbacks=callbacks)
-    return fabric, FederatedLoop(fabric, run)
+    engine = Fabric(accelerator="cpu", devices=1, callbacks=callbacks)
+    return engine, FederatedLoop(engine, run)
 
 
-def run_rounds(fabric: Fabric, loop: FederatedLoop, rounds: int) -> list[dict]:
-    fabric.call("on_fit_start", fabric, loop)
+def run_rounds(engine: Fabric, loop: FederatedLoop, rounds: int) -> list[dict]:
+    engine.call("on_fit_start", engine, loop)
     rows = []
     for round_index in range(rounds):
-        fabric.call("on_round_start", fabric, loop, round_index)
+        engine.call("on_round_start", engine, loop, round_index)
         metrics = loop.run_round(round_index)
-        fabric.call("on_round_end", fabric, loop, metrics)
+        engine.call("on_round_end", engine, loop, metrics)
         rows.append(metrics)
     return rows
 

@@ -21,11 +21,11 @@ class HoldAfterRound(Callback):
     def __init__(self, after: int):
         self.after = after
 
-    def on_round_start(self, fabric, loop, round_index: int) -> None:
+    def on_round_start(self, engine, loop, round_index: int) -> None:
         hold = Path(loop.out_dir) / "hold"
         if round_index != self.after or not hold.exists():
             return
-        (Path(loop.out_dir) / f"held_rank{fabric.global_rank}").touch()
+        (Path(loop.out_dir) / f"held_rank{engine.global_rank}").touch()
         deadline = time.monotonic() + HOLD_S
         while hold.exists() and not STOP_SIGNALS.requested and time.monotonic() < deadline:
             time.sleep(0.01)

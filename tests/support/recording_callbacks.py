@@ -15,24 +15,24 @@ class RecordHooks(Callback):
     def __init__(self, folder: str):
         self.folder = folder
 
-    def _record(self, fabric, line: str) -> None:
-        with open(Path(self.folder) / f"hooks_rank{fabric.global_rank}.txt", "a") as f:
+    def _record(self, engine, line: str) -> None:
+        with open(Path(self.folder) / f"hooks_rank{engine.global_rank}.txt", "a") as f:
             f.write(line + "\n")
 
-    def on_fit_start(self, fabric, loop) -> None:
-        self._record(fabric, f"fit_start {loop.start_round}")
+    def on_fit_start(self, engine, loop) -> None:
+        self._record(engine, f"fit_start {loop.start_round}")
 
-    def on_round_start(self, fabric, loop, round_index: int) -> None:
-        self._record(fabric, f"round_start {round_index + 1}")
+    def on_round_start(self, engine, loop, round_index: int) -> None:
+        self._record(engine, f"round_start {round_index + 1}")
 
-    def on_client_end(self, fabric, loop, client, uploads: dict, weight: float) -> None:
-        self._record(fabric, f"client_end {client.round + 1} {client.client_id} {sorted(uploads)} {weight:.4f}")
+    def on_client_end(self, engine, loop, client, uploads: dict, weight: float) -> None:
+        self._record(engine, f"client_end {client.round + 1} {client.client_id} {sorted(uploads)} {weight:.4f}")
 
-    def on_round_end(self, fabric, loop, metrics: dict) -> None:
-        self._record(fabric, f"round_end {metrics['round']} {'test_accuracy' in metrics}")
+    def on_round_end(self, engine, loop, metrics: dict) -> None:
+        self._record(engine, f"round_end {metrics['round']} {'test_accuracy' in metrics}")
 
-    def on_fit_end(self, fabric, loop) -> None:
-        self._record(fabric, f"fit_end {loop.completed_rounds}")
+    def on_fit_end(self, engine, loop) -> None:
+        self._record(engine, f"fit_end {loop.completed_rounds}")
 
 
 class StopAfterRound(Callback):
@@ -42,7 +42,7 @@ class StopAfterRound(Callback):
     def __init__(self, round: int, final: Optional[bool] = None):
         self.round, self.final = round, final
 
-    def on_round_end(self, fabric, loop, metrics: dict) -> None:
+    def on_round_end(self, engine, loop, metrics: dict) -> None:
         if metrics["round"] == self.round:
             loop.request_stop(f"asked to stop after round {self.round}", final=self.final)
 
@@ -51,7 +51,7 @@ class InterruptEveryRound(Callback):
     """Interrupts the run after each round it starts: run again and again, the same command trains
     one round at a time."""
 
-    def on_round_start(self, fabric, loop, round_index: int) -> None:
+    def on_round_start(self, engine, loop, round_index: int) -> None:
         loop.request_stop(f"interrupted in round {round_index + 1}", final=False)
 
 
@@ -62,11 +62,11 @@ class RequeueInRound(Callback):
     def __init__(self, round: int):
         self.round = round
 
-    def on_round_start(self, fabric, loop, round_index: int) -> None:
+    def on_round_start(self, engine, loop, round_index: int) -> None:
         if round_index + 1 == self.round:
             loop.request_stop("preempted", requeue=True)
 
-    def on_fit_end(self, fabric, loop) -> None:
+    def on_fit_end(self, engine, loop) -> None:
         (Path(loop.out_dir) / "requeue_agreed.txt").write_text(str(loop.requeue_agreed))
 
 
@@ -76,9 +76,9 @@ class RecordThreads(Callback):
     def __init__(self, folder: str):
         self.folder = folder
 
-    def on_round_start(self, fabric, loop, round_index: int) -> None:
-        with open(Path(self.folder) / f"threads_rank{fabric.global_rank}.txt", "a") as f:
-            f.write(f"{fabric.world_size} {torch.get_num_threads()}\n")
+    def on_round_start(self, engine, loop, round_index: int) -> None:
+        with open(Path(self.folder) / f"threads_rank{engine.global_rank}.txt", "a") as f:
+            f.write(f"{engine.world_size} {torch.get_num_threads()}\n")
 
 
 class FillTheDisk(Callback):
@@ -88,7 +88,7 @@ class FillTheDisk(Callback):
     def __init__(self, round: int):
         self.round = round
 
-    def on_round_start(self, fabric, loop, round_index: int) -> None:
+    def on_round_start(self, engine, loop, round_index: int) -> None:
         trigger = Path(loop.out_dir).parent / "fill"
         if round_index + 1 != self.round or not trigger.exists():
             return
