@@ -1,8 +1,11 @@
 """The curves of a table (`fl-lightning table`).
 
-Plot (`plot.png`): the metric against the round, one panel per setting, one line per method, the
-mean over the seeds counted with a band from their minimum to their maximum (`--band minmax`) or
-mean ± std (`--band std`). The title of a plan variant's plot names its overrides.
+Plot (`plot.png`): the metric against the round, or with `--x AXIS` against a cost counter (its x label
+says its unit), one panel per setting, one line per method, the mean over the seeds counted with a band
+from their minimum to their maximum (`--band minmax`) or mean ± std (`--band std`). On a cost axis the
+runs of a method spend differently (their clients' draws differ), so its curve is taken evaluation by
+evaluation: the k-th point is the mean of the runs' k-th evaluations and of what they had spent by them.
+The title of a plan variant's plot names its overrides.
 """
 
 from __future__ import annotations
@@ -13,24 +16,30 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fl_lightning.experiments.plans.overrides import describe_overrides
+from fl_lightning.experiments.results.cost_axes import axis_label
 
 if TYPE_CHECKING:
     from fl_lightning.experiments.results.table_cells import Table
 
 
-def mean_curve(runs: list[list[tuple[int, float]]], band: str) -> tuple[list[int], list[float], list[float],
-                                                                         list[float]]:
-    """Rounds, mean over the runs having that round, and the band's lower and upper edges."""
-    by_round: dict[int, list[float]] = {}
+def mean_curve(runs: list[list[tuple[float, float]]], band: str, axis: str = "rounds"
+               ) -> tuple[list[float], list[float], list[float], list[float]]:
+    """The x values (rounds, or on a cost axis the mean spent by each evaluation), the mean over the runs
+    having that point, and the band's lower and upper edges."""
+    by_round: dict[float, list[float]] = {}
+    spent: dict[float, list[float]] = {}
     for points in runs:
-        for round_index, value in points:
-            by_round.setdefault(round_index, []).append(value)
+        for index, (x, value) in enumerate(points):
+            key = x if axis == "rounds" else index
+            by_round.setdefault(key, []).append(value)
+            spent.setdefault(key, []).append(x)
     rounds = sorted(by_round)
     means = [statistics.fmean(by_round[r]) for r in rounds]
+    xs = [statistics.fmean(spent[r]) for r in rounds]
     if band == "std":
         spread = [statistics.stdev(by_round[r]) if len(by_round[r]) > 1 else 0.0 for r in rounds]
-        return rounds, means, [m - s for m, s in zip(means, spread)], [m + s for m, s in zip(means, spread)]
-    return rounds, means, [min(by_round[r]) for r in rounds], [max(by_round[r]) for r in rounds]
+        return xs, means, [m - s for m, s in zip(means, spread)], [m + s for m, s in zip(means, spread)]
+    return xs, means, [min(by_round[r]) for r in rounds], [max(by_round[r]) for r in rounds]
 
 
 def plot_curves(result: Table, path: Path, band: str = "minmax") -> None:
@@ -51,12 +60,12 @@ def plot_curves(result: Table, path: Path, band: str = "minmax") -> None:
             runs = result.curves[method, setting]
             if not runs:
                 continue
-            rounds, means, lower, upper = mean_curve(runs, band)
+            rounds, means, lower, upper = mean_curve(runs, band, result.x)
             (line,) = axes.plot(rounds, means, marker="." if len(rounds) < 30 else None,
                                 label=f"{method} ({len(runs)})")
             axes.fill_between(rounds, lower, upper, color=line.get_color(), alpha=0.2, linewidth=0)
         axes.set_title(result.labels[setting])
-        axes.set_xlabel("round")
+        axes.set_xlabel(axis_label(result.x))
         axes.xaxis.set_major_locator(MaxNLocator(integer=True))
         axes.set_ylabel(result.metric + unit)
         axes.grid(alpha=0.3)

@@ -78,3 +78,46 @@ def paired_difference(values: dict[int, float], baseline: dict[int, float]) -> P
     seeds = sorted(values.keys() & baseline.keys())
     return PairedDifference(differences=[values[s] - baseline[s] for s in seeds], seeds=seeds,
                             unpaired=sorted(values.keys() ^ baseline.keys()))
+
+
+@dataclass
+class PairedRatio:
+    """A method's costs over the baseline's, seed by seed (`table --target --baseline`): costs are compared
+    as ratios, whose spread is multiplicative, so the interval is Student's on the log scale,
+    exp(mean(log r) ± t(0.975, n - 1) sd(log r) / sqrt(n)), and the ratio shown is the geometric mean
+    exp(mean(log r))."""
+
+    log: PairedDifference
+    """log(cost) - log(baseline's cost) over the seeds whose runs both reached the target."""
+
+    @property
+    def n(self) -> int:
+        return self.log.n
+
+    @property
+    def seeds(self) -> list[int]:
+        return self.log.seeds
+
+    @property
+    def unpaired(self) -> list[int]:
+        return self.log.unpaired
+
+    @property
+    def mean(self) -> Optional[float]:
+        return None if self.log.mean is None else math.exp(self.log.mean)
+
+    @property
+    def interval(self) -> Optional[tuple[float, float]]:
+        interval = self.log.interval
+        return None if interval is None else (math.exp(interval[0]), math.exp(interval[1]))
+
+    @property
+    def excludes_zero(self) -> bool:
+        """Whether the log ratio's interval excludes 0: the ratio's excludes 1 (no difference)."""
+        return self.log.excludes_zero
+
+
+def paired_ratio(costs: dict[int, float], baseline: dict[int, float]) -> PairedRatio:
+    """`costs` over `baseline` (each seed -> a run's cost, > 0) over the seeds both have."""
+    return PairedRatio(paired_difference({seed: math.log(cost) for seed, cost in costs.items()},
+                                         {seed: math.log(cost) for seed, cost in baseline.items()}))

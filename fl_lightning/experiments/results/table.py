@@ -45,6 +45,20 @@ Table (`table.md`, printed, and `table.csv`):
 - accuracy-like metrics (a name containing "accuracy") are shown in percent (`--percent`), with 2
   decimals for percentages and 4 otherwise (`--decimals`).
 
+Cost to reach a target (`--target test_accuracy=0.5 --x grad_evals`, cost_axes.py): each cell is, over
+seeds, what the runs had spent on the axis (rounds, samples, grad_evals, upload_bytes, bytes, seconds;
+rounds by default) at their first evaluation at or above the target (at or below for a loss), mean ±
+std over the runs that reached it; runs counted that never reach it are counted and shown (`1200 ± 80
+(3); not reached by 2 of 5`), never dropped, and the notes name them. Lower is best: bold is the lowest
+mean among the cells whose runs all reached it. With `--baseline`, the paired ratio of each run's cost
+to its seed's baseline run's, over the seeds whose runs both reached it: the geometric mean and its 95%
+interval on the log scale (statistics.PairedRatio), `*` where it excludes 1; the notes name the seeds
+left unpaired and why. table.md's caption, table.csv's `target` and `x` columns (and each setting's
+`:not_reached`, and with a baseline its RATIO_COLUMNS) and the LaTeX caption say the target and the
+axis; the files are named `table-<metric>-to-<value>-<axis>.md`. A --target of another form, an --x
+that is no axis, a --metric other than the target's, an --at or a --reference are refused before any
+run is read. Without a target, `--x AXIS` draws the plot's curves on that axis.
+
 Reference CSV (the papers' numbers; `--reference`, or the plan's `reference:` when the table shows
 the plan's `metric`): see reference.py. Every column of the table is then followed by `paper` and
 `Δ` (ours minus the paper's, in percentage points), and the CSV gets `<setting>:paper` and
@@ -93,6 +107,7 @@ from typing import Literal, Optional, Union
 from fl_lightning.atomic_files import write_text_atomically
 from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.plans.overrides import write_variant_file
+from fl_lightning.experiments.results.cost_axes import Target, parse_axis, parse_target
 from fl_lightning.experiments.results.plot import plot_curves
 from fl_lightning.experiments.results.reference import paper_numbers
 from fl_lightning.experiments.results.table_cells import Cell, Table, mark_best, order_methods, pair_with_baseline
@@ -107,7 +122,8 @@ def table(plan: Union[str, list[str]], metric: Optional[str] = None, at: str = "
           decimals: Optional[int] = None, band: Literal["minmax", "std"] = "minmax",
           reference: Optional[Path] = None, runs_root: Path = Path("runs"),
           override: Optional[list[str]] = None, baseline: Optional[str] = None,
-          format: Literal["markdown", "latex"] = "markdown") -> Table:
+          format: Literal["markdown", "latex"] = "markdown", target: Optional[str] = None,
+          x: Optional[str] = None) -> Table:
     """Tabulate a sweep as the papers do (methods x settings, mean ± std (n) over seeds) and plot its curves.
 
     Writes table.md, table.csv and plot.png into `out` (named with the metric and `at` unless they are
@@ -143,14 +159,22 @@ def table(plan: Union[str, list[str]], metric: Optional[str] = None, at: str = "
         baseline: a method (row) to compare every other with, seed by seed: each cell gets the mean
             paired difference and its 95% confidence interval (from 3 pairs), marked * where it excludes 0.
         format: latex also writes table.tex (booktabs), beside table.md and table.csv.
+        target: METRIC=VALUE (test_accuracy=0.5): each cell is the runs' cost on the axis --x to reach it
+            (their first evaluation at or above it, at or below for a loss), runs that never reach it
+            counted as not reached; with --baseline, the paired ratio of costs.
+        x: the axis of the costs to reach --target (rounds by default) and of the plot's curves: rounds,
+            samples, grad_evals, upload_bytes, bytes or seconds.
     """
     parse_at(at)
+    goal = None if target is None else parse_target(target, x, metric, at, reference)
+    axis = parse_axis(x or "rounds")
     loaded = load_entries(plan, runs_root, override)
-    metric = metric or loaded.metric
-    shown = _shown(metric, percent, decimals)
-    verdicts = [judge(entry, metric, at, include_partial) for entry in loaded.entries]
+    metric = goal.metric if goal is not None else metric or loaded.metric
+    shown = _shown(metric, percent, decimals, goal)
+    verdicts = [judge(entry, metric, at, include_partial, axis, goal) for entry in loaded.entries]
     check_metric(metric, [verdict.run for verdict in verdicts if verdict.run is not None])
-    result = _laid_out(loaded, verdicts, metric, at, shown, reference, baseline)
+    result = _laid_out(loaded, verdicts, metric, at, shown, reference, baseline, goal)
+    result.x = axis
     write_table(result, loaded, Path(out) if out is not None else loaded.out, band, format)
     return result
 
@@ -167,7 +191,11 @@ class Shown:
         return 100.0 if self.percent else 1.0
 
 
-def _shown(metric: str, percent: Optional[bool], decimals: Optional[int]) -> Shown:
+def _shown(metric: str, percent: Optional[bool], decimals: Optional[int], target: Optional[Target]) -> Shown:
+    """Percent for accuracy-like metrics, 2 decimals in percent, 4 otherwise; a cost (--target) as it is,
+    whole (2 decimals for seconds)."""
+    if target is not None:
+        percent, decimals = False, (2 if target.axis == "seconds" else 0) if decimals is None else decimals
     percent = "accuracy" in metric.lower() if percent is None else percent
     decimals = (2 if percent else 4) if decimals is None else decimals
     if decimals < 0:
@@ -176,7 +204,7 @@ def _shown(metric: str, percent: Optional[bool], decimals: Optional[int]) -> Sho
 
 
 def _laid_out(loaded: Loaded, verdicts: list[Verdict], metric: str, at: str, shown: Shown,
-              reference: Optional[Path], baseline: Optional[str]) -> Table:
+              reference: Optional[Path], baseline: Optional[str], target: Optional[Target]) -> Table:
     """The table of the verdicts' values: cells and curves, the papers' numbers, the best of each
     column, the pairs with the baseline, the notes."""
     baseline_of = loaded.baselines(baseline) if baseline is not None else {}
@@ -184,10 +212,11 @@ def _laid_out(loaded: Loaded, verdicts: list[Verdict], metric: str, at: str, sho
         reference = loaded.reference
     methods = order_methods(loaded.methods)
     cells, curves = _cells(verdicts, methods, loaded.settings, shown.scale)
-    has_reference = _add_paper_numbers(cells, loaded, reference, metric, methods, shown.percent)
+    # The papers' numbers are of the metric, not of a cost to reach it.
+    has_reference = target is None and _add_paper_numbers(cells, loaded, reference, metric, methods, shown.percent)
     for setting in loaded.settings:
-        mark_best([cells[m, setting] for m in methods], metric, shown.decimals)
-    apart = pair_with_baseline(cells, baseline_of, loaded.settings)
+        mark_best([cells[m, setting] for m in methods], metric, shown.decimals, cost=target is not None)
+    apart = pair_with_baseline(cells, baseline_of, loaded.settings, costs=target is not None)
     uncompared = loaded.blocks_without(baseline) if baseline is not None else []
     outcomes = Outcomes.of(verdicts)
     for key in outcomes.cells_under_way():
@@ -195,18 +224,23 @@ def _laid_out(loaded: Loaded, verdicts: list[Verdict], metric: str, at: str, sho
     return Table(metric=metric, at=at, methods=methods, settings=loaded.settings, labels=loaded.labels,
                  cells=cells, curves=curves, percent=shown.percent, decimals=shown.decimals,
                  reference=has_reference,
-                 notes=outcomes.notes(metric) + _baseline_notes(baseline, apart, uncompared) + loaded.notes,
+                 notes=outcomes.notes(metric) + _baseline_notes(baseline, apart, uncompared, target) + loaded.notes,
                  baseline=baseline, baseline_of=baseline_of, plan=loaded.name, overrides=loaded.overrides,
                  setting=describe_setting([verdict.entry.config or verdict.run.config for verdict in verdicts
                                            if verdict.outcome is Outcome.COUNTED and verdict.value is not None]),
-                 choices=loaded.choices, tuning=loaded.tuning)
+                 choices=loaded.choices, tuning=loaded.tuning, target=target)
 
 
-def _baseline_notes(baseline: Optional[str], apart: list[str], uncompared: list[str]) -> list[str]:
-    """What --baseline leaves unpaired: seeds at other rounds than the baseline's (pair_with_baseline),
-    and the blocks of rows of a plan without the baseline."""
+def _baseline_notes(baseline: Optional[str], apart: list[str], uncompared: list[str], target: Optional[Target]
+                    ) -> list[str]:
+    """What --baseline leaves unpaired: seeds at other rounds than the baseline's, or with a target the seeds
+    whose runs did not both reach it (pair_with_baseline), and the blocks of rows of a plan without the
+    baseline."""
     notes = []
-    if apart:
+    if apart and target is not None:
+        notes.append(f"not paired with the baseline, their run and the {baseline} run of their seed not both having "
+                     f"reached {target.goal}: " + ", ".join(apart))
+    elif apart:
         notes.append("not paired with the baseline, its run and the baseline's of its seed at other rounds (the "
                      "values of an unfinished run, --include_partial, are of the round it has reached): "
                      + ", ".join(apart))
@@ -222,6 +256,8 @@ def _cells(verdicts: list[Verdict], methods: list[str], settings: list[str], sca
     cells = {(m, s): Cell() for m in methods for s in settings}
     curves: dict[tuple[str, str], list] = {key: [] for key in cells}
     for verdict in verdicts:
+        if verdict.missed_target:
+            cells[verdict.entry.method, verdict.entry.setting].not_reached.append(verdict.entry.seed)
         if verdict.outcome is Outcome.COUNTED and verdict.value is not None:
             entry = verdict.entry
             cells[entry.method, entry.setting].by_seed[entry.seed] = verdict.value * scale
@@ -251,7 +287,7 @@ def write_table(result: Table, loaded: Loaded, out: Path, band: str, format: str
     """table.md (printed), table.csv, plot.png and with latex table.tex into `out`, named by the metric and
     `at` unless the table is of the plan's metric at the final round (table_files); variant.yaml for a
     plan variant."""
-    files = table_files(out, result.metric, result.at, loaded.metric)
+    files = table_files(out, result.metric, result.at, loaded.metric, result.target)
     out.mkdir(parents=True, exist_ok=True)
     markdown = result.markdown()
     write_text_atomically(files["md"], markdown)
@@ -267,12 +303,15 @@ def write_table(result: Table, loaded: Loaded, out: Path, band: str, format: str
     print(f"\nwritten: {', '.join(map(str, written))}")
 
 
-def table_files(out: Path, metric: str, at: str, plan_metric: str) -> dict[str, Path]:
+def table_files(out: Path, metric: str, at: str, plan_metric: str, target: Optional[Target] = None
+                ) -> dict[str, Path]:
     """Extension -> the file of a table of `metric` at `at` in `out`: table.md, ... for the plan's metric
-    at the final round, table-<metric>-<at>.md, ... (`last:5` as last5) for any other, so that tables of
-    other metrics or rounds sit beside each other."""
-    suffix = "" if (metric, at) == (plan_metric, "final") else "-" + re.sub(r"[^A-Za-z0-9_.+=-]+", "-",
-                                                                         f"{metric}-{at.replace(':', '')}")
+    at the final round, table-<metric>-<at>.md, ... (`last:5` as last5) for any other, and
+    table-<metric>-to-<value>-<axis>.md for the costs to reach a target, so that tables of other metrics,
+    rounds or targets sit beside each other."""
+    named = f"{metric}-{at.replace(':', '')}" if target is None else f"{metric}-to-{target.threshold:g}-{target.axis}"
+    plain = target is None and (metric, at) == (plan_metric, "final")
+    suffix = "" if plain else "-" + re.sub(r"[^A-Za-z0-9_.+=-]+", "-", named)
     return {"md": out / f"table{suffix}.md", "csv": out / f"table{suffix}.csv", "tex": out / f"table{suffix}.tex",
             "png": out / f"plot{suffix}.png"}
 

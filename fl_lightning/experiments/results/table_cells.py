@@ -12,7 +12,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from fl_lightning.experiments.plans.overrides import describe_overrides
-from fl_lightning.experiments.results.statistics import MIN_PAIRS, PairedDifference, paired_difference
+from fl_lightning.experiments.results.cost_axes import AXIS_UNITS, Target
+from fl_lightning.experiments.results.statistics import (
+    MIN_PAIRS,
+    PairedDifference,
+    PairedRatio,
+    paired_difference,
+    paired_ratio,
+)
 from fl_lightning.experiments.runs import budget_phrase
 from fl_lightning.metric_names import best_value, lower_is_better
 
@@ -27,9 +34,11 @@ class Cell:
     """Runs of the cell are still training: a cell without a value yet shows "pending", not "–"."""
     unfinished_at: dict[int, int] = field(default_factory=dict)
     """Seed -> the round its run had reached, for each seed counted short of its rounds (--include_partial)."""
-    versus: Optional[PairedDifference] = None
-    """With --baseline: the cell's values minus the baseline's of its column, seed by seed; None in the
-    baseline's own cells (and where its row has no baseline)."""
+    versus: Optional[PairedDifference | PairedRatio] = None
+    """With --baseline: the cell's values minus the baseline's of its column, seed by seed (with --target,
+    its costs over the baseline's); None in the baseline's own cells (and where its row has no baseline)."""
+    not_reached: list[int] = field(default_factory=list)
+    """With --target: the seeds counted whose runs never reached it (in none of by_seed's values)."""
 
     @property
     def values(self) -> list[float]:
@@ -38,6 +47,13 @@ class Cell:
     @property
     def n(self) -> int:
         return len(self.by_seed)
+
+    @property
+    def not_reached_text(self) -> str:
+        """`not reached by 2 of 5` (with --target, where a run counted never reached it), else ""."""
+        if not self.not_reached:
+            return ""
+        return f"not reached by {len(self.not_reached)} of {self.n + len(self.not_reached)}"
 
     @property
     def mean(self) -> Optional[float]:
@@ -81,6 +97,10 @@ class Table:
     """(row, setting) -> the values its tuning stage chose, where one has."""
     tuning: str = ""
     """How the tuning stages chose (`on seed 100, by the best val_accuracy`); "" without one."""
+    target: Optional[Target] = None
+    """With --target: the cells are each run's cost to reach it on its axis, not the metric."""
+    x: str = "rounds"
+    """The axis of the curves (--x): rounds or a cost counter (fl_lightning.experiments.runs.BUDGET_AXES)."""
 
     def cell(self, method: str, setting: str) -> Cell:
         return self.cells[method, setting]
@@ -88,7 +108,7 @@ class Table:
     def paired_text(self, method: str, setting: str) -> str:
         """The cell's paired difference to the baseline (paired_difference_text), `baseline` in the
         baseline's own cells."""
-        return joined(*self.paired_parts(method, setting, lambda value: self.number(value, sign=True)))
+        return joined(*self.paired_parts(method, setting, self.paired_number))
 
     def paired_parts(self, method: str, setting: str, signed: Callable[[float], str], dash: str = "–"
                      ) -> tuple[str, str, bool]:
@@ -100,6 +120,10 @@ class Table:
             return dash, "", False
         return paired_difference_parts(self.cells[method, setting].versus, signed, dash)
 
+    def paired_number(self, value: float) -> str:
+        """A paired difference, signed (`+1.20`), or with --target a ratio of costs (`0.62`)."""
+        return f"{value:.2f}" if self.target is not None else self.number(value, sign=True)
+
     def number(self, value: Optional[float], sign: bool = False) -> str:
         if value is None:
             return "–"
@@ -107,9 +131,10 @@ class Table:
 
     def cell_text(self, cell: Cell) -> str:
         if cell.n == 0:
-            return "pending" if cell.pending else "–"
+            return cell.not_reached_text or ("pending" if cell.pending else "–")
         text = self.number(cell.mean) + ("" if cell.std is None else f" ± {self.number(cell.std)}")
-        return (f"**{text}**" if cell.best else text) + f" ({cell.n})"
+        return (f"**{text}**" if cell.best else text) + f" ({cell.n})" + (
+            f"; {cell.not_reached_text}" if cell.not_reached else "")
 
     def markdown(self) -> str:
         header = ["method"]
@@ -139,6 +164,8 @@ class Table:
     def caption(self) -> list[str]:
         """What the table shows, a sentence a line: the variant (when it is one), the metric, the
         paired differences."""
+        if self.target is not None:
+            return ([self.variant_sentence()] if self.overrides else []) + self.target_caption()
         unit = " (%)" if self.percent else ""
         at = {"final": "at the final round", "best": "at the best evaluation"}.get(
             self.at, budget_phrase(self.at) or f"mean of each run's last {self.at.partition(':')[2]} evaluations")
@@ -155,6 +182,23 @@ class Table:
                          "difference alone and no mark.")
         return lines
 
+    def target_caption(self) -> list[str]:
+        """The caption of a table of costs to reach a target (--target): the target and the axis, the
+        runs not reached, the paired ratios."""
+        target = self.target
+        lines = [f"{target.axis} ({AXIS_UNITS[target.axis]}) to reach {target.goal} ({target.options}): each "
+                 f"run's {target.axis} at its first evaluation {target.reached_by} {target.threshold:g}, mean ± "
+                 "sample std (ddof = 1) over the seeds whose runs reached it (n); runs counted that never reached "
+                 "it are shown as not reached by k of all counted; bold: the lowest of its column among the cells "
+                 "whose runs all reached it."]
+        if self.baseline is not None:
+            lines.append(f"vs {self.baseline}: each run's {target.axis} over that of the {self.baseline} run of its "
+                         "seed, over the seeds whose runs both reached the target: their geometric mean with its "
+                         "95% confidence interval on the log scale (exp of mean(log ratio) ± t sd / √n, Student's t, "
+                         f"n − 1 degrees of freedom) from {MIN_PAIRS} pairs on, * where the interval excludes 1; the "
+                         "notes name the seeds left unpaired and why.")
+        return lines
+
     def variant_sentence(self) -> str:
         paper = "; the paper's numbers are of the plan's own settings" if self.reference else ""
         return (f"Plan variant {self.plan}: the runs have {describe_overrides(self.overrides)} (--override), not "
@@ -164,10 +208,15 @@ class Table:
         columns = ["method"]
         for setting in self.settings:
             columns += [f"{setting}:{part}" for part in ("mean", "std", "n", "best")]
+            columns += [f"{setting}:not_reached"] if self.target is not None else []
             columns += [f"{setting}:paper", f"{setting}:diff"] if self.reference else []
-            columns += [f"{setting}:{part}" for part in PAIRED_COLUMNS] if self.baseline is not None else []
+            paired = PAIRED_COLUMNS if self.target is None else RATIO_COLUMNS
+            columns += [f"{setting}:{part}" for part in paired] if self.baseline is not None else []
         columns += ["metric", "at", "plan", "overrides", "baseline"]
         context = [self.metric, self.at, self.plan, describe_overrides(self.overrides), self.baseline or ""]
+        if self.target is not None:
+            columns += ["target", "x"]
+            context += [f"{self.target.metric}={self.target.threshold:g}", self.target.axis]
         buffer = io.StringIO()
         writer = csv.writer(buffer, lineterminator="\n")
         writer.writerow(columns)
@@ -176,6 +225,7 @@ class Table:
             for setting in self.settings:
                 cell = self.cells[method, setting]
                 row += [_csv_number(cell.mean), _csv_number(cell.std), cell.n, int(cell.best)]
+                row += [len(cell.not_reached)] if self.target is not None else []
                 row += [_csv_number(cell.paper), _csv_number(cell.diff)] if self.reference else []
                 row += _paired_csv(cell.versus) if self.baseline is not None else []
             writer.writerow(row + context)
@@ -203,25 +253,29 @@ def paired_difference_parts(versus: PairedDifference, signed: Callable[[float], 
     if versus.n == 0:
         return ("no seed paired" if versus.unpaired else dash), "", False
     mean, pairs = signed(versus.mean), f"{versus.n} pair{'s' * (versus.n > 1)}"
+    unpaired = ""
     if versus.unpaired:
         unpaired = f"seed{'s' * (len(versus.unpaired) > 1)} {', '.join(map(str, versus.unpaired))} unpaired"
-        return mean, f"({pairs}; {unpaired})", False
     interval = shown_interval(versus)
     if interval is None:
-        return mean, f"({pairs})", False
+        return mean, f"({'; '.join(filter(None, [pairs, unpaired]))})", False
     low, high = map(signed, interval)
-    return mean, f"[{low}, {high}]", versus.excludes_zero
+    return mean, f"[{low}, {high}]" + (f" ({unpaired})" if unpaired else ""), versus.excludes_zero
 
 
-def shown_interval(versus: PairedDifference) -> Optional[tuple[float, float]]:
+def shown_interval(versus: PairedDifference | PairedRatio) -> Optional[tuple[float, float]]:
     """The 95% interval a table shows (and marks when it excludes 0): none below MIN_PAIRS pairs, nor
     where a seed of either side has no pair, since the pairs left are then only the seeds that both
-    happened to finish, and the cell's mean is over other seeds than its difference."""
-    return None if versus.unpaired else versus.interval
+    happened to finish, and the cell's mean is over other seeds than its difference. A ratio of costs to
+    reach a target is by its definition over the seeds whose runs both reached it: its interval is shown
+    with seeds unpaired, which the notes name."""
+    return versus.interval if isinstance(versus, PairedRatio) or not versus.unpaired else None
 
 
 PAIRED_COLUMNS = ("paired_diff", "paired_low", "paired_high", "paired_n", "paired_excludes_0", "unpaired_seeds")
 """table.csv's columns of a setting's paired difference to the baseline (`--baseline`)."""
+RATIO_COLUMNS = ("paired_ratio", "paired_low", "paired_high", "paired_n", "paired_excludes_1", "unpaired_seeds")
+"""Those of its paired ratio of costs to the baseline's (`--target --baseline`), in the same order."""
 
 
 def _paired_csv(versus: Optional[PairedDifference]) -> list:
@@ -239,13 +293,16 @@ def _csv_number(value: Optional[float]) -> str:
     return "" if value is None else repr(round(value, 10))
 
 
-def mark_best(cells: list[Cell], metric: str, decimals: int) -> None:
-    shown = [round(cell.mean, decimals) for cell in cells if cell.n]
+def mark_best(cells: list[Cell], metric: str, decimals: int, cost: bool = False) -> None:
+    """Bold the best mean as displayed (ties all): the metric's best, or with `cost` (--target) the lowest
+    of the cells whose runs all reached the target, a mean over fewer runs being no lower cost."""
+    candidates = [cell for cell in cells if cell.n and not cell.not_reached]
+    shown = [round(cell.mean, decimals) for cell in candidates]
     if not shown:
         return
-    best = best_value(shown, metric)
-    for cell in cells:
-        cell.best = cell.n > 0 and round(cell.mean, decimals) == best
+    best = min(shown) if cost else best_value(shown, metric)
+    for cell in candidates:
+        cell.best = round(cell.mean, decimals) == best
 
 
 _CONST = re.compile(r"^(.*?)\s*\+\s*const$", re.IGNORECASE)
@@ -264,16 +321,20 @@ def order_methods(methods: list[str]) -> list[str]:
     return ordered
 
 
-def pair_with_baseline(cells: dict[tuple[str, str], Cell], baseline_of: dict[str, str], settings: list[str]
-                       ) -> list[str]:
-    """Each compared row's cells minus its baseline row's, seed by seed (Cell.versus). A seed whose run
-    and the baseline's stand at other rounds (one of them counted unfinished, --include_partial) is
-    not paired: their values are of other rounds. Returns those seeds, `setting/row/seed<k> at round
-    2, <baseline>'s finished`."""
+def pair_with_baseline(cells: dict[tuple[str, str], Cell], baseline_of: dict[str, str], settings: list[str],
+                       costs: bool = False) -> list[str]:
+    """Each compared row's cells minus its baseline row's, seed by seed (Cell.versus); with `costs` (--target)
+    its costs over the baseline's (pair_costs). A seed whose run and the baseline's stand at other rounds
+    (one of them counted unfinished, --include_partial) is not paired: their values are of other rounds.
+    Returns those seeds, `setting/row/seed<k> at round 2, <baseline>'s finished`, or with `costs` the
+    seeds pair_costs leaves unpaired."""
     apart = []
     for row, baseline in baseline_of.items():
         for setting in settings:
             cell, base = cells[row, setting], cells[baseline, setting]
+            if costs:
+                apart += pair_costs(cell, base, f"{setting}/{row}", baseline)
+                continue
             other_rounds = sorted(seed for seed in cell.by_seed.keys() & base.by_seed.keys()
                                   if cell.unfinished_at.get(seed) != base.unfinished_at.get(seed))
             versus = paired_difference(_without(cell.by_seed, other_rounds), _without(base.by_seed, other_rounds))
@@ -281,6 +342,21 @@ def pair_with_baseline(cells: dict[tuple[str, str], Cell], baseline_of: dict[str
             apart += [f"{setting}/{row}/seed{seed} {_reached(cell, seed)}, {baseline}'s {_reached(base, seed)}"
                       for seed in other_rounds]
     return apart
+
+
+def pair_costs(cell: Cell, base: Cell, where: str, baseline: str) -> list[str]:
+    """The cell's costs to reach the target over its baseline cell's (Cell.versus, a PairedRatio), over
+    the seeds whose runs both reached it (a cost reached by a run still under way is a cost all the same).
+    Returns the seeds left unpaired and why: `setting/row/seed<k> (not reached by <baseline>'s run)`."""
+    cell.versus = paired_ratio(cell.by_seed, base.by_seed)
+    unpaired = []
+    for seed in sorted({*cell.by_seed, *cell.not_reached, *base.by_seed, *base.not_reached} - {*cell.versus.seeds}):
+        why = [f"not reached by {name}" for name, side in (("its run", cell), (f"{baseline}'s run", base))
+               if seed in side.not_reached]
+        why += [f"no {name} counted" for name, side in (("run of its own", cell), (f"{baseline} run", base))
+                if seed not in side.by_seed and seed not in side.not_reached]
+        unpaired.append(f"{where}/seed{seed} ({', '.join(why)})")
+    return unpaired
 
 
 def _without(by_seed: dict[int, float], seeds: list[int]) -> dict[int, float]:

@@ -33,6 +33,7 @@ import re
 import unicodedata
 from typing import Optional
 
+from fl_lightning.experiments.results.cost_axes import AXIS_UNITS
 from fl_lightning.experiments.results.statistics import MIN_PAIRS
 from fl_lightning.experiments.results.table_cells import Cell, Table
 from fl_lightning.experiments.runs import budget_phrase
@@ -73,7 +74,8 @@ SMALLER = (r"\footnotesize\setlength{\tabcolsep}{3pt}", r"\scriptsize\setlength{
 
 def latex_table(table: Table) -> str:
     seeds = {cell.n for cell in table.cells.values() if cell.n}
-    same_n = seeds.pop() if len(seeds) == 1 else None
+    # Cells with runs not reached (--target) count fewer values than runs: each says its n.
+    same_n = seeds.pop() if len(seeds) == 1 and not any(cell.not_reached for cell in table.cells.values()) else None
     per_setting = 1 + 2 * table.reference + (table.baseline is not None)
     columns = 1 + per_setting * len(table.settings)
     label = re.sub(r"[^A-Za-z0-9:.-]+", "-", table.plan or "table")
@@ -103,7 +105,10 @@ def latex_table(table: Table) -> str:
 def caption(table: Table, same_n: Optional[int]) -> str:
     """What a reader of the paper needs, in LaTeX: the metric and the setting the runs share
     (table_sources.describe_setting), what ± is, and with a baseline what the paired difference and its
-    interval are; with a reference what the paper's number and Δ are."""
+    interval are; with a reference what the paper's number and Δ are. With a target, the caption of its
+    costs (target_caption)."""
+    if table.target is not None:
+        return target_caption(table, same_n)
     metric = table.metric.replace("_", " ").capitalize() + (" (%)" if table.percent else "")
     at = {"final": "at the final round", "best": "at the best evaluation"}.get(
         table.at, budget_phrase(table.at) or f"mean of the last {table.at.partition(':')[2]} evaluations")
@@ -121,6 +126,27 @@ def caption(table: Table, same_n: Optional[int]) -> str:
             "it; ")
         caption += "$^{*}$" + latex_text(f": the interval excludes 0 (fewer than {MIN_PAIRS} pairs, or a seed "
                                          "unpaired: the pairs counted instead).")
+    return caption
+
+
+def target_caption(table: Table, same_n: Optional[int]) -> str:
+    """The caption of a table of costs to reach a target (--target): the axis and the target, what ± is
+    and what not reached counts, and with a baseline what the ratio and its interval are."""
+    target = table.target
+    seeds = f"over {same_n} seed{'s' * (same_n > 1)}" if same_n else "over the seeds whose runs reached it (n)"
+    text = [f"{AXIS_UNITS[target.axis].capitalize()} ({target.axis}) to reach {target.goal}: each run's at its "
+            f"first evaluation {target.reached_by} {target.threshold:g}"
+            + (f"; {table.setting}" if table.setting else "") + ".",
+            f"Mean ± sample std {seeds}; runs that never reached it are counted as not reached; bold: the lowest "
+            "of each column among the cells whose runs all reached it."]
+    caption = latex_text(" ".join(text))
+    if table.baseline is not None:
+        caption += " " + latex_text(
+            f"vs {table.baseline}: the geometric mean over seeds of the ratio to the {table.baseline} run's "
+            "cost of the same seed, over the seeds whose runs both reached the target, with its 95% confidence "
+            "interval on the log scale (Student's t) below it; ")
+        caption += "$^{*}$" + latex_text(f": the interval excludes 1 (fewer than {MIN_PAIRS} pairs: the pairs "
+                                         "counted instead).")
     return caption
 
 
@@ -169,7 +195,7 @@ def _rows(table: Table, method: str, same_n: bool) -> list[str]:
         second += [""] * (1 + 2 * table.reference)
         if table.baseline is not None:  # its words are plain ASCII ("2 pairs; seed 3 unpaired"), its numbers LaTeX's
             mean, detail, marked = table.paired_parts(
-                method, setting, signed=lambda value: _math(table.number(value, sign=True)), dash="--")
+                method, setting, signed=lambda value: _math(table.paired_number(value)), dash="--")
             first.append(mean.removesuffix("$") + "^{*}$" if marked else mean)  # a marked mean is a number: $+1.20^{*}$
             second.append(detail)
     rows = [" & ".join(first) + r" \\"]
@@ -180,9 +206,10 @@ def _rows(table: Table, method: str, same_n: bool) -> list[str]:
 
 def _value(table: Table, cell: Cell, same_n: bool) -> str:
     if cell.n == 0:
-        return "pending" if cell.pending else "--"
+        return cell.not_reached_text or ("pending" if cell.pending else "--")
     text = table.number(cell.mean) + ("" if cell.std is None else rf" \pm {table.number(cell.std)}")
-    return (rf"$\mathbf{{{text}}}$" if cell.best else f"${text}$") + ("" if same_n else f" ({cell.n})")
+    value = (rf"$\mathbf{{{text}}}$" if cell.best else f"${text}$") + ("" if same_n else f" ({cell.n})")
+    return value + (f"; {cell.not_reached_text}" if cell.not_reached else "")
 
 
 def _math(number: str) -> str:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import Optional
 
+from fl_lightning.experiments.results.cost_axes import Target
 from fl_lightning.experiments.results.table_sources import Entry
 from fl_lightning.experiments.runs import RunFolder
 from fl_lightning.metric_names import best_round, is_test_metric, selection_note
@@ -46,6 +47,7 @@ class Note(Enum):
     PENDING = auto()
     EMPTY = auto()
     NOT_REACHED = auto()
+    TARGET_MISSED = auto()
     WAITING = auto()
 
 
@@ -67,6 +69,8 @@ NOTES = {
     Note.EMPTY: "no {metric} logged: {runs}",
     Note.NOT_REACHED: "not reached, no value: their evaluations of {metric} end short of --at's budget (or they "
                       "logged no cost counters): {runs}",
+    Note.TARGET_MISSED: "never reached the target, counted in their cells as not reached (no evaluation of {metric} "
+                        "met --target): {runs}",
     Note.WAITING: "not counted, waiting for the tuning stage to choose their values (fl-lightning sweep runs it, "
                   "then them): {runs}",
 }
@@ -92,8 +96,8 @@ class Verdict:
     run: Optional[RunFolder] = None
     value: Optional[float] = None
     """Its value of the metric (in the metric's units), where counted and logged."""
-    points: list[tuple[int, float]] = field(default_factory=list)
-    """Its curve of the metric."""
+    points: list[tuple[float, float]] = field(default_factory=list)
+    """Its curve of the metric, on the table's x axis (rounds, or a cost: --x)."""
     detail: object = None
     """The checkpoint's round (WITHOUT_ROWS), or the settings that differ (OTHER_SETTINGS)."""
     unfinished: Optional[str] = None
@@ -104,10 +108,14 @@ class Verdict:
     """For --at best of a test metric: whether the validation split chose its round."""
     reached: bool = True
     """For --at AXIS=BUDGET: whether its evaluations reach the budget (`RunFolder.reaches`)."""
+    missed_target: bool = False
+    """For --target: its evaluations never met the target (`Target.missed`); its cell counts it as not reached."""
 
 
-def judge(entry: Entry, metric: str, at: str, include_partial: bool) -> Verdict:
-    """The one rule of what a table does with a run: counts it, and with which value, or says why not."""
+def judge(entry: Entry, metric: str, at: str, include_partial: bool, x: str = "rounds",
+          target: Optional[Target] = None) -> Verdict:
+    """The one rule of what a table does with a run: counts it, and with which value (with a `target`, its
+    cost to reach it), or says why not; its curve on the axis `x`."""
     if entry.point is not None and entry.point.waiting:
         return Verdict(entry, Outcome.WAITING)
     run = RunFolder(entry.path)
@@ -129,8 +137,10 @@ def judge(entry: Entry, metric: str, at: str, include_partial: bool) -> Verdict:
         if not include_partial:
             return Verdict(entry, Outcome.EXCLUDED, run)
         unfinished = "partial"
-    verdict = Verdict(entry, Outcome.COUNTED, run, points=run.points(metric), value=run.value(metric, at),
-                      unfinished=unfinished, under_way=under_way, reached=run.reaches(metric, at))
+    verdict = Verdict(entry, Outcome.COUNTED, run, points=run.points_on(x, metric), unfinished=unfinished,
+                      under_way=under_way, reached=run.reaches(metric, at),
+                      value=run.value(metric, at) if target is None else target.cost(run),
+                      missed_target=target is not None and target.missed(run))
     best = best_round(run.history, metric) if at == "best" and is_test_metric(metric) else None
     if best is not None:
         verdict.on_validation = best.on_validation
@@ -180,7 +190,9 @@ class Outcomes:
             self._list(Note.EARLY if verdict.unfinished == "early" else Note.PARTIAL, entry, _progress(entry, run))
         if verdict.on_validation is not None:
             self._list(Note.CHOSEN_ON_VALIDATION if verdict.on_validation else Note.CHOSEN_ON_TEST, entry)
-        if verdict.value is None:
+        if verdict.missed_target:
+            self._list(Note.TARGET_MISSED, entry)
+        elif verdict.value is None:
             self._list(Note.PENDING if verdict.under_way else Note.EMPTY if verdict.reached else Note.NOT_REACHED,
                        entry)
 

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from fl_lightning.experiments.results.statistics import T_975, paired_difference, t_quantile_975
+from fl_lightning.experiments.results.statistics import T_975, paired_difference, paired_ratio, t_quantile_975
 
 
 def t_probability_below(quantile: float, degrees_of_freedom: int, steps: int = 20000) -> float:
@@ -62,3 +62,16 @@ def test_fewer_than_three_pairs_give_no_interval_and_unpaired_seeds_are_named():
     assert paired.mean == pytest.approx(1.5)
     assert paired.interval is None and not paired.excludes_zero
     assert paired_difference({}, {0: 1.0}).mean is None
+
+
+def test_a_paired_ratio_is_the_exponentiated_interval_of_the_log_ratios():
+    costs, baseline = {0: 200.0, 1: 320.0, 2: 440.0, 7: 90.0}, {0: 400.0, 1: 440.0, 2: 480.0}
+    ratio = paired_ratio(costs, baseline)
+    logs = [math.log(200 / 400), math.log(320 / 440), math.log(440 / 480)]
+    mean = sum(logs) / 3
+    half = 4.3027 * math.sqrt(sum((value - mean) ** 2 for value in logs) / 2) / math.sqrt(3)
+    assert ratio.n == 3 and ratio.seeds == [0, 1, 2] and ratio.unpaired == [7]
+    assert ratio.mean == pytest.approx(math.exp(mean))  # the geometric mean of the ratios
+    assert ratio.interval == pytest.approx((math.exp(mean - half), math.exp(mean + half)))
+    assert ratio.excludes_zero is (math.exp(mean + half) < 1)  # excludes a ratio of 1
+    assert paired_ratio({0: 1.0, 1: 1.1, 2: 1.0}, {0: 3.0, 1: 3.2, 2: 2.9}).excludes_zero
