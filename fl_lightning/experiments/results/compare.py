@@ -23,6 +23,10 @@ with the baseline's: the mean difference and its 95% confidence interval, as `ta
 shows them (fl_lightning.experiments.results.table_cells.paired_difference_text). A seed whose run and the
 baseline's reached different rounds is not paired. Runs of one method under other settings
 (another learning rate) are another experiment, paired on its own.
+
+With `x` (a cost axis: samples, grad_evals, upload_bytes, bytes, seconds; cost_axes.py), each row also
+says what the run had spent on it by its last round, and the plot draws the metric against it, its x
+label saying the unit.
 """
 
 from __future__ import annotations
@@ -37,10 +41,11 @@ from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.plans.plan import GridPoint, load_plan
 from fl_lightning.experiments.plans.resolve import accepted_config
 from fl_lightning.experiments.plans.tuning import TunedGrid
+from fl_lightning.experiments.results.cost_axes import axis_label, parse_axis
 from fl_lightning.experiments.results.plot import save_laid_out
 from fl_lightning.experiments.results.statistics import MIN_PAIRS, paired_difference
 from fl_lightning.experiments.results.table_cells import paired_difference_text
-from fl_lightning.experiments.runs import RunFolder, check_metric, find_runs, run_labels
+from fl_lightning.experiments.runs import RunFolder, axis_value, check_metric, find_runs, run_labels
 from fl_lightning.metric_names import TEST_ACCURACY, best_keys, best_round, final_key, is_test_metric, selection_note
 from fl_lightning.run_dir import seedless_digest
 from fl_lightning.run_logging import METRICS_FILE
@@ -51,7 +56,7 @@ Compared = tuple[RunFolder, dict[str, Optional[float]]]
 
 def compare(runs: Union[list[Path], str], metric: str = TEST_ACCURACY, plot: Optional[Path] = None,
             plan: Optional[Path] = None, runs_root: Path = Path("runs"),
-            baseline: Optional[Union[list[Path], str]] = None) -> list[dict]:
+            baseline: Optional[Union[list[Path], str]] = None, x: str = "rounds") -> list[dict]:
     """Print one row per run (its method, rounds done, final and best value of `metric`, the round of
     the best and the metric that selected it) and optionally plot `metric` against the round for
     every run.
@@ -72,9 +77,12 @@ def compare(runs: Union[list[Path], str], metric: str = TEST_ACCURACY, plot: Opt
             settings differ only in the seed, as a W&B group is), and each group's final and best values
             are paired by seed (its config.yaml's) with the baseline's; printed per group: the mean
             difference and its 95% confidence interval (Student's t, from 3 pairs), * where it excludes 0.
+        x: the plot's x axis: rounds, or a cost its rows count (samples, grad_evals, upload_bytes, bytes up and
+            down, seconds of the clients' compute); each row then says what the run had spent on it.
 
     Returns the rows printed.
     """
+    parse_axis(x)
     paths = find_runs([runs] if isinstance(runs, (str, Path)) else list(runs), recursive=False)
     if not paths:
         raise ConfigError("runs", "folders written by `fl-lightning fit` (with metrics.jsonl)", str(runs))
@@ -82,7 +90,7 @@ def compare(runs: Union[list[Path], str], metric: str = TEST_ACCURACY, plot: Opt
     expected = _grid_settings(Path(plan), Path(runs_root), paths + baseline_paths) if plan is not None else {}
     comparison = _Comparison()
     for path, label in zip(paths, run_labels(paths)):
-        comparison.add(path, label, expected.get(path.resolve()), metric)
+        comparison.add(path, label, expected.get(path.resolve()), metric, x)
     check_metric(metric, comparison.read)
     if comparison.left_out:
         print("left out, made with other settings than their grid point's: " + ", ".join(comparison.left_out),
@@ -96,7 +104,7 @@ def compare(runs: Union[list[Path], str], metric: str = TEST_ACCURACY, plot: Opt
     if baseline is not None:
         print_paired(comparison.compared, _baseline_runs(baseline_paths, expected, metric), metric)
     if plot is not None:
-        _plot(comparison.curves, metric, Path(plot))
+        _plot(comparison.curves, metric, Path(plot), x)
     return comparison.rows
 
 
@@ -106,14 +114,15 @@ class _Comparison:
     best the validation split selected (True) or the test set (False)."""
 
     rows: list[dict] = field(default_factory=list)
-    curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    curves: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     read: list[RunFolder] = field(default_factory=list)
     left_out: list[str] = field(default_factory=list)
     compared: list[Compared] = field(default_factory=list)
     selected: dict[bool, list[str]] = field(default_factory=lambda: {True: [], False: []})
 
-    def add(self, path: Path, label: str, grid_point: Optional[tuple[str, dict]], metric: str) -> None:
-        """The run in `path`, checked against its grid point's settings when it is one (its method and config)."""
+    def add(self, path: Path, label: str, grid_point: Optional[tuple[str, dict]], metric: str, x: str) -> None:
+        """The run in `path`, checked against its grid point's settings when it is one (its method and config),
+        its curve on the axis `x`."""
         run = RunFolder(path)
         self.read.append(run)
         if run.torn_line:
@@ -126,8 +135,9 @@ class _Comparison:
         if different is not None:
             self.left_out.append(f"{path} ({different})")
             return
-        points, best = run.points(metric), best_round(run.history, metric)
-        self.rows.append({"run": str(path), "method": method, "rounds": run.rounds_done,
+        points, best = run.points_on(x, metric), best_round(run.history, metric)
+        spent = {} if x == "rounds" else {x: axis_value(run.history[-1], x)}
+        self.rows.append({"run": str(path), "method": method, "rounds": run.rounds_done, **spent,
                           final_key(metric): run.value(metric, "final"),
                           **(dict.fromkeys(best_keys(metric)) if best is None else best.summary())})
         if best is not None and is_test_metric(metric):
@@ -267,7 +277,7 @@ def _format(value) -> str:
     return f"{value:.4f}" if isinstance(value, float) else str(value)
 
 
-def _plot(curves: dict[str, list[tuple[int, float]]], metric: str, path: Path) -> None:
+def _plot(curves: dict[str, list[tuple[float, float]]], metric: str, path: Path, x: str) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -276,7 +286,7 @@ def _plot(curves: dict[str, list[tuple[int, float]]], metric: str, path: Path) -
     axes = figure.add_subplot()
     for name, points in curves.items():
         axes.plot([r for r, _ in points], [v for _, v in points], marker=".", label=name)
-    axes.set_xlabel("round")
+    axes.set_xlabel(axis_label(x))
     axes.set_ylabel(metric)
     axes.grid(alpha=0.3)
     axes.legend(fontsize="small")

@@ -1,6 +1,7 @@
 """`fl-lightning compare` on run folders written by hand (no training): its table and plot, the best by the one
 rule, refused inputs, runs paired with a baseline by seed, and the runs of a plan."""
 
+import json
 import re
 import shutil
 import statistics
@@ -11,6 +12,7 @@ from hand_written_runs import PNG, direct_interval, run_folder, write_compare_ru
 
 from fl_lightning.commands.main import main
 from fl_lightning.experiments.results.compare import compare
+from fl_lightning.experiments.results.cost_axes import axis_label
 
 pytestmark = pytest.mark.slow  # end to end: the command line in-process, on run folders and plans
 
@@ -47,11 +49,40 @@ def test_compare_takes_a_glob_and_labels_curves_by_folder(tmp_path, capsys, monk
     (tmp_path / "notes.txt").write_text("not a run")
     labels = []
     monkeypatch.setattr("fl_lightning.experiments.results.compare._plot",
-                        lambda curves, metric, path: labels.extend(curves))
+                        lambda curves, metric, path, x: labels.extend(curves))
     main(["compare", "--runs", str(tmp_path / "*"), "--plot", str(tmp_path / "curves.png")])
     printed = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in printed[1:3]] == [str(tmp_path / "ctpfl"), str(tmp_path / "fedavg")]
     assert labels == ["ctpfl", "fedavg"]
+
+
+def test_compare_on_a_cost_axis_plots_against_what_each_run_spent_and_says_it(tmp_path, capsys, monkeypatch):
+    write_compare_runs(tmp_path)
+    for name, a_round in {"fedavg": (100, 50), "ctpfl": (100, 20)}.items():  # bytes up, bytes down
+        metrics = tmp_path / name / "metrics.jsonl"
+        rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+        metrics.write_text("".join(json.dumps({**row, "cost_upload_bytes": a_round[0] * row["round"],
+                                               "cost_download_bytes": a_round[1] * row["round"]}) + "\n"
+                                   for row in rows))
+    plotted = {}
+    monkeypatch.setattr("fl_lightning.experiments.results.compare._plot",
+                        lambda curves, metric, path, x: plotted.update(curves, x=x))
+    main(["compare", "--runs", str(tmp_path / "*"), "--x", "bytes", "--plot", str(tmp_path / "curves.png")])
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].split()[:4] == ["run", "method", "rounds", "bytes"]
+    assert printed[1].split()[1:4] == ["ctpfl", "3", "360"] and printed[2].split()[1:4] == ["fedavg", "3", "450"]
+    assert plotted == {"x": "bytes", "fedavg": [(150, 0.2), (300, 0.5), (450, 0.4)],
+                       "ctpfl": [(120, 0.1), (240, 0.3), (360, 0.35)]}
+    assert axis_label("bytes") == "bytes (bytes sent up and down)"
+    monkeypatch.undo()  # the real plot
+    main(["compare", "--runs", str(tmp_path / "*"), "--x", "bytes", "--plot", str(tmp_path / "real.png")])
+    assert (tmp_path / "real.png").read_bytes()[:8] == PNG
+
+
+def test_compare_refuses_an_axis_that_is_none_before_reading_runs(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["compare", "--runs", str(tmp_path / "none"), "--x", "flops"])
+    assert exit_info.value.code == 2 and "x: expected an axis of rounds, samples" in capsys.readouterr().err
 
 
 def test_compare_rejects_a_folder_without_metrics(tmp_path, capsys):
