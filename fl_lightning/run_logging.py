@@ -29,7 +29,7 @@ from fl_lightning.atomic_files import failures_reported_as_writes_of, write_text
 from fl_lightning.cluster import slurm_job_id
 from fl_lightning.config import LoggerArgs
 from fl_lightning.errors import UNWRITABLE_ERRNOS, ConfigError, RunWarning, WriteFailed
-from fl_lightning.metric_names import TEST_ACCURACY, VAL_ACCURACY, best_keys, best_round, final_key
+from fl_lightning.metric_names import COST_COUNTERS, TEST_ACCURACY, VAL_ACCURACY, best_keys, best_round, final_key
 from fl_lightning.run_dir import seedless_digest
 from fl_lightning.wandb_file import history_steps, is_finished, read_records
 
@@ -204,11 +204,16 @@ class WandbRun:
         import wandb
 
         settings = wandb.Settings(silent=True, **({"init_timeout": _init_timeout_s()} if mode == "online" else {}))
-        return wandb.init(
+        run = wandb.init(
             project=self.args.project, name=self.identity.name, group=self.identity.group, tags=self.identity.tags,
             dir=str(self.out_dir), id=self.identity.run_id, resume="allow", mode=mode, settings=settings,
             config={**hyperparameters, **self.identity.dashboard_config()},
         )
+        # The cost counters are x-axes (a dashboard's panels plot the metrics against them): declared to W&B as
+        # metrics of their own, as a custom x-axis is, with the summary the plain last value (what the run spent).
+        for counter in COST_COUNTERS:
+            run.define_metric(counter)
+        return run
 
     def replay(self, history: list[dict]) -> None:
         """Log the rows of `history` this W&B run lacks: all of them in a new offline file, those

@@ -1,6 +1,7 @@
 """Run logs: metrics.jsonl and a Weights & Biases offline run (no network needed)."""
 
 import re
+import types
 from pathlib import Path
 
 import pytest
@@ -8,6 +9,7 @@ from paths import QUICKSTART
 from wandb_records import history_rows, records, summary
 
 from fl_lightning.commands.main import main
+from fl_lightning.metric_names import COST_COUNTERS
 from fl_lightning.run_dir import recorded_config
 from fl_lightning.run_logging import MetricsLog, read_metrics
 
@@ -36,6 +38,12 @@ def test_wandb_offline_run_holds_the_logged_metrics(tmp_path):
     best = recorded["best_test_accuracy"]
     assert best == accuracies[recorded["best_test_accuracy_round"]] == max(accuracies.values())
     assert recorded["best_test_accuracy_selected_on"] == "test_accuracy"
+    # The cost counters are declared as metrics (the dashboard's x-axes), and the summary holds the run's totals.
+    declared = {r.metric.name: r.metric for r in records(run_file) if r.WhichOneof("record_type") == "metric"}
+    assert set(COST_COUNTERS) <= set(declared)
+    assert all(declared[counter].options.defined for counter in COST_COUNTERS)
+    assert {counter: recorded[counter] for counter in COST_COUNTERS} == {
+        counter: read_metrics(tmp_path)[-1][counter] for counter in COST_COUNTERS}
 
 
 @pytest.mark.slow
@@ -102,7 +110,8 @@ def test_online_init_waits_wandbs_own_init_timeout_when_set(environment, expecte
     for name, value in environment.items():
         monkeypatch.setenv(name, value)
     settings = []
-    monkeypatch.setattr(wandb, "init", lambda **arguments: settings.append(arguments["settings"]))
+    run_opened = types.SimpleNamespace(define_metric=lambda name: None)  # a run, as far as _init uses one
+    monkeypatch.setattr(wandb, "init", lambda **arguments: settings.append(arguments["settings"]) or run_opened)
     run = WandbRun(LoggerArgs(wandb_mode="online"), tmp_path, WandbIdentity("id", "name", "group", []))
     run._init("online", {})
     run._init("offline", {})

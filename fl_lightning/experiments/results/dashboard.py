@@ -23,7 +23,10 @@ wandb-workspaces library) holds:
   summary) per method, the best's title saying how it was selected (at the round of the best
   val_accuracy for runs with a validation split, else on the test set: `fl_lightning.metric_names`);
   the runs table, one row per method with its final and best test accuracy, the best's round and
-  what selected it;
+  what selected it; after the diagnostics' panels (below), test accuracy against each cost counter
+  the runs log (cost_samples, cost_grad_evals, ..., `fl_lightning.metric_names.COST_COUNTERS`), the
+  counter as the panel's x-axis in place of the step (the runs declare the counters to W&B with
+  `define_metric`), so that methods are compared at equal computation, communication and time;
 - for each diagnostic that the plan's runs turn on (`callbacks:`; see docs/diagnostics.md), a
   panel per group of the metrics it logs: one for the names under each prefix (`hessian/*`, all
   the metrics whose name starts with `hessian/`) and one for each name without one
@@ -63,6 +66,7 @@ from fl_lightning.metric_names import (
     CLIENT_VAL_ACCURACY_MEAN,
     CLIENT_VAL_ACCURACY_MIN,
     CLIENT_VAL_ACCURACY_P10,
+    COST_COUNTERS,
     TEST_ACCURACY,
     VAL_ACCURACY,
     best_keys,
@@ -268,6 +272,8 @@ def dashboard_spec(plan: Plan, project: str, entity: Optional[str], title: Optio
     panels += [{"type": "bar", "title": panel_title, "metrics": [metric], **grouping}
                for metric, panel_title in ((FINAL, FINAL), (BEST, f"{BEST} ({how_best})"))]
     panels += [_diagnostic_panel(metric, grouping) for metric in diagnostic_metrics(diagnostics)]
+    panels += [{"type": "line", "title": f"{TEST_ACCURACY} by {counter}", "x": counter, "title_x": counter,
+                "y": [TEST_ACCURACY], **grouping} for counter in COST_COUNTERS]
     return {
         "title": title,
         "description": (f"The runs of plan {plan.name} ({plan.path}): {', '.join(plan.methods)} over "

@@ -24,10 +24,13 @@ from fl_lightning.experiments.results.dashboard import (
     diagnostic_metrics,
     filter_expression,
 )
+from fl_lightning.metric_names import COST_COUNTERS
 
 # End to end: the tests train runs in-process or in subprocesses.
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("in_repository_root")]
 SMOKE = "configs/plans/smoke.yaml"
+COST_PANELS = [f"test_accuracy by {counter}" for counter in COST_COUNTERS]
+"""The panels of test accuracy against each cost counter, last in every section."""
 
 
 @pytest.fixture
@@ -91,12 +94,14 @@ def test_the_smoke_plans_spec_has_a_section_per_setting_filtered_by_its_tag_and_
         # The smoke plan turns on no diagnostic: accuracy, loss and the summary's results only; with its
         # validation split its best test accuracy is at the best val_accuracy, and the bars say so.
         assert list(panels) == ["test_accuracy", "val_accuracy", "train_loss", "final_test_accuracy",
-                                "best_test_accuracy (at the best val_accuracy)"]
+                                "best_test_accuracy (at the best val_accuracy)", *COST_PANELS]
         for panel in section["panels"]:
             assert (panel["groupby"], panel["aggregate"], panel["band"]) == ("config.method", "mean", "minmax")
         for metric in ("test_accuracy", "val_accuracy"):
             assert panels[metric]["type"] == "line" and panels[metric]["y"] == [metric]
             assert panels[metric]["x"] == "Step"  # the W&B step is the round
+        for counter, title in zip(COST_COUNTERS, COST_PANELS):  # a cost counter the x-axis, in place of the step
+            assert panels[title] == {**panels[title], "type": "line", "x": counter, "y": ["test_accuracy"]}
         assert panels["final_test_accuracy"] == {**panels["final_test_accuracy"], "type": "bar",
                                                  "metrics": ["final_test_accuracy"]}
     assert f"spec: {out}" in printed
@@ -123,7 +128,9 @@ def test_the_report_built_from_the_spec_filters_groups_and_bands_each_section(tm
                                          "summary:best_test_accuracy_round", "summary:best_test_accuracy_selected_on"]
         lines = [panel for panel in grid.panels if isinstance(panel, wr.LinePlot)]
         bars = [panel for panel in grid.panels if isinstance(panel, wr.BarPlot)]
-        assert [line.y for line in lines] == [["test_accuracy"], ["val_accuracy"], ["train_loss"]]
+        assert [line.y for line in lines] == [["test_accuracy"], ["val_accuracy"], ["train_loss"],
+                                              *[["test_accuracy"]] * len(COST_COUNTERS)]
+        assert [line.x for line in lines] == ["Step"] * 3 + list(COST_COUNTERS)
         assert [bar.metrics for bar in bars] == [["final_test_accuracy"], ["best_test_accuracy"]]
         for panel in lines + bars:
             assert panel.groupby == wr.Config("method")
@@ -138,19 +145,20 @@ def test_a_plan_with_a_validation_split_and_per_client_evaluation_gets_their_pan
     titles = [panel["title"] for panel in spec["sections"][0]["panels"]]
     assert titles == ["test_accuracy", "val_accuracy", "train_loss", "client_val_accuracy_mean",
                       "client_val_accuracy_p10", "client_val_accuracy_min", "final_test_accuracy",
-                      "best_test_accuracy (at the best val_accuracy)"]
+                      "best_test_accuracy (at the best val_accuracy)", *COST_PANELS]
     lines = [panel for panel in build_report({**spec, "entity": "my-team"}).blocks[2].panels
              if isinstance(panel, wr.LinePlot)]
-    assert [line.y for line in lines][3:] == [["client_val_accuracy_mean"], ["client_val_accuracy_p10"],
-                                              ["client_val_accuracy_min"]]
+    assert [line.y for line in lines][3:6] == [["client_val_accuracy_mean"], ["client_val_accuracy_p10"],
+                                               ["client_val_accuracy_min"]]
     # One method with the split, one without: the bars say both ways their runs' best was selected.
     methods = {"FedAvg": [*plan["methods"]["FedAvg"], split], "FedAvg + CONST": plan["methods"]["FedAvg + CONST"]}
     without_split = [part for part in plan["configs"] if part != {"data.validation": 0.2}]
     spec = dashboard(write_plan(tmp_path, configs=without_split, methods=methods, tune=None), offline=True,
                      out=tmp_path / "spec.json")
     assert spec["best"]["selected_on"] == ["val_accuracy", "test_accuracy"]
-    assert spec["sections"][0]["panels"][-1]["title"] == ("best_test_accuracy (at the best val_accuracy or selected "
-                                                          "on the test set: no validation split)")
+    best_panel = spec["sections"][0]["panels"][-1 - len(COST_PANELS)]
+    assert best_panel["title"] == ("best_test_accuracy (at the best val_accuracy or selected on the test set: no "
+                                   "validation split)")
 
 
 def test_tags_and_values_holding_operators_reach_wandb_as_written():
@@ -171,7 +179,7 @@ def test_the_diagnostics_a_plan_turns_on_get_their_panel_groups(tmp_path):
                                   {"callbacks": [{"class_path": "fl_lightning.diagnostics.local_updates.ClientDrift"},
                                                  {"class_path": "fl_lightning.diagnostics.gsnr.GradientVariance"}]}]}
     spec = dashboard(write_plan(tmp_path, methods=methods), offline=True, out=tmp_path / "spec.json")
-    panels = spec["sections"][0]["panels"][5:]
+    panels = spec["sections"][0]["panels"][5:-len(COST_PANELS)]
     assert [panel["title"] for panel in panels] == ["hessian/*", "client_drift/*", "gradient_variance",
                                                     "gradient_variance/*"]
     for panel in panels:
