@@ -64,6 +64,8 @@ def plot_curves(result: Table, path: Path, band: str = "minmax") -> None:
             (line,) = axes.plot(rounds, means, marker="." if len(rounds) < 30 else None,
                                 label=f"{method} ({len(runs)})")
             axes.fill_between(rounds, lower, upper, color=line.get_color(), alpha=0.2, linewidth=0)
+        if result.target is not None:  # the target the table's costs are to reach
+            axes.axhline(result.target.threshold, color="grey", linestyle="--", linewidth=1)
         axes.set_title(result.labels[setting])
         axes.set_xlabel(axis_label(result.x))
         axes.xaxis.set_major_locator(MaxNLocator(integer=True))

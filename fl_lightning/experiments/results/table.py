@@ -256,14 +256,16 @@ def _cells(verdicts: list[Verdict], methods: list[str], settings: list[str], sca
     cells = {(m, s): Cell() for m in methods for s in settings}
     curves: dict[tuple[str, str], list] = {key: [] for key in cells}
     for verdict in verdicts:
-        if verdict.missed_target:
-            cells[verdict.entry.method, verdict.entry.setting].not_reached.append(verdict.entry.seed)
-        if verdict.outcome is Outcome.COUNTED and verdict.value is not None:
-            entry = verdict.entry
-            cells[entry.method, entry.setting].by_seed[entry.seed] = verdict.value * scale
-            if verdict.unfinished == "partial":
-                cells[entry.method, entry.setting].unfinished_at[entry.seed] = verdict.run.rounds_done
-            curves[entry.method, entry.setting].append([(r, v * scale) for r, v in verdict.points])
+        entry = verdict.entry
+        if verdict.outcome is not Outcome.COUNTED or (verdict.value is None and not verdict.missed_target):
+            continue
+        curves[entry.method, entry.setting].append([(r, v * scale) for r, v in verdict.points])
+        if verdict.missed_target:  # counted, as not reached (--target)
+            cells[entry.method, entry.setting].not_reached.append(entry.seed)
+            continue
+        cells[entry.method, entry.setting].by_seed[entry.seed] = verdict.value * scale
+        if verdict.unfinished == "partial":
+            cells[entry.method, entry.setting].unfinished_at[entry.seed] = verdict.run.rounds_done
     return cells, curves
 
 

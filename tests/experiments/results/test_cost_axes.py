@@ -144,3 +144,7 @@ def test_x_puts_the_table_curves_on_the_cost_axis(sweep):
     assert sorted(curves) == sorted([[(2 * grad_evals_a_round("scaffold", seed), 100 * accuracies[0]),
                                       (4 * grad_evals_a_round("scaffold", seed), 100 * accuracies[1])]
                                      for seed, (accuracies, _) in RUNS["alpha-0.5", "SCAFFOLD"].items()])
+    # A table of costs to a target draws every run it counts, those that never reached it too.
+    result = table(str(sweep), runs_root=sweep.parent / "runs", out=sweep.parent / "out", x="grad_evals",
+                   target=f"test_accuracy={TARGET}")
+    assert len(result.curves["FedAvg", "alpha-0.1"]) == 2 and result.cells["FedAvg", "alpha-0.1"].n == 0
