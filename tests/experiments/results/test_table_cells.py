@@ -8,13 +8,14 @@ import math
 
 import pytest
 
-from fl_lightning.experiments.results.statistics import PairedDifference
+from fl_lightning.experiments.results.statistics import PairedDifference, paired_difference, paired_ratio
 from fl_lightning.experiments.results.table_cells import (
     PAIRED_COLUMNS,
     Cell,
     Table,
     mark_best,
     pair_with_baseline,
+    paired_difference_parts,
     paired_difference_text,
     shown_interval,
 )
@@ -254,3 +255,14 @@ def test_csv_numbers_are_rounded_to_ten_decimals_and_intervals_withheld_with_unp
     assert float(new["s:paired_diff"]) == pytest.approx(((1 - 1 / 3) + 0.25 + 0.25) / 3)
     assert [new[f"s:{part}"] for part in ("paired_low", "paired_high", "paired_n", "paired_excludes_0",
                                           "unpaired_seeds")] == ["", "", "3", "", "3"]
+
+
+def test_a_ratio_of_costs_shows_its_interval_beside_the_seeds_left_unpaired():
+    """A cost ratio is over the seeds whose runs both reached the target by its definition: its interval is
+    shown with the others named, where a paired difference with a seed unpaired shows its mean alone."""
+    ratio = paired_ratio({0: 200.0, 1: 320.0, 2: 440.0, 7: 90.0}, {0: 400.0, 1: 440.0, 2: 480.0})
+    mean, detail, marked = paired_difference_parts(ratio, lambda value: f"{value:.2f}")
+    low, high = ratio.interval
+    assert (mean, detail, marked) == (f"{ratio.mean:.2f}", f"[{low:.2f}, {high:.2f}] (seed 7 unpaired)", False)
+    difference = paired_difference({0: 2.0, 1: 3.0, 2: 4.0, 7: 1.0}, {0: 1.0, 1: 1.0, 2: 1.0})
+    assert paired_difference_parts(difference, str)[1] == "(3 pairs; seed 7 unpaired)"
