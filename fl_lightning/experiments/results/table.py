@@ -57,7 +57,8 @@ left unpaired and why. table.md's caption, table.csv's `target` and `x` columns 
 `:not_reached`, and with a baseline its RATIO_COLUMNS) and the LaTeX caption say the target and the
 axis; the files are named `table-<metric>-to-<value>-<axis>.md`. A --target of another form, an --x
 that is no axis, a --metric other than the target's, an --at or a --reference are refused before any
-run is read. Without a target, `--x AXIS` draws the plot's curves on that axis.
+run is read. Without a target, `--x AXIS` draws the plot's curves on that axis, its files named with it
+(`plot-test_accuracy-final-grad_evals.png`) beside the plan's.
 
 Reference CSV (the papers' numbers; `--reference`, or the plan's `reference:` when the table shows
 the plan's `metric`): see reference.py. Every column of the table is then followed by `paper` and
@@ -289,7 +290,7 @@ def write_table(result: Table, loaded: Loaded, out: Path, band: str, format: str
     """table.md (printed), table.csv, plot.png and with latex table.tex into `out`, named by the metric and
     `at` unless the table is of the plan's metric at the final round (table_files); variant.yaml for a
     plan variant."""
-    files = table_files(out, result.metric, result.at, loaded.metric, result.target)
+    files = table_files(out, result.metric, result.at, loaded.metric, result.target, result.x)
     out.mkdir(parents=True, exist_ok=True)
     markdown = result.markdown()
     write_text_atomically(files["md"], markdown)
@@ -305,16 +306,18 @@ def write_table(result: Table, loaded: Loaded, out: Path, band: str, format: str
     print(f"\nwritten: {', '.join(map(str, written))}")
 
 
-def table_files(out: Path, metric: str, at: str, plan_metric: str, target: Optional[Target] = None
-                ) -> dict[str, Path]:
+def table_files(out: Path, metric: str, at: str, plan_metric: str, target: Optional[Target] = None,
+                x: str = "rounds") -> dict[str, Path]:
     """Extension -> the file of a table of `metric` at `at` in `out`: table.md, ... for the plan's metric
-    at the final round, table-<metric>-<at>.md, ... (`last:5` as last5) for any other, and
-    table-<metric>-to-<value>-<axis>.md for the costs to reach a target, so that tables of other metrics,
-    rounds or targets sit beside each other."""
-    named = f"{metric}-{at.replace(':', '')}" if target is None else f"{metric}-to-{target.threshold:g}-{target.axis}"
-    plain = target is None and (metric, at) == (plan_metric, "final")
+    at the final round, table-<metric>-<at>.md, ... (`last:5` as last5) for any other,
+    table-<metric>-to-<value>-<axis>.md for the costs to reach a target, and with curves on a cost axis
+    (--x) that axis after the rest (table-test_accuracy-final-grad_evals.md), so that tables of other
+    metrics, rounds, targets or axes sit beside each other."""
+    if target is not None:
+        named = f"{metric}-to-{target.threshold:g}-{target.axis}"
+    else:
+        named = f"{metric}-{at.replace(':', '')}" + ("" if x == "rounds" else f"-{x}")
+    plain = target is None and (metric, at, x) == (plan_metric, "final", "rounds")
     suffix = "" if plain else "-" + re.sub(r"[^A-Za-z0-9_.+=-]+", "-", named)
     return {"md": out / f"table{suffix}.md", "csv": out / f"table{suffix}.csv", "tex": out / f"table{suffix}.tex",
             "png": out / f"plot{suffix}.png"}
-
-

@@ -9,7 +9,7 @@ import statistics
 from pathlib import Path
 
 import pytest
-from hand_written_runs import RUNS, direct_interval, rows_by_method, write_run
+from hand_written_runs import PNG, RUNS, direct_interval, rows_by_method, write_run
 
 from fl_lightning.commands.main import main
 from fl_lightning.errors import ConfigError
@@ -140,6 +140,9 @@ def test_on_a_cost_axis_the_mean_curve_is_taken_evaluation_by_evaluation():
 def test_x_puts_the_table_curves_on_the_cost_axis(sweep):
     add_grad_evals(sweep)
     result = table(str(sweep), runs_root=sweep.parent / "runs", out=sweep.parent / "out", x="grad_evals")
+    # Beside the plan's table and its plot on the round, never over them.
+    assert (sweep.parent / "out" / "plot-test_accuracy-final-grad_evals.png").read_bytes()[:8] == PNG
+    assert not (sweep.parent / "out" / "plot.png").exists()
     curves = result.curves["SCAFFOLD", "alpha-0.5"]
     assert sorted(curves) == sorted([[(2 * grad_evals_a_round("scaffold", seed), 100 * accuracies[0]),
                                       (4 * grad_evals_a_round("scaffold", seed), 100 * accuracies[1])]
