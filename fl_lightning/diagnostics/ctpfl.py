@@ -73,6 +73,7 @@ class DisplacementBias(Diagnostic):
                               type(loop.algorithm).__name__)
 
     def on_round_start(self, engine, loop, round_index: int) -> None:
+        super().on_round_start(engine, loop, round_index)
         self._measuring = self.due(loop, round_index + 1)
         if not self._measuring:
             return
@@ -91,13 +92,13 @@ class DisplacementBias(Diagnostic):
         # would draw from it in this extra training-mode pass).
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             gradient = gradient_at_global_model(client, loop.algorithm)
+        self.count_passes(client.num_steps, client.num_steps)
         self._gradient_sum.add_(gradient, alpha=weight)
-        self._client_bias_sum += weight * (uploads[PSEUDO_GRADIENT] - gradient).norm().item()
+        upload = self.read_uploads(loop, client, uploads)[PSEUDO_GRADIENT]
+        self._client_bias_sum += weight * (upload - gradient).norm().item()
         self._seconds += time.perf_counter() - started
 
-    def on_round_end(self, engine, loop, metrics: dict) -> None:
-        if not self._measuring:
-            return
+    def measured(self, engine, loop, metrics: dict) -> None:
         self._measuring = False
         started = time.perf_counter()
         reduced = self.sum_over_ranks(engine, torch.cat([

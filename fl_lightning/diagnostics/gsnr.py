@@ -106,6 +106,7 @@ class GradientVariance(RoundSums):
         if moments is None:
             return
         mean, squared_deviations, count = moments
+        self.count_passes(count, count)
         sums[:-3].add_(mean, alpha=weight)
         sums[-3:] += torch.stack([weight * squared_deviations.sum() / (count - 1), weight * mean.dot(mean),
                                   torch.tensor(weight, dtype=sums.dtype, device=sums.device)])
@@ -181,6 +182,7 @@ class GSNR(RoundSums):
         if moments is None:
             return
         mean, squared_deviations, count = moments
+        self.count_passes(count, count)
         variance = squared_deviations / (count - 1)
         vectors = sums[:-3].view(self._vectors(), -1)
         vectors[0].add_(mean, alpha=weight)
@@ -230,9 +232,7 @@ class WeightNorms(Diagnostic):
         super().__init__(every)
         self.all_parameters = all_parameters
 
-    def on_round_end(self, engine, loop, metrics: dict) -> None:
-        if not self.due(loop, metrics["round"]):
-            return
+    def measured(self, engine, loop, metrics: dict) -> None:
         views = {name: view for name, view in loop.global_model.param_layout.views(loop.global_model.params).items()
                  if self.all_parameters or view.dim() >= 2}
         if not views:

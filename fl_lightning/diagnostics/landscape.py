@@ -26,7 +26,7 @@ from typing import Callable, Literal
 import torch
 
 from fl_lightning.clients.run import seeded_generator
-from fl_lightning.diagnostics.base import Diagnostic
+from fl_lightning.diagnostics.base import HVP_PASSES, Diagnostic
 from fl_lightning.errors import ConfigError
 
 HVP = Callable[[torch.Tensor], torch.Tensor]
@@ -196,6 +196,7 @@ class Landscape(Diagnostic):
                     for batch in chunks]
 
         def hvp(v: torch.Tensor) -> torch.Tensor:
+            self.count_passes(HVP_PASSES * len(products), HVP_PASSES * len(products))
             return sum(weight * product(v) for weight, product in products)
 
         was_training = loop.module.training
@@ -206,6 +207,7 @@ class Landscape(Diagnostic):
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 with torch.no_grad():
                     loss = sum(len(batch[1]) / total * chunk_loss(batch)(params).float() for batch in chunks)
+                self.count_passes(len(chunks), 0)
                 extremes = lanczos_extremes if self.method == "lanczos" else power_extremes
                 largest, smallest = extremes(hvp, params.numel(), self.iterations,
                                              seeded_generator(self.seed, START_STREAM), device)
@@ -223,9 +225,7 @@ class Landscape(Diagnostic):
             "hessian/seconds": time.perf_counter() - started,
         }
 
-    def on_round_end(self, engine, loop, metrics: dict) -> None:
-        if not self.due(loop, metrics["round"]):
-            return
+    def measured(self, engine, loop, metrics: dict) -> None:
         values = torch.zeros(len(METRICS), dtype=torch.float64)
         if engine.global_rank == 0:
             measured = self.measure(loop)

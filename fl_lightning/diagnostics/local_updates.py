@@ -53,16 +53,15 @@ class RoundSums(Diagnostic):
         return self._sums
 
     def on_round_start(self, engine, loop, round_index: int) -> None:
+        super().on_round_start(engine, loop, round_index)
         if self.due(loop, round_index + 1):
             self._sums = None  # nothing left over from a round that failed before its end
 
     def on_client_end(self, engine, loop, client, uploads: dict, weight: float) -> None:
         if self.due(loop, client.round + 1):
-            self.add(self._local_sums(engine, loop), loop, client, uploads, weight)
+            self.add(self._local_sums(engine, loop), loop, client, self.read_uploads(loop, client, uploads), weight)
 
-    def on_round_end(self, engine, loop, metrics: dict) -> None:
-        if not self.due(loop, metrics["round"]):
-            return
+    def measured(self, engine, loop, metrics: dict) -> None:
         # A rank that trained no client this round still joins the reduction, with zeros.
         local = self._local_sums(engine, loop)
         self._sums = None

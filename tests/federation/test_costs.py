@@ -12,6 +12,7 @@ import processes
 import pytest
 import torch
 from lightning.fabric import Fabric
+from pass_counter import PassCounter
 from paths import REPOSITORY
 from reference import moon_setup
 from torch import nn
@@ -110,26 +111,6 @@ def federated_loop(name: str, client_path: str, constraint=None, **federation) -
     run = rank_inputs(settings, out_dir=Path("unused"), run_id="test", hyperparameters={},
                       data=RunData(dataset, dataset, partition), network=network)
     return FederatedLoop(Fabric(accelerator="cpu", devices=1, precision="32-true"), run)
-
-
-class PassCounter:
-    """Forward passes through the model's first layer, and backward passes through it (a gradient
-    flowing into its output)."""
-
-    def __init__(self, layer: nn.Module):
-        self.forward = self.backward = 0
-        layer.register_forward_pre_hook(self._forward)
-        layer.register_forward_hook(self._watch_backward)
-
-    def _forward(self, module, inputs):
-        self.forward += 1
-
-    def _watch_backward(self, module, inputs, output):
-        if output.requires_grad:
-            output.register_hook(self._backward)
-
-    def _backward(self, gradient):
-        self.backward += 1
 
 
 def first_layer(loop: FederatedLoop) -> nn.Module:
