@@ -195,6 +195,11 @@ class OwnUploads(Mapping):
                 self._uploads = self._algorithm.client_update(self._start)
         return self._uploads
 
+    @property
+    def computed(self) -> bool:
+        """Whether the uploads were computed already (a diagnostic counts the passes that compute them)."""
+        return self._uploads is not None
+
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._computed()[name]
 
