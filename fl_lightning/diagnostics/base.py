@@ -24,7 +24,7 @@ class Diagnostic(Callback):
     """A callback measured every `every` rounds (and after the last round).
 
     Its passes through the model are counted where it runs them (`count_passes`), on the rank that ran
-    them; they ride in the measured round's one reduction (`sum_over_ranks`), so the totals are the
+    them; they ride in the measured round's one reduction (`reduced`), so the totals are the
     same on every rank and for any number of ranks. The totals are cumulative over the run, added to
     every round's row (`DIAG_COUNTERS`, summed over the run's diagnostics) and saved with the
     checkpoint (`state_dict`), so a resumed run counts on exactly. What a diagnostic sums within a
@@ -69,12 +69,17 @@ class Diagnostic(Callback):
     def measured(self, engine, loop, metrics: dict) -> None:
         """Adds the measured round's values to its `metrics` row."""
 
-    def sum_over_ranks(self, engine, values: torch.Tensor) -> torch.Tensor:
-        """One all-reduce(sum) of a flat tensor (nothing on a single rank): a diagnostic's own
-        reduction, made only on the rounds it measures, with the round's passes added to the run's."""
+    @staticmethod
+    def sum_over_ranks(engine, values: torch.Tensor) -> torch.Tensor:
+        """One all-reduce(sum) of a flat tensor (nothing on a single rank)."""
+        return engine.all_reduce(values, reduce_op="sum") if engine.world_size > 1 else values
+
+    def reduced(self, engine, values: torch.Tensor) -> torch.Tensor:
+        """`values` summed over the ranks: the diagnostic's own reduction, made only on the rounds it
+        measures, carrying this rank's passes of the round as two more numbers, added to the run's."""
         local = torch.cat([values, torch.tensor(self._round_passes, dtype=values.dtype, device=values.device)])
         self._round_passes = [0, 0]
-        total = engine.all_reduce(local, reduce_op="sum") if engine.world_size > 1 else local
+        total = self.sum_over_ranks(engine, local)
         for key, count in zip(DIAG_COUNTERS, total[-2:].tolist()):
             self.passes[key] += round(count)
         return total[:-2]

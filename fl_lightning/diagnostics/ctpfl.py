@@ -101,7 +101,7 @@ class DisplacementBias(Diagnostic):
     def measured(self, engine, loop, metrics: dict) -> None:
         self._measuring = False
         started = time.perf_counter()
-        reduced = self.sum_over_ranks(engine, torch.cat([
+        reduced = self.reduced(engine, torch.cat([
             self._gradient_sum, torch.tensor([self._client_bias_sum], device=self._gradient_sum.device)]))
         gradient, client_bias = reduced[:-1], reduced[-1].item()
         self.gradient = gradient  # g(x^r), kept for inspection until the next measured round

@@ -231,5 +231,5 @@ class Landscape(Diagnostic):
             measured = self.measure(loop)
             values = torch.tensor([measured[name] for name in METRICS], dtype=torch.float64)
         # Rank 0 measures, the others add zeros: one reduction gives every rank the same row.
-        summed = self.sum_over_ranks(engine, values.to(engine.device)).cpu()
+        summed = self.reduced(engine, values.to(engine.device)).cpu()
         metrics.update({name: value.item() for name, value in zip(METRICS, summed)})

@@ -65,7 +65,7 @@ class RoundSums(Diagnostic):
         # A rank that trained no client this round still joins the reduction, with zeros.
         local = self._local_sums(engine, loop)
         self._sums = None
-        metrics.update(self.metrics(self.sum_over_ranks(engine, local), loop))
+        metrics.update(self.metrics(self.reduced(engine, local), loop))
 
 
 def _upload(uploads: dict, dtype: torch.dtype) -> torch.Tensor:

@@ -30,8 +30,10 @@ from torch import nn
 from fl_lightning.algorithms import CTPFL, FedAvg
 from fl_lightning.clients.run import CLIENT_STREAM, batch_positions, seeded_generator
 from fl_lightning.commands.main import main
+from fl_lightning.diagnostics.base import DIAG_COUNTERS, DIAG_GRAD_EVALS
 from fl_lightning.diagnostics.ctpfl import DisplacementBias
 from fl_lightning.errors import ConfigError
+from fl_lightning.federation.costs import CLIENT_SECONDS, COUNTERS
 from fl_lightning.module import ClassificationModule
 from fl_lightning.run_logging import read_metrics
 
@@ -215,6 +217,10 @@ CTPFL_RUN = [*TINY, "--algorithm", "ctpfl", "--algorithm.span", "0.3", "--server
              "--federation.rounds", "5"]
 
 
+def method_counters(row: dict) -> dict:
+    return {key: row[key] for key in COUNTERS if key != CLIENT_SECONDS}
+
+
 @pytest.mark.slow
 def test_a_ctpfl_run_with_both_diagnostics_trains_the_same_model(tmp_path, reductions):
     main(["fit", *CTPFL_RUN, "--config", callbacks_config(tmp_path, *DIAGNOSTICS), "--out_dir", str(tmp_path / "with")])
@@ -228,12 +234,15 @@ def test_a_ctpfl_run_with_both_diagnostics_trains_the_same_model(tmp_path, reduc
     assert torch.equal(measured["rng"], plain["rng"])
     rows, plain_rows = read_metrics(tmp_path / "with"), read_metrics(tmp_path / "without")
     assert [row["train_loss"] for row in rows] == [row["train_loss"] for row in plain_rows]
+    # The diagnostics' passes are counted apart, never as the method's.
+    assert [method_counters(row) for row in rows] == [method_counters(row) for row in plain_rows]
+    assert rows[-1][DIAG_GRAD_EVALS] > 0 and DIAG_GRAD_EVALS not in plain_rows[-1]
     assert [row["round"] for row in rows if "ctpfl/bias" in row] == [2, 4, 5]
     assert [row["round"] for row in rows if "hessian/trace" in row] == [3, 5]
     # One reduction per diagnostic on each of its rounds: g(x^r) and the clients' bias (d + 1
-    # values), the landscape's 7 values.
+    # values), the landscape's 7 values, each with the round's two pass counts.
     num_params = direction.numel()
-    assert sorted(reductions) == sorted([num_params + 1] * 3 + [7] * 2)
+    assert sorted(reductions) == sorted([num_params + 1 + 2] * 3 + [7 + 2] * 2)
     for row in rows:
         if "ctpfl/bias" in row:
             assert 0 < row["ctpfl/bias"] and -1 <= row["ctpfl/cosine"] <= 1
@@ -262,6 +271,7 @@ def test_on_two_ranks_the_diagnostics_agree_with_one_and_leave_training_alone(tm
         assert torch.equal(measured["model"][name], tensor), name
     two, one = read_metrics(tmp_path / "two"), read_metrics(tmp_path / "one")
     for row_two, row_one in zip(two, one):
+        assert [row_two[key] for key in DIAG_COUNTERS] == [row_one[key] for key in DIAG_COUNTERS]
         for name in sorted(set(row_one) & (CTPFL_METRICS | {"ctpfl/bias_curvature", "hessian/lambda_max",
                                                             "hessian/lambda_min", "hessian/trace"})):
             if not name.endswith("seconds"):

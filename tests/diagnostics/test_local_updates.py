@@ -17,6 +17,7 @@ from fl_lightning.algorithms.base import PSEUDO_GRADIENT
 from fl_lightning.checkpoint import checkpoint_dir
 from fl_lightning.clients.run import seeded_generator
 from fl_lightning.commands.main import main
+from fl_lightning.diagnostics.base import DIAG_COUNTERS
 from fl_lightning.diagnostics.gsnr import GSNR, GradientVariance, WeightNorms
 from fl_lightning.diagnostics.local_updates import ClientConsistency, ClientDrift, DriftDiversity, UpdateCosine
 from fl_lightning.errors import ConfigError
@@ -140,8 +141,13 @@ def diagnostics():
             GSNR(every=EVERY, num_batches=10, per_layer=True, update_fraction=0.4)]
 
 
+def without_passes(row: dict) -> dict:
+    """The row without the diagnostics' pass counters (tests/diagnostics/test_passes.py checks those)."""
+    return {k: v for k, v in row.items() if k not in DIAG_COUNTERS}
+
+
 def measured_rows(rows):
-    return {row["round"]: {k: v for k, v in row.items() if k != "round"} for row in rows}
+    return {row["round"]: {k: v for k, v in without_passes(row).items() if k != "round"} for row in rows}
 
 
 # --- tests -------------------------------------------------------------------------------------------
@@ -231,13 +237,14 @@ def test_weight_norms_per_layer_of_the_global_model():
     for round_number in range(1, 5):
         metrics = {"round": round_number}
         WeightNorms(every=3).on_round_end(fabric, loop, metrics)
+        assert [metrics.pop(key) for key in DIAG_COUNTERS] == [0, 0]
         rows.append(metrics)
     assert rows[0] == {"round": 1} and rows[1] == {"round": 2}
     assert rows[2] == rows[3] | {"round": 3} and rows[3]["weight_norm/layer.weight"] == 13.0
     assert "weight_norm/layer.bias" not in rows[3]
     metrics = {"round": 1}
     WeightNorms(all_parameters=True).on_round_end(fabric, loop, metrics)
-    assert metrics == {"round": 1, "weight_norm/layer.weight": 13.0, "weight_norm/layer.bias": 2.0}
+    assert without_passes(metrics) == {"round": 1, "weight_norm/layer.weight": 13.0, "weight_norm/layer.bias": 2.0}
 
 
 def test_bad_settings_are_refused():

@@ -24,6 +24,7 @@ from fl_lightning.checkpoint import (
     run_is_over,
 )
 from fl_lightning.commands.main import main
+from fl_lightning.diagnostics.base import DIAG_GRAD_EVALS
 from fl_lightning.federation.aggregation import is_final_vote, stop_vote
 from fl_lightning.run_dir import DifferentExperiment, check_same_experiment
 from fl_lightning.run_logging import read_metrics
@@ -108,6 +109,8 @@ def test_a_run_interrupted_after_every_round_matches_the_uninterrupted_run(argum
                                      interrupted)
     assert runs == len(expected_rows)
     assert without_timings(read_metrics(interrupted)) == without_timings(expected_rows)
+    if callbacks == DIAGNOSTICS:  # their passes counted on across the resumes
+        assert expected_rows[-1][DIAG_GRAD_EVALS] > expected_rows[0][DIAG_GRAD_EVALS] > 0
     assert_same_model(last_checkpoint(interrupted)["model"], last_checkpoint(uninterrupted)["model"])
     if callbacks == [EARLY_STOPPING]:
         # Stopped early, and for good: the last interruption came with the final stop itself.
