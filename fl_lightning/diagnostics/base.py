@@ -77,14 +77,17 @@ class Diagnostic(Callback):
     def reduced(self, engine, values: torch.Tensor) -> torch.Tensor:
         """`values` summed over the ranks: the diagnostic's own reduction, made only on the rounds it
         measures, carrying this rank's passes of the round as two more numbers, added to the run's."""
-        local = torch.cat([values, torch.tensor(self._round_passes, dtype=values.dtype, device=values.device)])
+        dtype = torch.promote_types(values.dtype, torch.float32)  # counts exact to 2^24 a round, also for bf16
+        passes = torch.tensor(self._round_passes, dtype=dtype, device=values.device)
         self._round_passes = [0, 0]
-        total = self.sum_over_ranks(engine, local)
+        total = self.sum_over_ranks(engine, torch.cat([values.to(dtype), passes]))
         for key, count in zip(DIAG_COUNTERS, total[-2:].tolist()):
             self.passes[key] += round(count)
-        return total[:-2]
+        return total[:-2].to(values.dtype)
 
     def state_dict(self) -> dict:
+        # None while it ran no pass: a diagnostic that reads only the uploads stays stateless, and may
+        # be left out of a resumed run.
         return {"passes": dict(self.passes)} if any(self.passes.values()) else {}
 
     def load_state_dict(self, state: dict) -> None:

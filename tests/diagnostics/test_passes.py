@@ -4,6 +4,7 @@ beyond the same run without it; the method's own counters (`cost_*`) the same wi
 the totals cumulative and saved with the diagnostic's state."""
 
 import pytest
+import torch
 from diagnostic_problems import federated_loop, tiny_network_problem
 from pass_counter import PassCounter
 
@@ -101,3 +102,18 @@ def test_the_diagnostics_passes_add_up_and_each_keeps_its_own_in_its_state():
     resumed = DIAGNOSTICS["GSNR"]()
     resumed.load_state_dict(together[1].state_dict())
     assert resumed.passes == together[1].passes
+
+
+class OneRank:
+    world_size = 1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_counts_stay_exact_in_a_reduction_of_low_precision_values(dtype):
+    """bfloat16 holds the integers exactly only up to 256: the counts travel at float32 at least."""
+    diagnostic = GSNR()
+    values = torch.tensor([1.5, -2.25], dtype=dtype)
+    diagnostic.count_passes(1001, 4097)
+    total = diagnostic.reduced(OneRank(), values)
+    assert total.dtype == dtype and torch.equal(total, values)
+    assert diagnostic.passes == {DIAG_FORWARD_PASSES: 1001, DIAG_GRAD_EVALS: 4097}
