@@ -208,10 +208,19 @@ EXPECTED = {
                                   rounds=30, batch_size=32, local_steps=10) for drawn in (10, 5, 10)],
                           {"FedAvg": Row("fedavg"), "SCAFFOLD": Row("scaffold", {"effective_steps": True}),
                            "FedNova": Row("fednova"), "CTP-FL": Row("ctpfl", {"span": None})}, [0, 1, 2]),
+    # NIID-Bench's CIFAR-10 rows as Flower Baselines runs them: IID and Dirichlet 0.5, all 10 clients, SCAFFOLD's
+    # option II as that code writes it.
+    "niid_bench": Grid([Column(dataset="cifar10", alpha=0.5, model="lenet5", num_clients=10, clients_per_round=10,
+                               rounds=50, batch_size=64, local_epochs=10, bias=True, norm="none",
+                               client_sgd=(0.01, 0.9, 1e-5))] * 2,
+                       {"FedAvg": Row("fedavg"), "SCAFFOLD": Row("scaffold", {"effective_steps": False}),
+                        "FedProx": Row("fedprox", {"mu": 0.01}), "FedNova": Row("fednova")}, [0, 1, 2],
+                       "configs/references/niid_bench.csv"),
 }
 SIZES = {"ctpfl_table1": 192, "fedconst_table1_lenet5_cross-device": 90, "fedconst_table1_lenet5_cross-silo": 90,
          "fedconst_table1_resnet18_cross-device": 108, "fedconst_table1_resnet18_cross-silo": 108,
-         "fedconst_table3": 12, "dev_cifar10_const": 15, "smoke": 12, "participation": 36}
+         "fedconst_table3": 12, "dev_cifar10_const": 15, "smoke": 12, "participation": 36,
+         "niid_bench": 24}
 
 
 def shipped_plans() -> list[str]:
@@ -480,3 +489,27 @@ def test_smoke_plan_tunes_trains_every_point_and_tabulates(tmp_path):
         versus = result.cells["FedAvg + CONST", setting].versus
         assert versus.seeds == [0, 1, 2] and not versus.unpaired and versus.interval is not None
     assert all((runs / "smoke" / name).is_file() for name in ("table.md", "table.csv", "table.tex", "plot.png"))
+
+
+# --- NIID-Bench's plan, scaled to the CPU, trains and is tabulated beside its published figures -----------
+
+
+@pytest.mark.slow
+def test_niid_bench_plan_scaled_down_trains_and_tabulates_beside_the_published_figures(tmp_path, cifar_root):
+    runs = tmp_path / "runs"
+    scaled = [f"data.root={cifar_root}", "federation.rounds=1", "federation.local_epochs=1",
+              "federation.batch_size=32", "logger.progress_bar=false"]
+    plan = load_plan(PLANS / "niid_bench.yaml", runs_root=runs, overrides=scaled)
+    points = [point for point in plan.grid() if point.seed == plan.seeds[0]]
+    partitions = {}
+    for point in points:
+        main([*point.fit_arguments(), "--fabric.accelerator", "cpu", "--fabric.devices", "1"])  # one rank, as a sweep
+        partitions.setdefault(point.setting_name, set()).add(
+            yaml.safe_load((point.out_dir / "config.yaml").read_text())["data"]["partition"])
+    assert partitions == {"split-iid": {"iid"}, "split-dirichlet": {"dirichlet"}}
+    result = table(plan=str(PLANS / "niid_bench.yaml"), runs_root=runs, at="best", override=scaled,
+                   out=tmp_path / "table")
+    assert result.methods == ["FedAvg", "SCAFFOLD", "FedProx", "FedNova"]
+    assert all(cell.n == 1 for cell in result.cells.values())
+    published = read_reference(REPOSITORY / "configs" / "references" / "niid_bench.csv")
+    assert published["SCAFFOLD"] == {"split-iid": 71.66, "split-dirichlet": 68.08}
