@@ -31,6 +31,12 @@ COST_CLIENT_SECONDS = "cost_client_seconds"
 COST_COUNTERS = (COST_SAMPLES, COST_GRAD_EVALS, COST_FORWARD_PASSES, COST_UPLOAD_BYTES, COST_DOWNLOAD_BYTES,
                  COST_CLIENT_SECONDS)
 """What a run spent up to the end of a round, logged with every round (`fl_lightning.federation.costs`)."""
+CLIENTS_ONLINE, CLIENTS_DRAWN = "clients_online", "clients_drawn"
+CLIENTS_REPORTED, CLIENTS_DROPPED = "clients_reported", "clients_dropped"
+STEPS_MEAN, STEPS_MIN = "steps_mean", "steps_min"
+PARTICIPATION_METRICS = (CLIENTS_ONLINE, CLIENTS_DRAWN, CLIENTS_REPORTED, CLIENTS_DROPPED, STEPS_MEAN, STEPS_MIN)
+"""Who took part in a round and the local steps the reporting clients did, logged with every round
+(`federation.participation`, `dropout`, `stragglers`)."""
 
 
 def lower_is_better(metric: str) -> bool:

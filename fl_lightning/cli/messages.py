@@ -164,9 +164,13 @@ def _unknown_key_error(key: str, given: str, class_path: Optional[str], command:
         names = setting_names(function)
         in_group = [name for name in names if name.startswith(group + ".")] if group else []
         names = in_group or [name for name in names if not any(n.startswith(name + ".") for n in names)]
-    close = difflib.get_close_matches(key, names, n=2, cutoff=0.6)
-    if not close and group:  # compare the last part with the fields of the same group
-        fields = {name.rpartition(".")[2]: name for name in names}
+    # Within a group the fields' own names are compared first: compared whole, every name shares the group's
+    # prefix, and a field that only shares a few letters scores as close as a near miss.
+    real_group = bool(group) and all(name.startswith(group + ".") for name in names)
+    fields = {name.rpartition(".")[2]: name for name in names} if real_group else {}
+    close = [fields[name] for name in difflib.get_close_matches(last, list(fields), n=2, cutoff=0.6)]
+    close = close or difflib.get_close_matches(key, names, n=2, cutoff=0.6)
+    if not close and real_group:
         close = [fields[name] for name in difflib.get_close_matches(last, list(fields), n=2, cutoff=0.5)]
     if close:
         suggestion = "did you mean " + " or ".join(close) + "?"

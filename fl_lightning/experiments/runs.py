@@ -41,6 +41,7 @@ from fl_lightning.metric_names import (
     COST_GRAD_EVALS,
     COST_SAMPLES,
     COST_UPLOAD_BYTES,
+    PARTICIPATION_METRICS,
     TEST_ACCURACY,
     TEST_LOSS,
     VAL_ACCURACY,
@@ -149,14 +150,14 @@ class RunFolder:
 
     def metrics_to_come(self) -> set[str]:
         """What its config has it log at the evaluations it has not reached yet (every run evaluates
-        after its last round), and before its first round the cost counters every round logs (a run
-        resumed from a checkpoint written before they existed logs none): none once it has logged its
-        last round, or without a config."""
+        after its last round), and before its first round what every round logs, its cost counters and
+        who took part (a run resumed from a checkpoint written before the counters existed logs none of
+        them): none once it has logged its last round, or without a config."""
         if self.rounds_planned is None or self.rounds_done >= self.rounds_planned:
             return set()
         data = self.config.get("data") or {}
         validation = VALIDATION_METRICS + (PER_CLIENT_METRICS if data.get("per_client_eval") else ())
-        per_round = () if self.history else COST_COUNTERS
+        per_round = () if self.history else (*COST_COUNTERS, *PARTICIPATION_METRICS)
         return {*EVALUATION_METRICS, *per_round, *(validation if data.get("validation") else ())}
 
     @property

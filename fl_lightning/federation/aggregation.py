@@ -21,6 +21,7 @@ from fl_lightning.clients.run import (
     seeded_numpy_generator,
 )
 from fl_lightning.config import FederationArgs
+from fl_lightning.metric_names import CLIENTS_DRAWN, CLIENTS_DROPPED, CLIENTS_ONLINE, CLIENTS_REPORTED
 from fl_lightning.participation import Draws
 
 
@@ -51,8 +52,8 @@ class RoundClients:
 
     def counts(self) -> dict[str, int]:
         """The round's metrics of who took part."""
-        return {"clients_online": len(self.online), "clients_drawn": len(self.drawn),
-                "clients_reported": len(self.reported), "clients_dropped": len(self.dropped)}
+        return {CLIENTS_ONLINE: len(self.online), CLIENTS_DRAWN: len(self.drawn),
+                CLIENTS_REPORTED: len(self.reported), CLIENTS_DROPPED: len(self.dropped)}
 
 
 def round_clients(seed: int, round_index: int, federation: FederationArgs) -> RoundClients:

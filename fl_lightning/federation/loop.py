@@ -44,6 +44,7 @@ from fl_lightning.federation.groups import client_updates, normalise_batches_in_
 from fl_lightning.federation.setup import RankInputs, as_lists
 from fl_lightning.federation.trainer import LocalTrainer, TrainingData
 from fl_lightning.lost_ranks import RankProcesses
+from fl_lightning.metric_names import STEPS_MEAN, STEPS_MIN
 
 
 class FederatedLoop:
@@ -211,8 +212,8 @@ class FederatedLoop:
         """The local steps the reporting clients did (`federation.stragglers`): their mean and least."""
         steps = [self.trainer.steps_done(client, round_index) for client in clients]
         if not steps:
-            return {"steps_mean": float("nan"), "steps_min": float("nan")}
-        return {"steps_mean": sum(steps) / len(steps), "steps_min": min(steps)}
+            return {STEPS_MEAN: float("nan"), STEPS_MIN: float("nan")}
+        return {STEPS_MEAN: sum(steps) / len(steps), STEPS_MIN: min(steps)}
 
     def _client_rounds(self, clients: list[int], round_index: int):
         """This rank's clients of the round, each set up only when the algorithm asks for it."""

@@ -85,10 +85,10 @@ def test_a_line_without_a_command_is_told_the_commands():
 
 @pytest.mark.parametrize("message, argv, line", [
     ("unrecognized arguments: --federation.roundz 4", ["demo", "--federation.roundz", "4"],
-     "federation.roundz: expected a known setting (did you mean federation.rounds or federation.clients_per_round?), "
+     "federation.roundz: expected a known setting (did you mean federation.rounds?), "
      "got the unknown key '--federation.roundz'"),
     ("unrecognized arguments: --federation.roundz=4", ["demo", "--federation.roundz=4"],
-     "federation.roundz: expected a known setting (did you mean federation.rounds or federation.clients_per_round?), "
+     "federation.roundz: expected a known setting (did you mean federation.rounds?), "
      "got the unknown key '--federation.roundz'"),
     ("unrecognized arguments: --sed 1", ["demo", "--sed", "1"],
      "sed: expected a known setting (did you mean seed?), got the unknown key '--sed'"),
@@ -108,8 +108,8 @@ def test_an_unknown_key_of_a_group_is_matched_among_that_groups_settings_only():
 
 def test_an_unknown_key_in_a_config_file_is_named_as_the_configs():
     assert explained("Subcommand 'demo' does not accept option 'federation.roundz'", ["demo", "--config", "c.yaml"]) \
-        == ("federation.roundz: expected a known setting (did you mean federation.rounds or "
-            "federation.clients_per_round?), got the unknown key 'federation.roundz' in the config")
+        == ("federation.roundz: expected a known setting (did you mean federation.rounds?), "
+            "got the unknown key 'federation.roundz' in the config")
 
 
 def test_a_positional_argument_is_refused_as_such():

@@ -185,7 +185,7 @@ def test_abbreviated_options_are_refused():
     "argv, line",
     [
         (["--federation.roundz", "5"], "error: federation.roundz: expected a known setting (did you mean "
-         "federation.rounds or federation.dropout?), got the unknown key '--federation.roundz'"),
+         "federation.rounds?), got the unknown key '--federation.roundz'"),
         (["--client_optimizer.learning_rate", "0.1"], "error: client_optimizer.learning_rate: expected a known "
          "setting (did you mean client_optimizer.lr or client_optimizer.weight_decay?), got the unknown key "
          "'--client_optimizer.learning_rate'"),
@@ -217,8 +217,8 @@ def test_unknown_key_in_a_yaml_config_suggests_the_closest_names(tmp_path, capsy
         main(["fit", "--config", QUICKSTART, "--config", str(config), "--out_dir", str(tmp_path)])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.splitlines() == [
-        "error: federation.roundz: expected a known setting (did you mean federation.rounds or "
-        "federation.dropout?), got the unknown key 'federation.roundz' in the config"]
+        "error: federation.roundz: expected a known setting (did you mean federation.rounds?), "
+        "got the unknown key 'federation.roundz' in the config"]
 
 
 def test_print_config_round_trips(capsys):

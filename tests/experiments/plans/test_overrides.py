@@ -262,8 +262,8 @@ def test_an_override_fit_refuses_is_refused_by_table_as_by_sweep_and_dashboard(t
                                                     "FedProx": [{"algorithm": "fedprox"},
                                                                 {"algorithm.init_args.mu": "much"}]},
                            {"0.5": [{"data.alpha": 0.5}]})
-    unknown = ("federation.roundz: expected a known setting (did you mean federation.rounds or "
-               "federation.clients_per_round?), got the unknown key '--federation.roundz'")
+    unknown = ("federation.roundz: expected a known setting (did you mean federation.rounds?), "
+               "got the unknown key '--federation.roundz'")
     table_error, *others = refusals(capsys, tmp_path, plan, "federation.roundz=2")
     assert table_error.splitlines() == [
         "error: override: expected settings that fit accepts at every grid point (2 of 4 points are refused with "
