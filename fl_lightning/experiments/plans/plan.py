@@ -316,20 +316,20 @@ def _key(read: Callable[[Any, dict], Any], default: Any = None, required: bool =
 
 @dataclass
 class PlanFile:
-    """A plan file's keys, one field each, in the order the plan's docstring gives them: a field's
-    `read` checks the key's value (naming `plan.<key>` when it is wrong) and gives what the plan holds.
-    A new key is one field here."""
+    """A plan file's keys, one typed field each, in the order the plan's docstring gives them: a field's
+    `read` checks the key's value (naming `plan.<key>` when it is wrong) and gives the value of its type
+    that the plan holds. A new key is one field here."""
 
-    name: Any = _key(_read_name)
+    name: str = _key(_read_name)
     """Default: the file's name without its suffix."""
-    configs: Any = _key(_read_configs, default=[])
-    methods: Any = _key(_read_methods, required=True)
-    settings: Any = _key(_read_settings, default={})
-    seeds: Any = _key(_read_seeds, default=[0])
-    reference: Any = _key(_read_text("reference"))
-    metric: Any = _key(_read_text("metric"), default=TEST_ACCURACY)
-    resources: Any = _key(lambda value, plan: read_resources(value))
-    tune: Any = _key(lambda value, plan: read_tune(value, plan))
+    configs: list[Part] = _key(_read_configs, default=[])
+    methods: dict[str, list[Part]] = _key(_read_methods, required=True)
+    settings: dict[str, dict[str, list[Part]]] = _key(_read_settings, default={})
+    seeds: list[int] = _key(_read_seeds, default=[0])
+    reference: Optional[str] = _key(_read_text("reference"))
+    metric: str = _key(_read_text("metric"), default=TEST_ACCURACY)
+    resources: PlanResources = _key(lambda value, plan: read_resources(value))
+    tune: Optional[TuneGrid] = _key(lambda value, plan: read_tune(value, plan))
 
     @classmethod
     def read(cls, raw, default_name: str) -> "PlanFile":
