@@ -37,7 +37,7 @@ from paths import QUICKSTART
 
 from fl_lightning.checkpoint import checkpoint_dir, load_checkpoint, numbered_checkpoints
 from fl_lightning.commands.main import main
-from fl_lightning.metric_names import COST_CLIENT_SECONDS, COST_COUNTERS
+from fl_lightning.metric_names import COST_CLIENT_SECONDS, COST_COUNTERS, PARTICIPATION_METRICS
 
 # Every test runs fl-lightning in other processes, each starting outside SLURM whatever the shell has set.
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("outside_slurm")]
@@ -110,6 +110,32 @@ def test_sigkill_then_rerun_reaches_the_uninterrupted_model(reference, tmp_path)
     assert rows[:resumed_round] == rows_before[:resumed_round]
     assert_same_model(final_model(out_dir), final_model(reference))
     assert spent(rows[-1]) == spent(completed_rows(reference)[-1])
+
+
+# SCAFFOLD, whose control variates a client keeps across the rounds it sits out, with two cyclic groups online
+# in turn and a third of the uploads lost.
+PARTICIPATING = ["--algorithm", "scaffold", "--federation.participation", "cyclic",
+                 "--federation.participation.groups", "2", "--federation.dropout", "0.3"]
+
+
+def test_sigkill_under_cyclic_participation_with_lost_uploads_resumes_to_the_uninterrupted_run(tmp_path):
+    reference = tmp_path / "reference"
+    completed = run_fit(reference, *PARTICIPATING)
+    assert completed.returncode == 0, completed.stderr
+    out_dir = tmp_path / "run"
+    killed = processes.run(
+        [sys.executable, "-c", KILL_DRIVER, "metrics", "after", "25", "fit", *TRAINING, *PARTICIPATING,
+         "--out_dir", str(out_dir)], env=process_environment(), timeout=RUN_TIMEOUT_S)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    completed = run_fit(out_dir, *PARTICIPATING)
+    assert completed.returncode == 0, completed.stderr
+    rows, expected = completed_rows(out_dir), completed_rows(reference)
+    assert [row["round"] for row in rows] == list(range(1, ROUNDS + 1))
+    # Who was online, drawn, reported and dropped, round by round, as in the run never killed.
+    assert [{key: row[key] for key in PARTICIPATION_METRICS} for row in rows] == [
+        {key: row[key] for key in PARTICIPATION_METRICS} for row in expected]
+    assert any(row["clients_dropped"] for row in rows)
+    assert_same_model(final_model(out_dir), final_model(reference))
 
 
 def test_corrupt_newest_checkpoint_resumes_from_the_previous_one(reference, tmp_path):
