@@ -20,7 +20,7 @@ SQUARED_NORM = "squared_norm"
 class FedExP(Algorithm):
     default_weighting = "uniform"
     weighted_uploads = (PSEUDO_GRADIENT,)
-    weighted_scalars = (SQUARED_NORM,)  # one number per client: sum_i p_i |x - y_i|^2 reaches the server
+    weighted_short_uploads = {SQUARED_NORM: 1}  # one number per client: sum_i p_i |x - y_i|^2 reaches the server
 
     def __init__(self, epsilon: float = 1e-3):
         """

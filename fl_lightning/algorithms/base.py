@@ -32,9 +32,10 @@ class Algorithm(FrozenConfigurable):
     """Base class. A subclass sets its uploads and overrides `client_update` (and, if its server
     does more than step the server optimizer on the pseudo-gradient, `server_update`).
 
-    Uploads are flat vectors the size of the model (or of one element, `weighted_scalars`). Those in
-    `weighted_uploads` are aggregated as sum_i p_i * upload_i (p from `weighting`), those in
-    `summed_uploads` as sum_i upload_i, all in one all-reduce.
+    Uploads are flat vectors the size of the model, or short ones of a declared length (a scalar, a
+    per-client count). Those in `weighted_uploads` and `weighted_short_uploads` are aggregated as
+    sum_i p_i * upload_i (p from `weighting`), those in `summed_uploads` and `summed_short_uploads` as
+    sum_i upload_i, all in one all-reduce, and each is counted at its size in the run's upload bytes.
     """
 
     short_name: ClassVar[str] = ""
@@ -50,9 +51,11 @@ class Algorithm(FrozenConfigurable):
     default_weighting: ClassVar[Weighting] = "num_samples"
     weighted_uploads: ClassVar[tuple[str, ...]] = (PSEUDO_GRADIENT,)
     summed_uploads: ClassVar[tuple[str, ...]] = ()
-    weighted_scalars: ClassVar[tuple[str, ...]] = ()
-    """Uploads of one number each (a vector of one element), aggregated as sum_i p_i * value_i in the
-    same all-reduce (FedNova's tau_eff)."""
+    weighted_short_uploads: ClassVar[dict[str, int]] = {}
+    """Uploads shorter than the model, name -> length (1 for a number), aggregated as sum_i p_i * value_i
+    in the same all-reduce (FedNova's tau_eff)."""
+    summed_short_uploads: ClassVar[dict[str, int]] = {}
+    """Uploads shorter than the model, name -> length, aggregated as sum_i value_i (a count of clients)."""
     client_state: ClassVar[tuple[str, ...]] = ()
     """Names of per-client vectors that persist across rounds (e.g. SCAFFOLD's c_i)."""
     cost: ClassVar[Cost] = Cost()

@@ -32,7 +32,7 @@ NORMALISING_STEPS = "normalising_steps"
 class FedNova(Algorithm):
     short_name = "fednova"
     weighted_uploads = (NORMALISED_UPDATE,)
-    weighted_scalars = (NORMALISING_STEPS,)
+    weighted_short_uploads = {NORMALISING_STEPS: 1}
 
     def client_update(self, client: ClientRound) -> dict[str, torch.Tensor]:
         local_params = train_locally(client)

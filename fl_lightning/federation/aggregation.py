@@ -115,7 +115,8 @@ def is_final_vote(total: float, world_size: int) -> bool:
 
 
 class UploadBuffer:
-    """The flat buffer one all-reduce sums: weighted uploads and scalars, float buffers, summed uploads, the
+    """The flat buffer one all-reduce sums: weighted uploads (model-sized and short), float buffers, summed
+    uploads (model-sized and short), the
     weighted training loss, the ranks' stop votes (`stop_vote`), the number of ranks asked to requeue (a
     preemption signal) and the seconds of the ranks' client updates, in that order. Riding on the
     aggregation, a stop request needs no collective of its own."""
@@ -123,9 +124,10 @@ class UploadBuffer:
     def __init__(self, algorithm: Algorithm, num_params: int, num_buffers: int, device: torch.device):
         self.sections: list[tuple[str, int, bool]] = (
             [(name, num_params, True) for name in algorithm.weighted_uploads]
-            + [(name, 1, True) for name in algorithm.weighted_scalars]
+            + [(name, size, True) for name, size in algorithm.weighted_short_uploads.items()]
             + [("buffers", num_buffers, True)]
             + [(name, num_params, False) for name in algorithm.summed_uploads]
+            + [(name, size, False) for name, size in algorithm.summed_short_uploads.items()]
             + [("train_loss", 1, True), (STOP_REQUESTED, 1, False), (REQUEUE_REQUESTED, 1, False),
                (CLIENT_SECONDS, 1, False)]
         )

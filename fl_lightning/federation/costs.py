@@ -9,7 +9,8 @@ after a resume, which replays the draws of the rounds before it. What a deployme
 - a drawn client trains (a dropped one too: its upload is lost after it trained) and receives the model,
   its BatchNorm statistics and the server tensors its method sends down;
 - a client whose upload reached the server sent its model-sized vectors, the BatchNorm statistics and
-  its scalars (`Algorithm.weighted_scalars`), each at the dtype of the model's parameters.
+  its short uploads (`Algorithm.weighted_short_uploads`, `summed_short_uploads`) at their length, each at the
+  dtype of the model's parameters.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class ModelSizes:
         self.sent_down = sum(self.tensor(server, name) for name in cost.sent_down)
         self.rebuilt_down = sum(self.tensor(server, name) for name in cost.rebuilt_down)
         self.upload = (cost.uploads * self.model + self.buffers
-                       + len(algorithm.weighted_scalars) * self.element)
+                       + short_upload_elements(algorithm) * self.element)
 
     @staticmethod
     def tensor(server: ServerState, name: str) -> int:
@@ -119,3 +120,8 @@ class RunCosts:
         steps = {self.steps_done(client, round_index) for client in taking_part.reported}
         self.last_step = (set(taking_part.drawn), len(steps) == 1)
         self.reported_before.update(taking_part.reported)
+
+
+def short_upload_elements(algorithm: Algorithm) -> int:
+    """How many numbers a client uploads beside its model-sized vectors."""
+    return sum(algorithm.weighted_short_uploads.values()) + sum(algorithm.summed_short_uploads.values())

@@ -302,7 +302,8 @@ def test_several_ranks_sum_the_whole_buffer_in_one_all_reduce():
 
 
 def test_an_algorithm_with_two_weighted_uploads_gets_a_section_for_each():
-    algorithm = SimpleNamespace(weighted_uploads=("a", "b"), summed_uploads=(), weighted_scalars=())
+    algorithm = SimpleNamespace(weighted_uploads=("a", "b"), summed_uploads=(), weighted_short_uploads={},
+                                summed_short_uploads={})
     buffer = UploadBuffer(algorithm, num_params=2, num_buffers=1, device=CPU)
     assert [name for name, _, _ in buffer.sections] == ["a", "b", "buffers", "train_loss", STOP_REQUESTED,
                                                          REQUEUE_REQUESTED, CLIENT_SECONDS]
@@ -310,3 +311,16 @@ def test_an_algorithm_with_two_weighted_uploads_gets_a_section_for_each():
     reduced = buffer.reduced(OneRank())
     torch.testing.assert_close(reduced["a"], torch.tensor([0.5, 0.5]))
     torch.testing.assert_close(reduced["b"], torch.tensor([1.0, 1.0]))
+
+
+def test_short_uploads_of_any_length_ride_the_same_all_reduce_weighted_or_summed():
+    algorithm = SimpleNamespace(weighted_uploads=("update",), summed_uploads=(), weighted_short_uploads={"norm": 1},
+                                summed_short_uploads={"counts": 3})
+    buffer = UploadBuffer(algorithm, num_params=2, num_buffers=0, device=CPU)
+    assert [(name, size) for name, size, _ in buffer.sections][:4] == [("update", 2), ("norm", 1), ("buffers", 0),
+                                                                        ("counts", 3)]
+    for weight, norm, counts in ((0.25, 4.0, [1.0, 0.0, 2.0]), (0.75, 8.0, [0.0, 5.0, 1.0])):
+        buffer.add({"update": torch.ones(2), "norm": torch.tensor([norm]), "counts": torch.tensor(counts)}, weight)
+    reduced = buffer.reduced(OneRank())
+    torch.testing.assert_close(reduced["norm"], torch.tensor([0.25 * 4.0 + 0.75 * 8.0]))
+    torch.testing.assert_close(reduced["counts"], torch.tensor([1.0, 5.0, 3.0]))  # summed, not weighted

@@ -43,15 +43,17 @@ from fl_lightning.federation.costs import (
     GRAD_EVALS,
     SAMPLES,
     UPLOAD_BYTES,
+    ModelSizes,
     RunCosts,
     samples_of_steps,
+    short_upload_elements,
 )
 from fl_lightning.federation.loop import FederatedLoop
 from fl_lightning.federation.setup import RunData, RunSettings, rank_inputs
 from fl_lightning.fit import fit
 from fl_lightning.models import FeatureClassifier
 from fl_lightning.run_logging import read_metrics
-from fl_lightning.server_optimizers import ServerSGD
+from fl_lightning.server_optimizers import ServerSGD, ServerState
 
 NUM_CLASSES = 3
 CLIENT_SIZES = (13, 20, 7, 16, 24)
@@ -274,7 +276,7 @@ def declared_row(algorithm_class) -> list[str]:
     """The docs' row of a method, from its declaration."""
     algorithm, cost = algorithm_class(), algorithm_class.cost
     later, first = algorithm.step_passes(True), algorithm.step_passes(False)
-    scalars = len(algorithm_class.weighted_scalars)
+    scalars = short_upload_elements(algorithm_class)
     down = str(1 + len(cost.sent_down))
     if cost.rebuilt_down:
         down += f", or {int(down) + len(cost.rebuilt_down)} where its direction cannot be rebuilt"
@@ -288,3 +290,15 @@ def test_the_docs_table_of_methods_is_their_declared_cost():
     table = text[text.index("| method | gradient evaluations |"):].split("\n\n")[0].splitlines()[2:]
     documented = [[cell.strip() for cell in line.strip("|").split("|")] for line in table]
     assert documented == [declared_row(SHORT_NAMES[name]) for name in sorted(SHORT_NAMES)]
+
+
+def test_short_uploads_are_counted_at_their_length_weighted_or_summed():
+    class WithShortUploads(FedAvg):
+        weighted_short_uploads = {"norm": 1}
+        summed_short_uploads = {"counts": 3}
+
+    params, buffers = torch.zeros(10, dtype=torch.float32), torch.zeros(2, dtype=torch.float64)
+    server = ServerState(optimizer=ServerSGD(), num_clients=4)
+    plain, short = (ModelSizes(algorithm, params, buffers, server) for algorithm in (FedAvg(), WithShortUploads()))
+    # Four numbers more a client, at the model's dtype (4 bytes each): 10 * 4 + 2 * 8 bytes without them.
+    assert (plain.upload, short.upload) == (10 * 4 + 2 * 8, 10 * 4 + 2 * 8 + (1 + 3) * 4)
