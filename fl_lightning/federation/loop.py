@@ -87,8 +87,9 @@ class FederatedLoop:
             self.out_dir, settings.compute.client_state_memory_mib * 2**20, self.start_round,
             {} if state is None else state["client_states"], engine.global_rank, engine.world_size)
         self.trainer = self._local_trainer(device)
+        self._sizes = [len(p) for p in inputs.data.partition]
         self.costs = RunCosts(self.algorithm, self.server_state.optimizer, settings.federation, settings.seed,
-                              [len(p) for p in inputs.data.partition], self.trainer.steps_done,
+                              self._sizes, self.trainer.steps_done,
                               ModelSizes(self.algorithm, self.global_model.params, self.global_model.buffers,
                                          self.server_state))
         self.costs.resume(self.history)
@@ -97,7 +98,6 @@ class FederatedLoop:
             normalise_batches_in_float32(self.module)
         self.evaluation = Evaluation(engine, self.module, inputs.data.test, self.trainer.data, inputs.data.validation,
                                      settings.federation.eval_batch_size, settings.data.per_client_eval)
-        self._sizes = [len(p) for p in inputs.data.partition]
         self._weighting = settings.federation.weighting or self.algorithm.default_weighting
         self.stop_reasons: set[str] = set()  # every stop this process asked for
         self._asked_since_aggregation: dict[str, bool] = {}  # reason -> whether final, for the next aggregation
