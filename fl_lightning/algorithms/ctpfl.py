@@ -19,7 +19,6 @@ round of FedAvg is K local steps of each client: equal rounds are not equal prog
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -27,6 +26,7 @@ import torch
 from fl_lightning.algorithms.base import PSEUDO_GRADIENT, Algorithm
 from fl_lightning.algorithms.costs import Cost
 from fl_lightning.clients import ClientRound, clip_to_norm
+from fl_lightning.clients.run import planned_steps
 from fl_lightning.config import FederationArgs
 from fl_lightning.errors import ConfigError
 from fl_lightning.server_optimizers import ServerSGD, ServerState
@@ -65,7 +65,7 @@ class CTPFL(Algorithm):
                               federation.stragglers.init_args)
         if federation.local_epochs is None:
             return
-        steps = {federation.local_epochs * math.ceil(n / federation.batch_size) for n in client_sizes}
+        steps = {planned_steps(n, federation) for n in client_sizes}
         if len(steps) > 1:
             raise ConfigError(
                 "federation.local_epochs",

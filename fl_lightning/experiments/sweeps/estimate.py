@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from fl_lightning.clients.run import planned_steps
 from fl_lightning.config import ComputeArgs, DataArgs, FederationArgs
 from fl_lightning.cpu import available_cores
 from fl_lightning.errors import ConfigError
@@ -59,7 +60,6 @@ from fl_lightning.experiments.sweeps.machine import Resources, SweepOptions, pla
 from fl_lightning.experiments.sweeps.step_costs import (
     StepCost,
     Stretch,
-    client_steps,
     kind_of,
     time_kind,
     time_start_up,
@@ -267,7 +267,7 @@ def units_per_round(cost: StepCost, data: DataArgs, federation: FederationArgs, 
     from fl_lightning.federation.setup import split_over_clients
 
     partition, _ = split_over_clients(cost.train_labels, data, federation.num_clients, seed)
-    steps = [client_steps(federation, len(part)) for part in partition]
+    steps = [planned_steps(len(part), federation) for part in partition]
     rounds = range(min(federation.rounds, SAMPLED_ROUNDS))
     work = all_steps = 0
     for round_index in rounds:

@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from fl_lightning.checkpoint import CLIENT_STATES, checkpoint_dir, numbered_checkpoints
-from fl_lightning.config import FederationArgs
+from fl_lightning.clients.run import planned_steps
 from fl_lightning.cpu import run_threads
 from fl_lightning.errors import ConfigError
 from fl_lightning.experiments.plans.resolve import ResolvedPoint, describe_point, fit_parser
@@ -152,13 +152,6 @@ class StepCost:
         return self.timed.wall_seconds / self.timed.units
 
 
-def client_steps(federation: FederationArgs, num_samples: int) -> int:
-    """A client's local steps in a round: K, or local_epochs x ceil(n_i / B)."""
-    if federation.local_steps is not None:
-        return federation.local_steps
-    return federation.local_epochs * math.ceil(num_samples / federation.batch_size)
-
-
 def time_kind(entry: ResolvedPoint, machine: Resources, out_dir: Path) -> StepCost:
     """Time the kind of `entry`'s steps here (see the module docstring), with `machine`'s device and threads."""
     from fl_lightning.federation.client_paths import uses_grouped_path
@@ -178,7 +171,7 @@ def time_kind(entry: ResolvedPoint, machine: Resources, out_dir: Path) -> StepCo
         loop = FederatedLoop(_fabric(machine, settings.fabric.precision),
                              rank_inputs(dataclasses.replace(settings, federation=timed_federation), out_dir=out_dir,
                                        run_id="estimate", hyperparameters=checked.config))
-        most_steps = max(client_steps(federation, len(part)) for part in loop.inputs.data.partition)
+        most_steps = max(planned_steps(len(part), federation) for part in loop.inputs.data.partition)
         threads = sweep_run_threads(settings.compute.cpu_threads,
                                     sum(p.numel() for p in loop.module.parameters()), machine)
         return _time_loop(loop, grouped, device, most_steps, federation.rounds, threads)
