@@ -317,9 +317,6 @@ class RunState:
         return "started, no checkpoint yet" if self.started else "not started"
 
 
-# A run's final / last-k value, for `table` and `compare`; its best is fl_lightning.metric_names.best_round's.
-
-
 BUDGET_AXES = {"rounds": ("round",), "samples": (COST_SAMPLES,), "grad_evals": (COST_GRAD_EVALS,),
                "upload_bytes": (COST_UPLOAD_BYTES,), "bytes": (COST_UPLOAD_BYTES, COST_DOWNLOAD_BYTES),
                "seconds": (COST_CLIENT_SECONDS,)}
