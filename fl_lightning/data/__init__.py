@@ -10,9 +10,16 @@ from fl_lightning.data.datasets import (
     register_dataset,
     registered_datasets,
 )
-from fl_lightning.data.partition import class_histogram, hold_out_validation, partition_indices, plot_partition
+from fl_lightning.data.partition import (
+    ClientSamples,
+    class_histogram,
+    hold_out_validation,
+    partition_indices,
+    plot_partition,
+)
 
 __all__ = [
+    "ClientSamples",
     "DATASET_NAMES",
     "DeviceTransform",
     "ImageDataset",

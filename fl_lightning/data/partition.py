@@ -1,10 +1,14 @@
-"""Splitting a training set over clients (iid, label shards, Dirichlet label skew), and holding out
-part of each client's samples for validation."""
+"""Splitting a training set over clients (iid, label shards, Dirichlet label skew), holding out part of
+each client's samples for validation, and every client's samples in two arrays (`ClientSamples`)."""
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import io
+import json
+import numbers
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import get_args
 
@@ -15,6 +19,80 @@ from fl_lightning.choices import PartitionScheme
 from fl_lightning.errors import ConfigError
 
 PARTITION_SCHEMES = get_args(PartitionScheme)
+
+
+class ClientSamples(Sequence):
+    """Every client's sample indices, immutable, in two arrays whatever the number of clients: `indices`,
+    all clients' int64 indices one client after the other, and `offsets`, where each client's run of
+    them begins (client i's are indices[offsets[i]:offsets[i + 1]]). A sequence of numpy arrays:
+    `samples[i]` is a read-only view of client i's indices. A list of a numpy array a client costs
+    about a hundred bytes a client beside the indices themselves: a hundred MiB at a million clients.
+    """
+
+    __slots__ = ("indices", "offsets", "sizes", "_digest")
+
+    def __init__(self, indices: np.ndarray, offsets: np.ndarray):
+        """Copies of `indices` and `offsets` (offsets[0] = 0, never decreasing, offsets[-1] = len(indices))."""
+        self.indices = _read_only_int64(indices)
+        self.offsets = _read_only_int64(offsets)
+        if (self.indices.ndim != 1 or self.offsets.ndim != 1 or len(self.offsets) == 0 or self.offsets[0] != 0
+                or self.offsets[-1] != len(self.indices) or np.any(np.diff(self.offsets) < 0)):
+            raise ValueError(f"offsets of {len(self.indices)} indices must run from 0 to {len(self.indices)} and "
+                             f"never decrease, got {len(self.offsets)} offsets")
+        self.sizes = _read_only_int64(np.diff(self.offsets))
+        self._digest = None
+
+    @classmethod
+    def of(cls, parts: Iterable) -> ClientSamples:
+        """`parts` (each client's indices: arrays, tensors or lists) as ClientSamples; ClientSamples
+        themselves unchanged."""
+        if isinstance(parts, cls):
+            return parts
+        arrays = [np.asarray(part, dtype=np.int64).reshape(-1) for part in parts]
+        sizes = np.array([len(array) for array in arrays], dtype=np.int64)
+        return cls(np.concatenate([np.empty(0, dtype=np.int64), *arrays]), np.concatenate([[0], np.cumsum(sizes)]))
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def __getitem__(self, client: int) -> np.ndarray:
+        if not isinstance(client, numbers.Integral):
+            raise TypeError(f"a client's index is an integer, got {type(client).__name__}")
+        if not -len(self) <= client < len(self):
+            raise IndexError(f"client {client} of {len(self)}")
+        client = int(client) % len(self)
+        return self.indices[self.offsets[client]:self.offsets[client + 1]]
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        return (self.indices[start:end] for start, end in zip(self.offsets[:-1], self.offsets[1:]))
+
+    def __reduce__(self):
+        # Through __init__: unpickled arrays would be writable again.
+        return type(self), (self.indices, self.offsets)
+
+    def digest(self) -> str:
+        """SHA-256 of the clients' number, their offsets and their indices: equal digests, equal samples
+        client by client. What a checkpoint records of them (computed once: every checkpoint asks)."""
+        if self._digest is None:
+            digest = hashlib.sha256(f"{len(self)} clients, {len(self.indices)} indices;".encode())
+            digest.update(np.ascontiguousarray(self.offsets, dtype="<i8"))  # no copy on a little-endian machine
+            digest.update(np.ascontiguousarray(self.indices, dtype="<i8"))
+            self._digest = digest.hexdigest()
+        return self._digest
+
+    def json_pieces(self) -> Iterator[str]:
+        """The text json.dumps writes of {"<client>": [its indices], ...}, a client a piece: a million
+        clients' lists are never in memory at once."""
+        yield "{"
+        for client, part in enumerate(self):
+            yield f'{", " if client else ""}"{client}": {json.dumps(part.tolist())}'
+        yield "}"
+
+
+def _read_only_int64(values) -> np.ndarray:
+    array = np.array(values, dtype=np.int64)
+    array.flags.writeable = False
+    return array
 
 
 def partition_indices(
@@ -176,12 +254,12 @@ def hold_out_validation(parts: list[np.ndarray], fraction: float, seed: int
     return training, validation
 
 
-def class_histogram(labels: np.ndarray, parts: list[np.ndarray], num_classes: int) -> np.ndarray:
+def class_histogram(labels: np.ndarray, parts: Sequence[np.ndarray], num_classes: int) -> np.ndarray:
     """Counts [num_clients, num_classes]: how many samples of each class every client holds."""
-    labels = np.asarray(labels)
-    clients = np.repeat(np.arange(len(parts)), [len(part) for part in parts])
-    cells = clients * num_classes + labels[np.concatenate(parts).astype(np.int64)]
-    return np.bincount(cells, minlength=len(parts) * num_classes).reshape(len(parts), num_classes)
+    samples = ClientSamples.of(parts)
+    clients = np.repeat(np.arange(len(samples)), samples.sizes)
+    cells = clients * num_classes + np.asarray(labels)[samples.indices]
+    return np.bincount(cells, minlength=len(samples) * num_classes).reshape(len(samples), num_classes)
 
 
 def describe_split(scheme: str, alpha: float, shards_per_client: int) -> str:

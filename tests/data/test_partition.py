@@ -1,7 +1,10 @@
+import json
+import pickle
+
 import numpy as np
 import pytest
 
-from fl_lightning.data import class_histogram, partition, partition_indices, plot_partition
+from fl_lightning.data import ClientSamples, class_histogram, partition, partition_indices, plot_partition
 from fl_lightning.data.partition import describe_split
 from fl_lightning.errors import ConfigError
 
@@ -160,3 +163,66 @@ def test_past_twenty_classes_a_colour_bar_stands_for_the_legend():
     axes, bar = partition.partition_figure(histogram, "iid").axes
     assert axes.get_legend() is None
     assert bar.get_ylabel() == "class" and bar.get_ylim() == (0, 99)
+
+
+# --- every client's samples in two arrays ---------------------------------------------------------------
+
+PARTS = [np.array([4, 9, 2]), np.array([], dtype=np.int64), np.array([7]), np.array([0, 5])]
+
+
+def test_client_samples_are_each_clients_indices_as_read_only_views_of_one_array():
+    samples = ClientSamples.of(PARTS)
+    assert len(samples) == 4 and samples.sizes.tolist() == [3, 0, 1, 2]
+    assert [part.tolist() for part in samples] == [part.tolist() for part in PARTS]
+    assert [samples[client].tolist() for client in range(-4, 4)] == [part.tolist() for part in PARTS * 2]
+    assert all(part.dtype == np.int64 and not part.flags.writeable for part in samples)
+    assert all(np.shares_memory(part, samples.indices) for part in samples if len(part))
+    with pytest.raises(ValueError, match="read-only"):
+        samples[0][0] = 1
+    with pytest.raises(IndexError):
+        samples[4]
+    assert ClientSamples.of(samples) is samples
+    copied = pickle.loads(pickle.dumps(samples))  # as spawned ranks receive them
+    assert [part.tolist() for part in copied] == [part.tolist() for part in PARTS] and not copied[0].flags.writeable
+
+
+def test_client_samples_copy_what_they_are_given_and_refuse_offsets_that_do_not_cover_it():
+    indices, offsets = np.array([4, 9, 2, 7, 0, 5]), np.array([0, 3, 3, 4, 6])
+    samples = ClientSamples(indices, offsets)
+    indices[0] = 8
+    assert samples[0].tolist() == [4, 9, 2] and ClientSamples.of([]).sizes.tolist() == []
+    for wrong in ([1, 3, 6], [0, 3, 5], [0, 4, 3, 6], []):
+        with pytest.raises(ValueError, match="offsets of 6 indices"):
+            ClientSamples(indices, wrong)
+
+
+def test_equal_samples_have_one_digest_and_any_change_another():
+    samples = ClientSamples.of(PARTS)
+    assert samples.digest() == ClientSamples(np.concatenate(PARTS), [0, 3, 3, 4, 6]).digest()
+    assert samples.digest() == ClientSamples.of([part.tolist() for part in PARTS]).digest()  # lists, as JSON has them
+    changed = {
+        "a sample moved to the next client (the same indices one after the other)": [[4, 9], [2], [7], [0, 5]],
+        "an index changed": [[4, 9, 3], [], [7], [0, 5]],
+        "a client's order": [[2, 4, 9], [], [7], [0, 5]],
+        "an empty client more": [[4, 9, 2], [], [7], [0, 5], []],
+        "clients swapped": [[4, 9, 2], [7], [], [0, 5]],
+    }
+    digests = {samples.digest(), *(ClientSamples.of(parts).digest() for parts in changed.values())}
+    assert len(digests) == 1 + len(changed)
+
+
+def test_the_json_pieces_are_the_text_json_dumps_writes_of_every_clients_list(labels):
+    for parts in (PARTS, partition_indices(labels, 30, "dirichlet", alpha=0.5, seed=1), []):
+        pieces = list(ClientSamples.of(parts).json_pieces())
+        assert "".join(pieces) == json.dumps({str(i): part.tolist() for i, part in enumerate(parts)})
+        assert len(pieces) == len(parts) + 2  # a client a piece, never every client's list at once
+
+
+def test_the_class_histogram_of_client_samples_counts_each_clients_samples_by_class(labels):
+    parts = partition_indices(labels, 12, "shards", seed=2)
+    expected = np.zeros((12, 10), dtype=np.int64)
+    for client, part in enumerate(parts):
+        for sample in part:
+            expected[client, labels[sample]] += 1
+    assert np.array_equal(class_histogram(labels, ClientSamples.of(parts), 10), expected)
+    assert np.array_equal(class_histogram(labels, parts, 10), expected)
