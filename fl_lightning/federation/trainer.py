@@ -5,6 +5,7 @@ and its features at arbitrary flat parameters, the module's own tensors replaced
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional
 
@@ -23,6 +24,7 @@ from fl_lightning.clients.run import (
     planned_steps,
     seeded_generator,
 )
+from fl_lightning.data import ClientSamples
 from fl_lightning.federation.aggregation import local_steps_done
 from fl_lightning.federation.setup import RunSettings
 from fl_lightning.server_optimizers import ServerState
@@ -58,10 +60,11 @@ class LocalTrainer:
     """Builds `ClientRound`s on one rank and evaluates the module's loss at arbitrary flat parameters."""
 
     def __init__(self, engine, module: ClassificationModule, data: TrainingData, global_model,
-                 partition: list[np.ndarray], settings: RunSettings):
+                 partition: Sequence[np.ndarray], settings: RunSettings):
         """Everything that stays the same for the whole run: the rank's copy of the training data,
         the global model (`fl_lightning.federation.FlatGlobalModel`: flat tensors the server updates
-        in place), each client's sample indices (`partition`) and the run's settings."""
+        in place), each client's sample indices (`partition`, ClientSamples or a list of arrays) and
+        the run's settings."""
         from fl_lightning.module import TrainingStepCall
 
         self.engine = engine
@@ -70,7 +73,11 @@ class LocalTrainer:
         self.features_call = ForwardFeaturesCall(module)
         self.data = data
         self.global_model = global_model
-        self.client_indices = [torch.as_tensor(part, dtype=torch.long) for part in partition]
+        samples = ClientSamples.of(partition)
+        # Every client's indices in one tensor, a client's a view of it: a tensor a client would cost a
+        # few hundred bytes each, hundreds of MiB at a million clients.
+        self.sample_indices = torch.tensor(samples.indices, dtype=torch.long)
+        self.sample_offsets = samples.offsets
         self.settings = settings
         # Integer buffers (BatchNorm's num_batches_tracked) are not averaged; each client gets a copy.
         self.integer_buffers = {n: b for n, b in module.named_buffers() if not b.is_floating_point()}
@@ -161,10 +168,14 @@ class LocalTrainer:
         # running statistics it computes are dropped (the CE pass already counted this batch).
         return self._call_with_buffers(self.features_call, params, buffers, inputs, training)[0].float()
 
+    def client_samples(self, client_id: int) -> torch.Tensor:
+        """The client's training-set indices: a view of `sample_indices`."""
+        return self.sample_indices[int(self.sample_offsets[client_id]):int(self.sample_offsets[client_id + 1])]
+
     def steps_done(self, client_id: int, round_index: int) -> int:
         """The local steps the client does in round `round_index` (its planned K_i, or a straggler's share)."""
         federation = self.settings.federation
-        planned = planned_steps(len(self.client_indices[client_id]), federation)
+        planned = planned_steps(len(self.client_samples(client_id)), federation)
         return local_steps_done(self.settings.seed, round_index, client_id, federation, planned)
 
     def client_round(self, client_id: int, round_index: int, state: dict[str, torch.Tensor],
@@ -174,7 +185,7 @@ class LocalTrainer:
         Everything it draws comes from one stream: its batch order, then its augmentations."""
         settings, global_model = self.settings, self.global_model
         generator = seeded_generator(settings.seed, CLIENT_STREAM, round_index, client_id)
-        sample_indices = self.client_indices[client_id]
+        sample_indices = self.client_samples(client_id)
         federation = settings.federation
         positions = batch_positions(len(sample_indices), federation.batch_size, federation.local_steps,
                                     federation.local_epochs, generator)
@@ -202,7 +213,7 @@ class LocalTrainer:
 
     def training_pool(self) -> torch.Tensor:
         """The training-set indices of every client's samples together, in increasing order."""
-        return torch.cat(self.client_indices).sort().values
+        return self.sample_indices.sort().values
 
     def training_batch(self, indices: torch.Tensor) -> Batch:
         """The training samples at `indices`, normalised on the device and never augmented."""
