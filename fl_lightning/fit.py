@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import warnings
 from datetime import timedelta
@@ -20,7 +19,7 @@ import yaml
 from jsonargparse.typing import NonNegativeInt
 
 from fl_lightning.algorithms import Algorithm
-from fl_lightning.atomic_files import write_text_atomically
+from fl_lightning.atomic_files import write_atomically, write_text_atomically
 from fl_lightning.callbacks import (
     Callback,
     Evaluate,
@@ -51,10 +50,10 @@ from fl_lightning.configurable import Configurable
 from fl_lightning.constraints import Constraint
 from fl_lightning.cpu import ThreadChoice, cpu_rank, run_threads
 from fl_lightning.data import class_histogram, plot_partition
-from fl_lightning.data.partition import describe_split
+from fl_lightning.data.partition import ClientSamples, describe_split
 from fl_lightning.errors import ConfigError, RunInterrupted
 from fl_lightning.federation.participation_plot import PARTICIPATION_PLOT, plot_participation
-from fl_lightning.federation.setup import RankInputs, RunSettings, as_lists, rank_inputs
+from fl_lightning.federation.setup import RankInputs, RunSettings, rank_inputs
 from fl_lightning.flat import FlatLayout
 from fl_lightning.lost_ranks import watch_started_ranks
 from fl_lightning.run_dir import (
@@ -303,11 +302,9 @@ def _threads_of_started_ranks(threads: Optional[ThreadChoice]):
 def _write_run_files(inputs: RankInputs) -> None:
     out, data, data_settings = inputs.out_dir, inputs.data, inputs.settings.data
     write_text_atomically(out / CONFIG_FILE, yaml.safe_dump(inputs.hyperparameters, sort_keys=False))
-    write_text_atomically(out / "partition.json",
-                          json.dumps({str(i): p for i, p in enumerate(as_lists(data.partition))}))
+    _write_samples(out / "partition.json", data.partition)
     if data.validation is not None:
-        write_text_atomically(out / VALIDATION_FILE,
-                              json.dumps({str(i): p for i, p in enumerate(as_lists(data.validation))}))
+        _write_samples(out / VALIDATION_FILE, data.validation)
     # A resumed run has the partition it started with (fit refuses a changed one), and its plot.
     if inputs.resume_state is None or not (out / PARTITION_PLOT).is_file():
         histogram = class_histogram(data.train.labels.numpy(), data.partition, data.train.num_classes)
@@ -316,6 +313,12 @@ def _write_run_files(inputs: RankInputs) -> None:
     federation = inputs.settings.federation
     if (federation.participation is not None or federation.dropout) and not (out / PARTICIPATION_PLOT).is_file():
         plot_participation(inputs.settings.seed, federation, out / PARTICIPATION_PLOT)
+
+
+def _write_samples(path: Path, samples: ClientSamples) -> None:
+    """{"<client>": [its indices], ...} as json.dumps writes it, client by client (a million clients'
+    lists at once would be a spike of Python objects), whole or not at all."""
+    write_atomically(path, lambda file: file.writelines(piece.encode() for piece in samples.json_pieces()))
 
 
 def _build_fabric(args: FabricArgs, callbacks: list[Callback]):

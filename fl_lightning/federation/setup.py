@@ -18,6 +18,7 @@ from torch import nn
 
 from fl_lightning.algorithms import Algorithm
 from fl_lightning.callbacks import Callback
+from fl_lightning.checkpoint import EARLIER_PARTITION, EARLIER_VALIDATION, PARTITION_DIGEST, VALIDATION_DIGEST
 from fl_lightning.config import (
     CheckpointArgs,
     ClientOptimizerArgs,
@@ -29,7 +30,7 @@ from fl_lightning.config import (
     ModelArgs,
 )
 from fl_lightning.constraints import Constraint
-from fl_lightning.data import ImageDataset, hold_out_validation, load_dataset, partition_indices
+from fl_lightning.data import ClientSamples, ImageDataset, hold_out_validation, load_dataset, partition_indices
 from fl_lightning.errors import ConfigError
 from fl_lightning.models import create_model
 from fl_lightning.server_optimizers import ServerOptimizer, ServerSGD
@@ -60,12 +61,17 @@ class RunSettings:
 
 @dataclass
 class RunData:
-    """The datasets and each client's training-set indices (and held-out validation indices, or None)."""
+    """The datasets and each client's training-set indices (and held-out validation indices, or None);
+    indices given as a list of arrays (the benchmarks', the tests') are held as ClientSamples."""
 
     train: ImageDataset
     test: ImageDataset
-    partition: list[np.ndarray]
-    validation: Optional[list[np.ndarray]] = None
+    partition: ClientSamples
+    validation: Optional[ClientSamples] = None
+
+    def __post_init__(self):
+        self.partition = ClientSamples.of(self.partition)
+        self.validation = None if self.validation is None else ClientSamples.of(self.validation)
 
 
 @dataclass
@@ -125,31 +131,39 @@ def load_run_data(settings: RunSettings, resume_state: Optional[dict], out_dir: 
     data, federation, seed = settings.data, settings.federation, settings.seed
     train_set, test_set = load_dataset(data.name, data.root, data.download)
     partition, validation = split_over_clients(train_set.labels.numpy(), data, federation.num_clients, seed)
-    settings.algorithm.check_federation(federation, [len(p) for p in partition])
-    largest_client = max(len(p) for p in partition)
+    settings.algorithm.check_federation(federation, partition.sizes.tolist())
+    largest_client = int(partition.sizes.max())
     # Under local_epochs a batch larger than a client is its whole data (full-batch steps); under
     # local_steps every batch of every client would repeat samples.
     if federation.local_steps is not None and federation.batch_size > largest_client:
         raise ConfigError("federation.batch_size", f"at most the largest client's number of samples ({largest_client}) "
                           "with local_steps", federation.batch_size)
-    if resume_state is not None and [list(p) for p in partition] != resume_state["partition"]:
+    if resume_state is not None and partition.digest() != saved_digest(resume_state, PARTITION_DIGEST,
+                                                                       EARLIER_PARTITION):
         raise ConfigError("resume", "a checkpoint made with the same data, partition and seed", str(out_dir))
-    if resume_state is not None and as_lists(validation) != resume_state.get("validation"):
+    if resume_state is not None and (None if validation is None else validation.digest()) != saved_digest(
+            resume_state, VALIDATION_DIGEST, EARLIER_VALIDATION):
         raise ConfigError("resume", "a checkpoint made with the same validation samples (data, partition, seed and "
                           "data.validation)", str(out_dir))
     return RunData(train_set, test_set, partition, validation)
 
 
+def saved_digest(state: dict, digest_key: str, earlier_key: str) -> Optional[str]:
+    """The digest (`ClientSamples.digest`) of the clients' samples a checkpoint was made with, as it holds
+    it under `digest_key` or, in a checkpoint of an earlier version, of the lists it holds under
+    `earlier_key`; None where it holds neither (a run without a validation split)."""
+    if digest_key in state:
+        return state[digest_key]
+    lists = state.get(earlier_key)
+    return None if lists is None else ClientSamples.of(lists).digest()
+
+
 def split_over_clients(labels: np.ndarray, data: DataArgs, num_clients: int, seed: int
-                       ) -> tuple[list[np.ndarray], Optional[list[np.ndarray]]]:
+                       ) -> tuple[ClientSamples, Optional[ClientSamples]]:
     """Each client's training-set indices and, with data.validation, its held-out ones (else None)."""
     partition = partition_indices(labels, num_clients, data.partition, alpha=data.alpha, min_samples=data.min_samples,
                                   shards_per_client=data.shards_per_client, seed=seed)
     if data.validation is None:
-        return partition, None
-    return hold_out_validation(partition, data.validation, seed)
-
-
-def as_lists(parts: Optional[list]) -> Optional[list[list[int]]]:
-    """Per-client indices as a checkpoint and the run files hold them."""
-    return None if parts is None else [p.tolist() for p in parts]
+        return ClientSamples.of(partition), None
+    training, validation = hold_out_validation(partition, data.validation, seed)
+    return ClientSamples.of(training), ClientSamples.of(validation)

@@ -8,6 +8,7 @@ import torch
 from reference import small_setup
 
 from fl_lightning.algorithms import CTPFL, FedAvg
+from fl_lightning.checkpoint import PARTITION_DIGEST
 from fl_lightning.config import ClientOptimizerArgs, FabricArgs
 from fl_lightning.federation.aggregation import aggregation_weights, clients_of_rank, sample_clients
 from fl_lightning.federation.client_store import ClientStates
@@ -57,7 +58,7 @@ def test_resume_from_mid_run_checkpoint_reproduces_the_uninterrupted_run(cifar_r
     assert [m["round"] for m in read_metrics(tmp_path / "b")] == [1, 2, 3, 4]
     checkpoint = torch.load(tmp_path / "b" / "checkpoints" / "last.ckpt", weights_only=False)
     assert checkpoint["round"] == 4
-    assert {"model", "algorithm", "partition", "rng", "run_id"} <= set(checkpoint)
+    assert {"model", "algorithm", PARTITION_DIGEST, "rng", "run_id"} <= set(checkpoint)
     assert checkpoint["algorithm"]["server_state"]["direction"].shape == resumed.shape
 
 
