@@ -5,8 +5,10 @@ memory (the store off: `compute.client_state_memory_mib` far above what they tak
 store on: `--bound-mib`), side by side in one run.
 
 Every configuration runs in a process of its own, as `fit` runs a rank (a `FederatedLoop` on one CPU rank of one
-thread, its checkpoints written to a temporary run folder), since peak resident memory is a process's. Each
-client holds two random 8x8 one-channel images and trains one step of batch 2 a round. Reported per
+thread, its checkpoints written to a temporary run folder), since peak resident memory is a process's. The data
+does not grow with N: a fixed pool of 20,000 random 8x8 one-channel training images (and 100 test ones), of
+which client i holds samples 2i and 2i + 1 modulo 20,000, given as `ClientSamples` (two arrays, not a list of an
+array a client); each client trains one step of batch 2 a round. Reported per
 configuration: the process's resident memory once the run is set up (data, partition, model: what does not
 depend on the store) and its peak by the end; the mean seconds per round (`run_round`, checkpoints apart); the
 mean bytes a checkpoint writes (every file it writes, the client-state files included), beside what a checkpoint
@@ -40,6 +42,7 @@ from common import random_images  # noqa: E402
 ALGORITHMS = ("scaffold", "moon")
 STORE_OFF_MIB = 2**20  # a TiB: every state stays in memory
 SEED = 0
+POOL = 20_000  # training images, shared by the clients at every N
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -89,7 +92,7 @@ def run_one(algorithm_name: str, num_clients: int, memory_mib: int, args: argpar
 
     from fl_lightning.algorithms import MOON, SCAFFOLD
     from fl_lightning.config import ClientOptimizerArgs, ComputeArgs, DataArgs, FederationArgs, ModelArgs
-    from fl_lightning.data import ImageDataset
+    from fl_lightning.data import ClientSamples, ImageDataset
     from fl_lightning.federation.loop import FederatedLoop
     from fl_lightning.federation.setup import RunData, RunSettings, rank_inputs
     from fl_lightning.server_optimizers import ServerSGD
@@ -97,10 +100,10 @@ def run_one(algorithm_name: str, num_clients: int, memory_mib: int, args: argpar
     torch.set_num_threads(1)
     rounds, checkpoint_every = args.rounds, args.checkpoint_every
     per_round = args.clients_per_round or num_clients // rounds
-    images, labels = random_images(2 * num_clients + 100, channels=1, image_size=8, seed=SEED)
-    train = ImageDataset(images[:-100], labels[:-100], 10, (0.5,), (0.5,))
-    test = ImageDataset(images[-100:], labels[-100:], 10, (0.5,), (0.5,))
-    partition = list(np.arange(2 * num_clients).reshape(num_clients, 2))
+    images, labels = random_images(POOL + 100, channels=1, image_size=8, seed=SEED)
+    train = ImageDataset(images[:POOL], labels[:POOL], 10, (0.5,), (0.5,))
+    test = ImageDataset(images[POOL:], labels[POOL:], 10, (0.5,), (0.5,))
+    partition = ClientSamples(np.arange(2 * num_clients) % POOL, np.arange(0, 2 * num_clients + 1, 2))
     algorithm = SCAFFOLD() if algorithm_name == "scaffold" else MOON(projection_dim=16)
     settings = RunSettings(
         algorithm=algorithm, model=ModelArgs(name="mlp", options={"hidden": 16, "depth": 1}),
@@ -127,7 +130,7 @@ def run_one(algorithm_name: str, num_clients: int, memory_mib: int, args: argpar
                 loop.save_checkpoint()
                 checkpoint_seconds.append(time.perf_counter() - started)
                 checkpoint_bytes.append(written.take())
-        files = list(Path(out_dir, "client_states").rglob("client_*.pt"))
+        files = list(Path(out_dir, "client_states").rglob("client_*"))
         file_bytes = np.mean([path.stat().st_size for path in files])
         trained = {int(path.name.split(".")[0].removeprefix("client_")) for path in files}
         trained |= set(loop.client_states.by_client)
