@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Callable, ClassVar, Optional
 
@@ -54,7 +55,7 @@ class Participation(FrozenConfigurable):
     def check(self, num_clients: int) -> None:
         """Refuse settings that do not fit a federation of `num_clients` (ConfigError), before any round."""
 
-    def online(self, round_index: int, num_clients: int, draws: Draws) -> list[int]:
+    def online(self, round_index: int, num_clients: int, draws: Draws) -> Sequence[int]:
         """The clients online in round `round_index` (0-based), ascending."""
         raise NotImplementedError
 
@@ -64,8 +65,8 @@ class Uniform(Participation):
 
     short_name = "uniform"
 
-    def online(self, round_index: int, num_clients: int, draws: Draws) -> list[int]:
-        return list(range(num_clients))
+    def online(self, round_index: int, num_clients: int, draws: Draws) -> Sequence[int]:
+        return range(num_clients)  # not a list: a million clients would cost tens of megabytes a round
 
 
 class Availability(Participation):

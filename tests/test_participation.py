@@ -52,7 +52,7 @@ def test_the_draws_made_once_share_no_stream_with_any_rounds():
 
 
 def test_uniform_puts_every_client_online_every_round():
-    assert all(Uniform().online(r, 7, draws_of(0)) == list(range(7)) for r in range(5))
+    assert all(list(Uniform().online(r, 7, draws_of(0))) == list(range(7)) for r in range(5))
 
 
 @pytest.mark.parametrize("probability", [0.1, 0.5, 0.9])

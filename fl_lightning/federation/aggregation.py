@@ -4,6 +4,7 @@ all-reduce(sum) aggregates, stop requests riding on it."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,7 +31,7 @@ def sample_clients(seed: int, round_index: int, num_clients: int, clients_per_ro
     return draw_from(list(range(num_clients)), seed, round_index, clients_per_round)
 
 
-def draw_from(online: list[int], seed: int, round_index: int, clients_per_round: int) -> list[int]:
+def draw_from(online: Sequence[int], seed: int, round_index: int, clients_per_round: int) -> list[int]:
     """`clients_per_round` of the `online` clients (all of them when fewer are), uniformly without
     replacement, ascending; with every client online, the draw the rounds always made."""
     generator = seeded_generator(seed, SAMPLING_STREAM, round_index)
@@ -42,7 +43,7 @@ class RoundClients:
     """Who took part in a round: online (`federation.participation`), drawn from them, and of those
     drawn, the ones whose upload reached the server (`federation.dropout`)."""
 
-    online: list[int]
+    online: Sequence[int]
     drawn: list[int]
     reported: list[int]
 
