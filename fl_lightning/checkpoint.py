@@ -5,13 +5,15 @@ file users and evaluation scripts load: a resume checks it too, and puts the new
 in its place when it is damaged, missing or behind (`restore_last`).
 A checkpoint is a plain dict saved with `torch.save`, loadable with `torch.load`. Per-client state
 of stateful algorithms lives in the client-state store's files, out_dir/client_states/<id // 1000>/
-client_0001234.r000010.pt (client 1234's state after round 10; `fl_lightning.federation.client_store`
-writes them); each owner rank saves beside a checkpoint which file holds each of its clients' state
-as of the checkpoint's round, as round_000010.clients_rank0.pt ... (checkpoints of earlier versions
-hold there the states themselves, and still resume), before the main file (whose presence marks the
-checkpoint complete). Pruning removes a checkpoint's shards before its main file, so a kill mid-way
-leaves an incomplete checkpoint (skipped on resume, pruned again later) rather than a shard nothing
-refers to; `remove_orphan_shards` clears those a kill left all the same.
+client_0001234.r000010.safetensors (client 1234's state after round 10;
+`fl_lightning.federation.client_store` writes them). Which file holds each client's state as of a
+checkpoint is an index made of deltas: before the main file (whose presence marks the checkpoint
+complete), each owner rank writes out_dir/client_states/index/round_000010.rank0.pt ..., the clients
+whose file changed since the previous checkpoint; the main file lists its deltas and every earlier
+one's (`CLIENT_INDEX`), which pruning keeps, so that no checkpoint writes every client's entry.
+Checkpoints of earlier versions kept shards beside them instead (round_000010.clients_rank0.pt: every
+client's version, or its state itself), and still resume; pruning removes such a checkpoint's shards
+before its main file, and `remove_orphan_shards` clears those a kill left.
 
 Each file carries a SHA-256 digest of its content (tensors by their bytes), checked on load: a
 flipped byte in a tensor would otherwise load without complaint and silently change the run.
@@ -20,6 +22,7 @@ flipped byte in a tensor would otherwise load without complaint and silently cha
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import sys
@@ -29,6 +32,7 @@ from pathlib import Path
 from typing import Optional
 
 import numpy as np
+import safetensors.torch
 import torch
 
 from fl_lightning import atomic_files
@@ -38,7 +42,12 @@ LAST = "last.ckpt"
 DIGEST = "sha256"
 _NUMBERED = re.compile(r"round_(\d+)\.ckpt$")
 _SHARD = re.compile(r"round_(\d+)\.clients_rank\d+\.pt$")
-REQUIRED_KEYS = ("round", "model", "algorithm", "partition", "metrics", "hyperparameters", DIGEST)
+_INDEX = re.compile(r"^round_(\d+)\.rank\d+\.pt$")
+REQUIRED_KEYS = ("round", "model", "algorithm", "metrics", "hyperparameters", DIGEST)
+# The clients' samples, by their digests (`fl_lightning.data.ClientSamples.digest`; the validation one None
+# without a validation split); checkpoints of earlier versions hold every client's indices as lists instead.
+PARTITION_DIGEST, VALIDATION_DIGEST = "partition_sha256", "validation_sha256"
+EARLIER_PARTITION, EARLIER_VALIDATION = "partition", "validation"
 # Optional keys (absent from checkpoints of earlier versions, which resume as if they were empty):
 FINAL_STOP = "final_stop"  # the reason of a final stop, or None: the run is over
 PENDING_FINAL_STOPS = "pending_final_stops"  # final stops asked for after the round's aggregation
@@ -122,36 +131,73 @@ def _load_verified(path: Path, what: str = "checkpoint", **load_options) -> dict
 
 
 def client_shard_path(folder: Path, round_completed: int, rank: int) -> Path:
+    """A client-state shard of a checkpoint of an earlier version (which file, or the states themselves)."""
     return folder / f"round_{round_completed:06d}.clients_rank{rank}.pt"
 
 
 CLIENT_STATES = "client_states"
+CLIENT_INDEX = "client_state_index"
+"""A checkpoint's key: the checkpoints, oldest first, whose index deltas make its client-state index."""
 NOT_SAVED = -1
 """The version of a client with no saved state (it never trained)."""
+_STATE_SUFFIX, _EARLIER_STATE_SUFFIX = ".safetensors", ".pt"
 
 
 def client_state_path(out_dir: Path, client_id: int, version: int) -> Path:
     """The file of client `client_id`'s state after round `version` (a thousand clients a folder)."""
-    return Path(out_dir) / CLIENT_STATES / f"{client_id // 1000:04d}" / f"client_{client_id:07d}.r{version:06d}.pt"
+    return (Path(out_dir) / CLIENT_STATES / f"{client_id // 1000:04d}"
+            / f"client_{client_id:07d}.r{version:06d}{_STATE_SUFFIX}")
+
+
+def client_state_paths(out_dir: Path, client_id: int, version: int) -> tuple[Path, Path]:
+    """That file, and its name in runs of earlier versions (a torch.save file), either of which holds it."""
+    path = client_state_path(out_dir, client_id, version)
+    return path, path.with_suffix(_EARLIER_STATE_SUFFIX)
 
 
 def save_client_state(out_dir: Path, client_id: int, version: int, state: dict) -> None:
-    """Written atomically but not synced: the store syncs the files a checkpoint refers to (`os.sync`,
-    once) before the checkpoint's shard and main file."""
+    """A safetensors file (raw tensors after a small header: written and read several times faster than
+    a torch.save file, as a store past its bound does for every client of a round) whose metadata holds
+    the client, the version and the digest. Written atomically but not synced: the store syncs the
+    files a checkpoint refers to (`os.sync`, once) before the checkpoint."""
     path = client_state_path(out_dir, client_id, version)
     path.parent.mkdir(parents=True, exist_ok=True)
-    _save_file({"client": client_id, "version": version, "state": state}, path, synced=False)
+    identity = {"client": str(client_id), "version": str(version)}
+    payload = safetensors.torch.save(state, metadata={**identity, DIGEST: content_digest([identity, state])})
+    atomic_files.write_atomically(path, lambda file: file.write(payload), synced=False)
 
 
 def load_client_state(out_dir: Path, client_id: int, version: int) -> dict:
     """Client `client_id`'s state after round `version`; ValueError naming the client and the file
     when it is missing, unreadable, altered or another client's."""
-    path = client_state_path(out_dir, client_id, version)
-    saved = _load_verified(path, f"the state of client {client_id},")
-    if (saved["client"], saved["version"]) != (client_id, version):
-        raise ValueError(f"the state of client {client_id}, {path}, holds client {saved['client']} after round "
-                         f"{saved['version']}")
-    return saved["state"]
+    path, earlier = client_state_paths(out_dir, client_id, version)
+    what = f"the state of client {client_id},"
+    if not path.is_file() and earlier.is_file():
+        saved = _load_verified(earlier, what)
+        identity, state = (saved["client"], saved["version"]), saved["state"]
+    else:
+        identity, state = _load_safetensors(path, what)
+    if identity != (client_id, version):
+        raise ValueError(f"{what} {path}, holds client {identity[0]} after round {identity[1]}")
+    return state
+
+
+def _load_safetensors(path: Path, what: str) -> tuple[tuple[int, int], dict]:
+    """The (client, version) and the state of a file written by `save_client_state`, its digest checked."""
+    if not path.is_file():
+        raise ValueError(f"{what} {path} is missing")
+    payload = path.read_bytes()
+    try:
+        state = safetensors.torch.load(payload)
+        # The format: an 8-byte little-endian header length, then the JSON header.
+        metadata = json.loads(payload[8:8 + int.from_bytes(payload[:8], "little")])["__metadata__"]
+        identity = {"client": metadata["client"], "version": metadata["version"]}
+        expected = metadata[DIGEST]
+    except Exception as err:  # a truncated or corrupt file fails in many ways
+        raise ValueError(f"{what} {path} is unreadable ({type(err).__name__}: {err})") from err
+    if content_digest([identity, state]) != expected:
+        raise ValueError(f"{what} {path} fails its {DIGEST} check: its content was altered after saving")
+    return (int(identity["client"]), int(identity["version"])), state
 
 
 class ClientStateFiles(Mapping):
@@ -180,16 +226,74 @@ class ClientStateFiles(Mapping):
             self[client_id]
 
 
-def save_client_shard(versions: np.ndarray, out_dir: Path, round_completed: int, rank: int) -> None:
-    """Which file holds each of a rank's clients' state (`versions`, NOT_SAVED for clients it does not own)."""
-    folder = checkpoint_dir(out_dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    _save_file({"client_versions": versions}, client_shard_path(folder, round_completed, rank))
+def client_index_path(out_dir: Path, round_completed: int, rank: int) -> Path:
+    return Path(out_dir) / CLIENT_STATES / "index" / f"round_{round_completed:06d}.rank{rank}.pt"
 
 
-def load_client_shards(checkpoint_path: Path, round_completed: int, num_shards: int) -> Mapping:
-    """Every rank's saved client states for that checkpoint, merged: client id -> state (the store's
-    files, `ClientStateFiles`; or, in a checkpoint of an earlier version, the states themselves)."""
+def save_client_index(out_dir: Path, round_completed: int, rank: int, clients: np.ndarray,
+                      versions: np.ndarray) -> None:
+    """A rank's index delta of a checkpoint: the clients whose saved state changed since the previous
+    checkpoint, and the version of each; the checkpoint lists the deltas that make its whole index
+    (`CLIENT_INDEX`), so that what it writes does not grow with the clients of the federation."""
+    path = client_index_path(out_dir, round_completed, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _save_file({"round": round_completed, "clients": clients, "versions": versions}, path)
+
+
+def load_client_index(out_dir: Path, deltas: list) -> np.ndarray:
+    """The version of every client's state (NOT_SAVED: none) after the index `deltas` ((round, ranks)
+    pairs, oldest first); ValueError naming a delta that is missing or damaged."""
+    versions = np.full(0, NOT_SAVED, dtype=np.int32)
+    for round_completed, ranks in deltas:
+        for rank in range(ranks):
+            path = client_index_path(out_dir, round_completed, rank)
+            delta = _load_verified(path, "client-state index")
+            if len(delta["clients"]):
+                versions = extended_versions(versions, int(delta["clients"].max()) + 1)
+            versions[delta["clients"]] = delta["versions"]
+    return versions
+
+
+def remove_later_client_indexes(out_dir: Path, round_completed: int) -> None:
+    """Index deltas of checkpoints after `round_completed` (a run killed after writing them, or a
+    checkpoint a resume skipped), and temporary files: no resume from `round_completed` refers to them."""
+    for path in Path(out_dir, CLIENT_STATES, "index").glob("*round_*"):
+        match = _INDEX.match(path.name)
+        if match is None or int(match.group(1)) > round_completed:
+            path.unlink(missing_ok=True)
+
+
+def extended_versions(versions: np.ndarray, size: int) -> np.ndarray:
+    """`versions` grown to `size` clients, the new ones NOT_SAVED."""
+    if size <= len(versions):
+        return versions
+    longer = np.full(size, NOT_SAVED, dtype=np.int32)
+    longer[:len(versions)] = versions
+    return longer
+
+
+def load_client_states(checkpoint_path: Path, state: dict) -> Mapping:
+    """A checkpoint's client states: client id -> state (the store's files, `ClientStateFiles`, each
+    checked here; or, in a checkpoint of an earliest version, the states themselves)."""
+    out_dir = Path(checkpoint_path).parent.parent
+    if CLIENT_INDEX in state:
+        versions = load_client_index(out_dir, state[CLIENT_INDEX])
+    else:
+        earlier = _earlier_client_shards(checkpoint_path, state["round"], state.get("client_state_shards", 0))
+        if not isinstance(earlier, np.ndarray):
+            return earlier
+        versions = earlier
+    files = ClientStateFiles(out_dir, versions)
+    try:
+        files.verify()
+    except ValueError as err:
+        raise ValueError(f"checkpoint {checkpoint_path}: {err}") from err
+    return files
+
+
+def _earlier_client_shards(checkpoint_path: Path, round_completed: int, num_shards: int):
+    """The client states of a checkpoint of an earlier version, from its shards: every client's
+    version (an array), or the states themselves (a dict)."""
     merged: dict = {}
     versions = np.full(0, NOT_SAVED, dtype=np.int32)
     for rank in range(num_shards):
@@ -201,22 +305,10 @@ def load_client_shards(checkpoint_path: Path, round_completed: int, num_shards: 
         if "clients" in shard:
             merged.update(shard["clients"])
         else:
-            versions = _merged_versions(versions, shard["client_versions"])
-    if merged:
-        return merged
-    files = ClientStateFiles(Path(checkpoint_path).parent.parent, versions)
-    try:
-        files.verify()
-    except ValueError as err:
-        raise ValueError(f"checkpoint {checkpoint_path}: {err}") from err
-    return files
-
-
-def _merged_versions(merged: np.ndarray, shard: np.ndarray) -> np.ndarray:
-    longer = np.full(max(len(merged), len(shard)), NOT_SAVED, dtype=np.int32)
-    longer[:len(merged)] = merged
-    longer[:len(shard)] = np.maximum(longer[:len(shard)], shard)
-    return longer
+            saved = shard["client_versions"]
+            versions = extended_versions(versions, len(saved))
+            versions[:len(saved)] = np.maximum(versions[:len(saved)], saved)
+    return merged if merged else versions
 
 
 def save_checkpoint(state: dict, out_dir: Path, keep: int) -> Path:
@@ -311,9 +403,11 @@ def load_checkpoint(path: Path) -> dict:
     file when it is unusable."""
     state = _load_verified(path)
     missing = [k for k in REQUIRED_KEYS if k != DIGEST and k not in state]
+    if PARTITION_DIGEST not in state and EARLIER_PARTITION not in state:
+        missing.append(PARTITION_DIGEST)
     if missing:
         raise ValueError(f"checkpoint {path} lacks {missing}")
-    state["client_states"] = load_client_shards(path, state["round"], state.get("client_state_shards", 0))
+    state["client_states"] = load_client_states(path, state)
     return state
 
 

@@ -119,9 +119,10 @@ class ComputeArgs:
     client_state_memory_mib: NonNegativeInt = 4096
     """Host memory (MiB) each rank may hold of its clients' state (SCAFFOLD's, FedDyn's, MOON's). Past
     it, the least recently trained clients' states go to files in out_dir/client_states and are read
-    back when the client trains again (0: every state as soon as the next client has trained); within
-    it nothing is written but checkpoints. The same model either way, bit for bit (docs/performance.md,
-    "Client state in bounded memory")."""
+    back, read ahead in the background, when the client trains again (0: every state as soon as the next
+    client has trained); within it nothing is written but checkpoints. The states read ahead take at
+    most a quarter of it more (and at least one state). The same model either way, bit for bit
+    (docs/performance.md, "Client state in bounded memory")."""
 
 
 @dataclass

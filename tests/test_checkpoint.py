@@ -1,5 +1,5 @@
 """Checkpoints: last.ckpt verified and rewritten from the newest good checkpoint, a corrupted tensor, client-
-state shard or client-state file caught by its digest and the previous checkpoint used, garbage given to
+state index delta or client-state file caught by its digest and the previous checkpoint used, garbage given to
 resume refused in one line, and temporary files left by a kill removed."""
 
 import os
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from quick_runs import ROUNDS, fit, refused
 
-from fl_lightning.checkpoint import checkpoint_dir, load_checkpoint, numbered_checkpoints
+from fl_lightning.checkpoint import checkpoint_dir, client_index_path, load_checkpoint, numbered_checkpoints
 from fl_lightning.run_logging import read_metrics
 
 
@@ -87,12 +87,12 @@ def test_last_ckpt_damaged_in_place_is_its_newest_round_damaged_too_and_the_prev
     assert load_checkpoint(folder / "last.ckpt")["round"] == ROUNDS and os.path.samefile(folder / "last.ckpt", newest)
 
 
-def test_a_truncated_client_state_shard_is_caught(tmp_path):
+def test_a_truncated_client_state_index_delta_is_caught(tmp_path):
     out_dir = tmp_path / "run"
     fit(out_dir, "--algorithm", "scaffold")
-    shard = next(checkpoint_dir(out_dir).glob("round_000004.clients_rank0.pt"))
-    shard.write_bytes(shard.read_bytes()[:100])
-    with pytest.raises(ValueError, match=f"checkpoint {shard} is unreadable"):
+    delta = client_index_path(out_dir, 2, 0)  # which the checkpoint of round 4 is made of too
+    delta.write_bytes(delta.read_bytes()[:100])
+    with pytest.raises(ValueError, match=f"client-state index {delta} is unreadable"):
         load_checkpoint(checkpoint_dir(out_dir) / "round_000004.ckpt")
 
 
@@ -100,9 +100,11 @@ def test_a_damaged_client_state_file_is_named_and_the_previous_checkpoint_used(t
     out_dir = tmp_path / "run"
     fit(out_dir, "--algorithm", "scaffold")
     newest, previous = (checkpoint_dir(out_dir) / f"round_{r:06d}.ckpt" for r in (ROUNDS, ROUNDS - 2))
-    damaged = sorted((out_dir / "client_states").rglob(f"client_*.r{ROUNDS:06d}.pt"))[0]
+    damaged = sorted((out_dir / "client_states").rglob(f"client_*.r{ROUNDS:06d}.safetensors"))[0]
     client = int(damaged.name.split(".")[0].removeprefix("client_"))
-    flip_bytes_inside(damaged, b"data/0")
+    data = bytearray(damaged.read_bytes())
+    data[-8:] = bytes(255 - b for b in data[-8:])  # inside the last tensor's bytes
+    damaged.write_bytes(bytes(data))
     with pytest.raises(ValueError, match=f"checkpoint {newest}: the state of client {client}, {damaged} fails its "
                                          "sha256 check"):
         load_checkpoint(newest)

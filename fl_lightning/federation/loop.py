@@ -16,12 +16,14 @@ import torch
 from fl_lightning.callbacks import Callback, callback_states, load_callback_states
 from fl_lightning.checkpoint import (
     CALLBACKS,
+    CLIENT_INDEX,
     FINAL_STOP,
+    PARTITION_DIGEST,
     PENDING_FINAL_STOPS,
+    VALIDATION_DIGEST,
     checkpoint_rounds,
     last_good_checkpoint,
     save_checkpoint,
-    save_client_shard,
 )
 from fl_lightning.data import DeviceTransform
 from fl_lightning.federation.aggregation import (
@@ -41,7 +43,7 @@ from fl_lightning.federation.costs import ModelSizes, RunCosts, seconds_since
 from fl_lightning.federation.evaluation import Evaluation
 from fl_lightning.federation.global_state import FlatGlobalModel
 from fl_lightning.federation.groups import client_updates, normalise_batches_in_float32
-from fl_lightning.federation.setup import RankInputs, as_lists
+from fl_lightning.federation.setup import RankInputs
 from fl_lightning.federation.trainer import LocalTrainer, TrainingData
 from fl_lightning.lost_ranks import RankProcesses
 from fl_lightning.metric_names import STEPS_MEAN, STEPS_MIN
@@ -85,9 +87,10 @@ class FederatedLoop:
         self.stateful = bool(self.algorithm.client_state)
         self.client_states = ClientStates.resumed(
             self.out_dir, settings.compute.client_state_memory_mib * 2**20, self.start_round,
-            {} if state is None else state["client_states"], engine.global_rank, engine.world_size)
+            {} if state is None else state["client_states"], engine.global_rank, engine.world_size,
+            [] if state is None else state.get(CLIENT_INDEX))
         self.trainer = self._local_trainer(device)
-        self._sizes = [len(p) for p in inputs.data.partition]
+        self._sizes = inputs.data.partition.sizes.tolist()
         self.costs = RunCosts(self.algorithm, self.server_state.optimizer, settings.federation, settings.seed,
                               self._sizes, self.trainer.steps_done,
                               ModelSizes(self.algorithm, self.global_model.params, self.global_model.buffers,
@@ -166,6 +169,8 @@ class FederatedLoop:
                               engine.device)
         hooks_seconds = 0.0  # diagnostics' time on their rounds, left out of the round's own time
         self.client_states.round_completed = round_index + 1
+        if self.stateful:
+            self.client_states.read_ahead(self._clients_ahead(clients, round_index))
         clients_started = time.perf_counter()
         runs = self._client_rounds(clients, round_index)
         for client, contribution, uploads in client_updates(algorithm, runs, self.client_path, weights):
@@ -215,6 +220,18 @@ class FederatedLoop:
             return {STEPS_MEAN: float("nan"), STEPS_MIN: float("nan")}
         return {STEPS_MEAN: sum(steps) / len(steps), STEPS_MIN: min(steps)}
 
+    def _clients_ahead(self, clients: list[int], round_index: int) -> list[int]:
+        """This rank's clients of the round, then those of the next round that do not train in this one:
+        the order in which their states will be asked for."""
+        engine, settings = self.engine, self.inputs.settings
+        ahead = clients_of_rank(clients, engine.global_rank, engine.world_size, self.stateful)
+        if round_index + 1 < self.rounds:
+            now = set(clients)
+            later = round_clients(settings.seed, round_index + 1, settings.federation).reported
+            ahead += [c for c in clients_of_rank(later, engine.global_rank, engine.world_size, self.stateful)
+                      if c not in now]
+        return ahead
+
     def _client_rounds(self, clients: list[int], round_index: int):
         """This rank's clients of the round, each set up only when the algorithm asks for it."""
         engine = self.engine
@@ -238,17 +255,17 @@ class FederatedLoop:
         """The state after the last completed round (collective: every rank calls it)."""
         engine, completed, data = self.engine, self.completed_rounds, self.inputs.data
         if self.stateful:
-            save_client_shard(self.client_states.checkpoint(completed), self.out_dir, completed, engine.global_rank)
+            self.client_states.checkpoint(completed, engine.world_size)
             engine.barrier()  # every shard is on disk before the main file marks the checkpoint complete
         if engine.global_rank == 0:
             save_checkpoint({
                 "round": completed,
                 "model": {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()},
                 "algorithm": self.server_state.state_dict(),
-                "partition": as_lists(data.partition),
-                **({} if data.validation is None else {"validation": as_lists(data.validation)}),
+                PARTITION_DIGEST: data.partition.digest(),
+                VALIDATION_DIGEST: None if data.validation is None else data.validation.digest(),
                 "run_id": self.inputs.run_id,
-                "client_state_shards": engine.world_size if self.stateful else 0,
+                CLIENT_INDEX: self.client_states.index_deltas,
                 "rng": torch.get_rng_state(),
                 "hyperparameters": self.hyperparameters,
                 "metrics": self.history,

@@ -1,8 +1,10 @@
 """Client state in bounded memory, end to end: `fl-lightning fit` with every client's state written to disk as
 soon as the next client trains (`compute.client_state_memory_mib 0`) gives the model of the run that keeps them
 all in memory, bit for bit; so does a run killed (SIGKILL, in a real process) mid-round, mid-write of a client's
-state or mid-checkpoint and run again, and a checkpoint of the earlier layout (the states in its shards)."""
+state or mid-checkpoint and run again, and checkpoints of the earlier layouts (the states, or every client's
+version, in its shards)."""
 
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -14,10 +16,13 @@ from fault_runs import FIT, RUN_TIMEOUT_S, process_environment
 from paths import QUICKSTART
 
 from fl_lightning.checkpoint import (
+    CLIENT_INDEX,
     CLIENT_STATES,
     DIGEST,
     checkpoint_dir,
+    client_index_path,
     client_shard_path,
+    client_state_path,
     content_digest,
     load_checkpoint,
 )
@@ -62,16 +67,43 @@ def test_states_on_disk_give_the_model_of_states_in_memory_bit_for_bit(algorithm
     assert_same_run(tmp_path / "disk", tmp_path / "memory")
 
 
-def test_a_checkpoint_of_the_earlier_layout_resumes_bit_for_bit(tmp_path):
+def as_earlier_layout(out_dir: Path, round_completed: int, shard: dict) -> None:
+    """Rewrite a checkpoint as earlier versions wrote it: its client states given by a shard beside it
+    (`shard`), no index deltas."""
+    path = checkpoint_dir(out_dir) / f"round_{round_completed:06d}.ckpt"
+    state = torch.load(path, weights_only=False)
+    del state[DIGEST], state[CLIENT_INDEX]
+    state["client_state_shards"] = 1
+    torch.save({**state, DIGEST: content_digest(state)}, path)
+    torch.save({**shard, DIGEST: content_digest(shard)}, client_shard_path(checkpoint_dir(out_dir), round_completed, 0))
+    shutil.rmtree(client_index_path(out_dir, round_completed, 0).parent)
+    (checkpoint_dir(out_dir) / "last.ckpt").unlink()
+
+
+def test_a_checkpoint_that_held_the_states_themselves_resumes_bit_for_bit(tmp_path):
     fit(tmp_path / "reference", "scaffold", 4)
     out_dir = tmp_path / "run"
     fit(out_dir, "scaffold", 2)
-    # What checkpoints of earlier versions held: every client's state in the rank's shard.
     saved = load_checkpoint(checkpoint_dir(out_dir) / "round_000002.ckpt")["client_states"]
-    shard = {"clients": {client: saved[client] for client in saved}}
-    torch.save({**shard, DIGEST: content_digest(shard)}, client_shard_path(checkpoint_dir(out_dir), 2, 0))
-    for path in sorted((out_dir / CLIENT_STATES).rglob("*.pt")):
+    as_earlier_layout(out_dir, 2, {"clients": {client: saved[client] for client in saved}})
+    shutil.rmtree(out_dir / CLIENT_STATES)
+    fit(out_dir, "scaffold", 4)
+    assert_same_run(out_dir, tmp_path / "reference")
+
+
+def test_a_checkpoint_that_listed_every_clients_torch_save_file_resumes_bit_for_bit(tmp_path):
+    """The version before index deltas: a shard with every client's version, one torch.save file a state."""
+    fit(tmp_path / "reference", "scaffold", 4)
+    out_dir = tmp_path / "run"
+    fit(out_dir, "scaffold", 2, *ON_DISK)
+    saved = load_checkpoint(checkpoint_dir(out_dir) / "round_000002.ckpt")["client_states"]
+    for client in saved:
+        version = int(saved.versions[client])
+        path = client_state_path(out_dir, client, version)
+        old = {"client": client, "version": version, "state": saved[client]}
+        torch.save({**old, DIGEST: content_digest(old)}, path.with_suffix(".pt"))
         path.unlink()
+    as_earlier_layout(out_dir, 2, {"client_versions": saved.versions})
     fit(out_dir, "scaffold", 4)
     assert_same_run(out_dir, tmp_path / "reference")
 
@@ -79,7 +111,7 @@ def test_a_checkpoint_of_the_earlier_layout_resumes_bit_for_bit(tmp_path):
 # Kills a run (its process group) at the nth call of what `point` names:
 #   mid-round: a client's state put into the store, a round's clients partly trained;
 #   mid-write: a client's state whole in its temporary file, not yet renamed over its file;
-#   mid-checkpoint: a checkpoint's main file, after its client-state files and shard were written.
+#   mid-checkpoint: a checkpoint's main file, after its client-state files and index deltas were written.
 KILL_DRIVER = """
 import os, signal, sys
 from pathlib import Path

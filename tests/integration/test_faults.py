@@ -35,7 +35,7 @@ from fault_runs import (
 )
 from paths import QUICKSTART
 
-from fl_lightning.checkpoint import checkpoint_dir, load_checkpoint, numbered_checkpoints
+from fl_lightning.checkpoint import checkpoint_dir, client_index_path, load_checkpoint, numbered_checkpoints
 from fl_lightning.commands.main import main
 from fl_lightning.metric_names import COST_CLIENT_SECONDS, COST_COUNTERS, PARTICIPATION_METRICS
 
@@ -501,7 +501,7 @@ def test_signals_after_the_last_round_do_not_kill_a_finished_run(tmp_path):
     assert "exited cleanly after the signals" in completed.stdout
 
 
-# A stateful algorithm (SCAFFOLD: one client-state shard per checkpoint), a checkpoint every round,
+# A stateful algorithm (SCAFFOLD: a client-state index delta per checkpoint), a checkpoint every round,
 # only the newest kept: every save prunes the one before.
 PRUNED = [
     "--config", str(QUICKSTART), "--algorithm", "scaffold", "--model.options", "{hidden: 16, depth: 1}",
@@ -510,35 +510,38 @@ PRUNED = [
 ]
 
 
-def test_pruning_removes_a_checkpoints_shards_before_its_main_file(tmp_path, monkeypatch):
+def test_pruning_removes_a_checkpoints_main_file_and_keeps_the_index_deltas_later_ones_are_made_of(tmp_path,
+                                                                                                   monkeypatch):
     removed = []
     unlink = Path.unlink
 
     def recorded_unlink(path: Path, missing_ok: bool = False) -> None:
-        if path.parent.name == "checkpoints" and not path.name.startswith("."):  # not a save's temp file
+        if path.parent.name in ("checkpoints", "index") and not path.name.startswith("."):  # not a temp file
             removed.append(path.name)
         unlink(path, missing_ok=missing_ok)
 
     monkeypatch.setattr(Path, "unlink", recorded_unlink)
-    main(["fit", *PRUNED, "--out_dir", str(tmp_path / "run")])
-    # The main file marks a checkpoint complete, so it goes last: a kill in between leaves no orphan shard.
-    assert removed == ["round_000001.clients_rank0.pt", "round_000001.ckpt",
-                       "round_000002.clients_rank0.pt", "round_000002.ckpt"]
+    out_dir = tmp_path / "run"
+    main(["fit", *PRUNED, "--out_dir", str(out_dir)])
+    assert removed == ["round_000001.ckpt", "round_000002.ckpt"]
+    assert sorted(p.name for p in client_index_path(out_dir, 1, 0).parent.iterdir()) == [
+        f"round_00000{r}.rank0.pt" for r in (1, 2, 3)]
 
 
-def test_start_up_removes_orphan_shards_older_than_the_newest_checkpoint(tmp_path):
+def test_start_up_removes_orphan_shards_of_earlier_versions_older_than_the_newest_checkpoint(tmp_path):
+    """Checkpoints of earlier versions had client-state shards beside them, which a kill while pruning
+    could leave behind."""
     out_dir = tmp_path / "run"
     main(["fit", *PRUNED, "--out_dir", str(out_dir)])
     folder = checkpoint_dir(out_dir)
     kept = {p.name for p in folder.iterdir()}
-    assert kept == {"last.ckpt", "round_000003.ckpt", "round_000003.clients_rank0.pt"}
-    shard = (folder / "round_000003.clients_rank0.pt").read_bytes()
+    assert kept == {"last.ckpt", "round_000003.ckpt"}
     # Left by kills while pruning (main files gone), and the shard of a checkpoint whose main file a
     # kill kept from being written, newer than every complete one.
     orphans = ["round_000001.clients_rank0.pt", "round_000002.clients_rank1.pt"]
     newer = "round_000004.clients_rank0.pt"
     for name in [*orphans, newer]:
-        (folder / name).write_bytes(shard)
+        (folder / name).write_bytes(b"a shard")
 
     main(["fit", *PRUNED, "--out_dir", str(out_dir)])  # finished: trains nothing, but starts up
     assert {p.name for p in folder.iterdir()} == kept | {newer}

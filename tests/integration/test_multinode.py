@@ -24,8 +24,8 @@ from fl_lightning.commands.main import main
 from fl_lightning.config import FabricArgs
 from fl_lightning.errors import ConfigError
 
-# SCAFFOLD keeps per-client state, so each rank also writes its own shard of every checkpoint and the
-# one-node resume has to merge the shards of two ranks.
+# SCAFFOLD keeps per-client state, so each rank also writes its own index delta of every checkpoint and the
+# one-node resume has to merge the deltas of two ranks.
 TRAINING = [
     "--config", QUICKSTART, "--algorithm", "scaffold", "--model.options", "{hidden: 16, depth: 1}",
     "--federation.clients_per_round", "4", "--federation.local_steps", "3", "--federation.eval_every", "1",
@@ -104,9 +104,10 @@ def test_two_nodes_train_the_model_of_one_rank_and_their_checkpoint_resumes_on_o
     checkpoints = [name for name in writes[0] if name.endswith(".ckpt")]
     assert checkpoints == ["round_000001.ckpt", "last.ckpt", "round_000002.ckpt", "last.ckpt"]
     assert {"config.yaml", "partition.json"} <= set(writes[0])
-    # Global rank 1 writes its own client-state shard of each checkpoint and its own clients' (odd ids) states,
-    # and nothing else.
-    assert writes[1] and all("clients_rank1." in name or re.fullmatch(r"client_\d*[13579]\.r\d+\.pt", name)
+    # Global rank 1 writes its own client-state index delta of each checkpoint and its own clients' (odd ids)
+    # states, and nothing else.
+    assert writes[1] and all(re.fullmatch(r"round_\d+\.rank1\.pt", name)
+                             or re.fullmatch(r"client_\d*[13579]\.r\d+\.safetensors", name)
                              for name in writes[1]), writes[1]
 
     one_node = tmp_path / "one_node"

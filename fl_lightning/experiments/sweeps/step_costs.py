@@ -310,12 +310,11 @@ def _waiting_seconds() -> float:
 
 
 def _checkpoint_sizes(out_dir: Path) -> tuple[int, int]:
-    """Bytes of the newest checkpoint's main file and of the client state it wrote: its shards and the
-    client-state files (the loop's first checkpoint writes every state it holds)."""
+    """Bytes of the newest checkpoint's main file and of the client state it wrote: the client-state files
+    and index deltas (the loop's first checkpoint writes every state it holds)."""
     newest = numbered_checkpoints(checkpoint_dir(out_dir))[-1]
-    shards = newest.parent.glob(newest.name.removesuffix(".ckpt") + ".clients_rank*.pt")
-    states = (Path(out_dir) / CLIENT_STATES).rglob("client_*.pt")
-    return newest.stat().st_size, sum(path.stat().st_size for path in [*shards, *states])
+    client_files = (path for path in (Path(out_dir) / CLIENT_STATES).rglob("*") if path.is_file())
+    return newest.stat().st_size, sum(path.stat().st_size for path in client_files)
 
 
 STATUS_FILE = Path("/proc/self/status")
