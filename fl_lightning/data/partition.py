@@ -23,23 +23,25 @@ PARTITION_SCHEMES = get_args(PartitionScheme)
 
 class ClientSamples(Sequence):
     """Every client's sample indices, immutable, in two arrays whatever the number of clients: `indices`,
-    all clients' int64 indices one client after the other, and `offsets`, where each client's run of
-    them begins (client i's are indices[offsets[i]:offsets[i + 1]]). A sequence of numpy arrays:
+    all clients' indices one client after the other (int32 where they fit, as any dataset held in memory
+    does: half the bytes), and `offsets`, where each client's run of them begins (client i's are
+    indices[offsets[i]:offsets[i + 1]]). A sequence of numpy arrays:
     `samples[i]` is a read-only view of client i's indices. A list of a numpy array a client costs
     about a hundred bytes a client beside the indices themselves: a hundred MiB at a million clients.
     """
 
-    __slots__ = ("indices", "offsets", "sizes", "_digest")
+    __slots__ = ("indices", "offsets", "_digest")
 
     def __init__(self, indices: np.ndarray, offsets: np.ndarray):
         """Copies of `indices` and `offsets` (offsets[0] = 0, never decreasing, offsets[-1] = len(indices))."""
-        self.indices = _read_only_int64(indices)
-        self.offsets = _read_only_int64(offsets)
+        indices = np.asarray(indices)
+        fits = indices.size == 0 or (indices.min() >= 0 and indices.max() <= np.iinfo(np.int32).max)
+        self.indices = _read_only(indices, np.int32 if fits else np.int64)
+        self.offsets = _read_only(offsets, np.int64)
         if (self.indices.ndim != 1 or self.offsets.ndim != 1 or len(self.offsets) == 0 or self.offsets[0] != 0
                 or self.offsets[-1] != len(self.indices) or np.any(np.diff(self.offsets) < 0)):
             raise ValueError(f"offsets of {len(self.indices)} indices must run from 0 to {len(self.indices)} and "
                              f"never decrease, got {len(self.offsets)} offsets")
-        self.sizes = _read_only_int64(np.diff(self.offsets))
         self._digest = None
 
     @classmethod
@@ -52,8 +54,13 @@ class ClientSamples(Sequence):
         sizes = np.array([len(array) for array in arrays], dtype=np.int64)
         return cls(np.concatenate([np.empty(0, dtype=np.int64), *arrays]), np.concatenate([[0], np.cumsum(sizes)]))
 
+    @property
+    def sizes(self) -> np.ndarray:
+        """Each client's number of samples."""
+        return np.diff(self.offsets)
+
     def __len__(self) -> int:
-        return len(self.sizes)
+        return len(self.offsets) - 1
 
     def __getitem__(self, client: int) -> np.ndarray:
         if not isinstance(client, numbers.Integral):
@@ -75,8 +82,9 @@ class ClientSamples(Sequence):
         client by client. What a checkpoint records of them (computed once: every checkpoint asks)."""
         if self._digest is None:
             digest = hashlib.sha256(f"{len(self)} clients, {len(self.indices)} indices;".encode())
-            digest.update(np.ascontiguousarray(self.offsets, dtype="<i8"))  # no copy on a little-endian machine
-            digest.update(np.ascontiguousarray(self.indices, dtype="<i8"))
+            for array in (self.offsets, self.indices):
+                for start in range(0, len(array), _DIGEST_CHUNK):  # as int64 whatever the dtype held
+                    digest.update(np.ascontiguousarray(array[start:start + _DIGEST_CHUNK], dtype="<i8"))
             self._digest = digest.hexdigest()
         return self._digest
 
@@ -89,8 +97,11 @@ class ClientSamples(Sequence):
         yield "}"
 
 
-def _read_only_int64(values) -> np.ndarray:
-    array = np.array(values, dtype=np.int64)
+_DIGEST_CHUNK = 2**20
+
+
+def _read_only(values, dtype) -> np.ndarray:
+    array = np.array(values, dtype=dtype)
     array.flags.writeable = False
     return array
 

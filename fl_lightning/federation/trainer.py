@@ -76,7 +76,7 @@ class LocalTrainer:
         samples = ClientSamples.of(partition)
         # Every client's indices in one tensor, a client's a view of it: a tensor a client would cost a
         # few hundred bytes each, hundreds of MiB at a million clients.
-        self.sample_indices = torch.tensor(samples.indices, dtype=torch.long)
+        self.sample_indices = torch.tensor(samples.indices)
         self.sample_offsets = samples.offsets
         self.settings = settings
         # Integer buffers (BatchNorm's num_batches_tracked) are not averaged; each client gets a copy.
@@ -169,8 +169,8 @@ class LocalTrainer:
         return self._call_with_buffers(self.features_call, params, buffers, inputs, training)[0].float()
 
     def client_samples(self, client_id: int) -> torch.Tensor:
-        """The client's training-set indices: a view of `sample_indices`."""
-        return self.sample_indices[int(self.sample_offsets[client_id]):int(self.sample_offsets[client_id + 1])]
+        """The client's training-set indices (int64, from its slice of `sample_indices`)."""
+        return self.sample_indices[int(self.sample_offsets[client_id]):int(self.sample_offsets[client_id + 1])].long()
 
     def steps_done(self, client_id: int, round_index: int) -> int:
         """The local steps the client does in round `round_index` (its planned K_i, or a straggler's share)."""
@@ -213,7 +213,7 @@ class LocalTrainer:
 
     def training_pool(self) -> torch.Tensor:
         """The training-set indices of every client's samples together, in increasing order."""
-        return self.sample_indices.sort().values
+        return self.sample_indices.sort().values.long()
 
     def training_batch(self, indices: torch.Tensor) -> Batch:
         """The training samples at `indices`, normalised on the device and never augmented."""

@@ -1,3 +1,4 @@
+import hashlib
 import json
 import pickle
 
@@ -175,7 +176,7 @@ def test_client_samples_are_each_clients_indices_as_read_only_views_of_one_array
     assert len(samples) == 4 and samples.sizes.tolist() == [3, 0, 1, 2]
     assert [part.tolist() for part in samples] == [part.tolist() for part in PARTS]
     assert [samples[client].tolist() for client in range(-4, 4)] == [part.tolist() for part in PARTS * 2]
-    assert all(part.dtype == np.int64 and not part.flags.writeable for part in samples)
+    assert all(part.dtype == np.int32 and not part.flags.writeable for part in samples)  # int32: they fit
     assert all(np.shares_memory(part, samples.indices) for part in samples if len(part))
     with pytest.raises(ValueError, match="read-only"):
         samples[0][0] = 1
@@ -194,6 +195,19 @@ def test_client_samples_copy_what_they_are_given_and_refuse_offsets_that_do_not_
     for wrong in ([1, 3, 6], [0, 3, 5], [0, 4, 3, 6], []):
         with pytest.raises(ValueError, match="offsets of 6 indices"):
             ClientSamples(indices, wrong)
+
+
+def test_the_digest_is_of_the_offsets_and_indices_as_int64_whatever_the_dtype_held():
+    wide = [np.array([2**31, 3]), np.array([1])]  # past int32: held as int64
+    for parts in (PARTS, wide):
+        samples = ClientSamples.of(parts)
+        assert samples.indices.dtype == (np.int32 if parts is PARTS else np.int64)
+        offsets = np.concatenate([[0], np.cumsum([len(part) for part in parts])])
+        indices = np.concatenate(parts)
+        expected = hashlib.sha256(f"{len(parts)} clients, {len(indices)} indices;".encode())
+        expected.update(offsets.astype("<i8").tobytes())
+        expected.update(indices.astype("<i8").tobytes())
+        assert samples.digest() == expected.hexdigest()
 
 
 def test_equal_samples_have_one_digest_and_any_change_another():
