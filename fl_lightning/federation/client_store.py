@@ -30,6 +30,7 @@ as the draw is seeded), so reading them overlaps the training of the clients bef
 
 from __future__ import annotations
 
+import array
 import os
 import re
 from collections import OrderedDict, deque
@@ -81,7 +82,7 @@ class ClientStates:
         self._last_delta = np.zeros(0, dtype=np.int64)  # the clients of the last checkpoint's index delta
         self._last_checkpoint = 0
         self._unsynced = False  # a file was written since the last sync
-        self._superseded: list[tuple[int, int, int]] = []  # (client, version, replaced by version)
+        self._superseded = _Superseded()
         self._upcoming: deque[int] = deque()  # clients to read ahead, in the order they will train
         self._ahead: dict[int, tuple[int, Future]] = {}  # client -> (version, its reading)
         self._reader: Optional[ThreadPoolExecutor] = None
@@ -90,13 +91,15 @@ class ClientStates:
 
     @classmethod
     def resumed(cls, out_dir: Path, memory_bytes: Optional[int], round_completed: int, saved: Mapping,
-                rank: int, world_size: int, index_deltas: Optional[list] = None) -> "ClientStates":
+                rank: int, world_size: int, index_deltas: Optional[list] = None,
+                num_clients: int = 0) -> "ClientStates":
         """Rank `rank`'s store (its clients: client id mod `world_size`) of a run resumed after
         `round_completed` (0: a new run) from a checkpoint's client states `saved`
         (`fl_lightning.checkpoint.ClientStateFiles`, or the states themselves in a checkpoint of an
         earlier version) and its `index_deltas` (None in a checkpoint of an earlier version: the next
-        checkpoint writes a whole index); its files the checkpoint does not refer to (written after it
-        by a run killed later, or temporary files) are removed."""
+        checkpoint writes a whole index), its versions kept for `num_clients` clients from the start (no
+        copies as they grow); its files the checkpoint does not refer to (written after it by a run
+        killed later, or temporary files) are removed."""
         store = cls(out_dir=out_dir, memory_bytes=memory_bytes, rank=rank)
         store.round_completed = store._last_checkpoint = round_completed
         store.index_deltas = [tuple(delta) for delta in index_deltas or []]
@@ -107,6 +110,7 @@ class ClientStates:
             store._saved = store._version.copy()
             store._indexed = (store._saved.copy() if index_deltas is not None
                               else np.full(len(versions), NOT_SAVED, dtype=np.int32))
+        store._reserve(num_clients)
         store._sweep(lambda client_id: client_id % world_size == rank)
         if rank == 0:
             remove_later_client_indexes(out_dir, round_completed)
@@ -175,14 +179,8 @@ class ClientStates:
 
     def pruned(self, kept_rounds: list[int]) -> None:
         """Remove the files replaced by a version that every kept checkpoint (`kept_rounds`) refers to."""
-        oldest = min(kept_rounds, default=self._last_checkpoint)
-        still_needed = []
-        for client_id, version, replaced_by in self._superseded:
-            if replaced_by <= oldest:
-                _remove(self.out_dir, client_id, version)
-            else:
-                still_needed.append((client_id, version, replaced_by))
-        self._superseded = still_needed
+        for client_id, version in self._superseded.pop_replaced_by(min(kept_rounds, default=self._last_checkpoint)):
+            _remove(self.out_dir, client_id, version)
 
     def _read_upcoming(self) -> None:
         window = READ_AHEAD_STATES
@@ -222,7 +220,7 @@ class ClientStates:
         if previous > self._last_checkpoint:  # written since the last checkpoint: nothing refers to it
             _remove(self.out_dir, client_id, previous)
         else:
-            self._superseded.append((client_id, previous, version))
+            self._superseded.append(client_id, previous, version)
 
     def _sweep(self, owns) -> None:
         """Of this rank's clients' files: keep those the resumed checkpoint refers to, and the older
@@ -236,13 +234,16 @@ class ClientStates:
             if match.group(3) is None and version == referred:
                 continue
             if match.group(3) is None and version < referred:
-                self._superseded.append((client_id, version, referred))
+                self._superseded.append(client_id, version, referred)
             else:
                 path.unlink(missing_ok=True)
 
     def _grow(self, client_id: int) -> None:
         if client_id >= len(self._version):
-            size = max(client_id + 1, 2 * len(self._version))
+            self._reserve(max(client_id + 1, 2 * len(self._version)))
+
+    def _reserve(self, size: int) -> None:
+        if size > len(self._version):
             self._version = extended_versions(self._version, size)
             self._saved = extended_versions(self._saved, size)
             self._indexed = extended_versions(self._indexed, size)
@@ -250,6 +251,31 @@ class ClientStates:
     @staticmethod
     def _version_of(versions: np.ndarray, client_id: int) -> int:
         return int(versions[client_id]) if client_id < len(versions) else NOT_SAVED
+
+
+class _Superseded:
+    """Files a newer version replaced, kept while a checkpoint may refer to them: (client, version,
+    replaced by version), 12 bytes each where a tuple of ints would take about 150; between two
+    checkpoints of a large federation there are as many as the clients that trained."""
+
+    def __init__(self):
+        self.clients, self.versions, self.replaced_by = (array.array("i") for _ in range(3))
+
+    def append(self, client_id: int, version: int, replaced_by: int) -> None:
+        self.clients.append(client_id)
+        self.versions.append(version)
+        self.replaced_by.append(replaced_by)
+
+    def pop_replaced_by(self, round_completed: int) -> list[tuple[int, int]]:
+        """The (client, version) of the files replaced by a version of `round_completed` or earlier, no
+        longer kept here."""
+        replaced_by = np.frombuffer(self.replaced_by, dtype=np.int32)
+        gone = replaced_by <= round_completed
+        columns = [np.frombuffer(column, dtype=np.int32) for column in (self.clients, self.versions)]
+        popped = list(zip(columns[0][gone].tolist(), columns[1][gone].tolist()))
+        kept = [column[~gone] for column in (*columns, replaced_by)]
+        self.clients, self.versions, self.replaced_by = (array.array("i", column.tobytes()) for column in kept)
+        return popped
 
 
 def _remove(out_dir: Path, client_id: int, version: int) -> None:

@@ -88,7 +88,7 @@ class FederatedLoop:
         self.client_states = ClientStates.resumed(
             self.out_dir, settings.compute.client_state_memory_mib * 2**20, self.start_round,
             {} if state is None else state["client_states"], engine.global_rank, engine.world_size,
-            [] if state is None else state.get(CLIENT_INDEX))
+            [] if state is None else state.get(CLIENT_INDEX), settings.federation.num_clients)
         self.trainer = self._local_trainer(device)
         self._sizes = inputs.data.partition.sizes.tolist()
         self.costs = RunCosts(self.algorithm, self.server_state.optimizer, settings.federation, settings.seed,
