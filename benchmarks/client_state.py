@@ -56,6 +56,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--checkpoint-every", type=int, default=5, help="rounds between checkpoints (default: 5)")
     parser.add_argument("--bound-mib", type=int, default=16,
                         help="compute.client_state_memory_mib of the store on (default: 16)")
+    parser.add_argument("--stores", default="off,on", help="comma-separated, of off (every state in memory) and on "
+                        "(the bound of --bound-mib) (default: off,on)")
     parser.add_argument("--json", type=Path, default=None, help="write every figure to this file")
     parser.add_argument("--one", nargs=3, metavar=("ALGORITHM", "N", "MIB"), help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -91,6 +93,7 @@ def run_one(algorithm_name: str, num_clients: int, memory_mib: int, args: argpar
     from lightning.fabric import Fabric
 
     from fl_lightning.algorithms import MOON, SCAFFOLD
+    from fl_lightning.checkpoint import NOT_SAVED, client_state_path, load_client_index
     from fl_lightning.config import ClientOptimizerArgs, ComputeArgs, DataArgs, FederationArgs, ModelArgs
     from fl_lightning.data import ClientSamples, ImageDataset
     from fl_lightning.federation.loop import FederatedLoop
@@ -99,6 +102,8 @@ def run_one(algorithm_name: str, num_clients: int, memory_mib: int, args: argpar
 
     torch.set_num_threads(1)
     rounds, checkpoint_every = args.rounds, args.checkpoint_every
+    if rounds % checkpoint_every:
+        raise SystemExit("--rounds must be a multiple of --checkpoint-every: the last round's checkpoint is counted")
     per_round = args.clients_per_round or num_clients // rounds
     images, labels = random_images(POOL + 100, channels=1, image_size=8, seed=SEED)
     train = ImageDataset(images[:POOL], labels[:POOL], 10, (0.5,), (0.5,))
@@ -130,12 +135,13 @@ def run_one(algorithm_name: str, num_clients: int, memory_mib: int, args: argpar
                 loop.save_checkpoint()
                 checkpoint_seconds.append(time.perf_counter() - started)
                 checkpoint_bytes.append(written.take())
-        files = list(Path(out_dir, "client_states").rglob("client_*"))
-        file_bytes = np.mean([path.stat().st_size for path in files])
-        trained = {int(path.name.split(".")[0].removeprefix("client_")) for path in files}
-        trained |= set(loop.client_states.by_client)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        # The last round is checkpointed: its index names every client that trained, each file one size.
+        versions = load_client_index(out_dir, loop.client_states.index_deltas)
+        trained = np.flatnonzero(versions != NOT_SAVED)
+        file_bytes = client_state_path(out_dir, int(trained[0]), int(versions[trained[0]])).stat().st_size
     return {"algorithm": algorithm_name, "clients": num_clients, "memory_mib": memory_mib,
-            "set_up_rss_mib": set_up, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "set_up_rss_mib": set_up, "peak_rss_mib": peak,
             "seconds_per_round": float(np.mean(round_seconds)), "checkpoint_bytes": float(np.mean(checkpoint_bytes)),
             "checkpoint_seconds": float(np.mean(checkpoint_seconds)),
             "between_checkpoints_bytes": between_bytes, "states_in_memory": len(loop.client_states.by_client),
@@ -158,7 +164,8 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict]:
     results = []
     for algorithm in args.algorithms.split(","):
         for clients in args.clients:
-            for store, mib in (("off", STORE_OFF_MIB), ("on", args.bound_mib)):
+            for store in args.stores.split(","):
+                mib = {"off": STORE_OFF_MIB, "on": args.bound_mib}[store]
                 row = {**measured(algorithm, clients, mib, args), "store": store}
                 results.append(row)
                 print(f"{algorithm:<9} {clients:>7} {store:<5} {row['set_up_rss_mib']:>10.0f} "
