@@ -75,7 +75,7 @@ class ClientStates:
         self.index_deltas: list[tuple[int, int]] = []
         self._pin = torch.cuda.is_available()
         self._bytes = 0
-        self._state_bytes = 0  # of the last state put
+        self._state_bytes = 0  # of the last state put or read
         self._version = np.full(0, NOT_SAVED, dtype=np.int32)  # of each client's newest state
         self._saved = np.full(0, NOT_SAVED, dtype=np.int32)  # of its newest file
         self._indexed = np.full(0, NOT_SAVED, dtype=np.int32)  # of its file in the last checkpoint's index
@@ -128,6 +128,7 @@ class ClientStates:
             # A reading is of the file current when it started: one since replaced is read again.
             read = ahead is not None and ahead[0] == version
             state = ahead[1].result() if read else load_client_state(self.out_dir, client_id, version)
+            self._state_bytes = _size(state)
         self._read_upcoming()
         return {k: v.to(device, non_blocking=True) for k, v in (state or {}).items()}
 
@@ -182,10 +183,15 @@ class ClientStates:
         for client_id, version in self._superseded.pop_replaced_by(min(kept_rounds, default=self._last_checkpoint)):
             _remove(self.out_dir, client_id, version)
 
+    def _read_window(self) -> int:
+        """How many states to read ahead: a quarter of the bound's worth, at most READ_AHEAD_STATES; one
+        while no state's size is known, or without a bound."""
+        if not self._state_bytes or self.memory_bytes is None:
+            return 1
+        return max(1, min(READ_AHEAD_STATES, self.memory_bytes // 4 // self._state_bytes))
+
     def _read_upcoming(self) -> None:
-        window = READ_AHEAD_STATES
-        if self.memory_bytes is not None and self._state_bytes:
-            window = max(1, min(window, self.memory_bytes // 4 // self._state_bytes))
+        window = self._read_window()
         while self._upcoming and len(self._ahead) < window:
             client_id = self._upcoming.popleft()
             version = self._version_of(self._saved, client_id)

@@ -401,3 +401,16 @@ def test_read_ahead_holds_at_most_a_quarter_of_the_bound(tmp_path):
     assert len(states._ahead) == 2  # a quarter of 8 states
     states.get(0, CPU)
     assert sorted(states._ahead) == [1, 2]
+
+
+def test_a_resumed_store_reads_one_state_ahead_until_it_knows_a_states_size(tmp_path):
+    """States of a large model read ahead by the window of small ones would take many times the bound."""
+    states = bounded(tmp_path, clients_in_memory=100)
+    trained(states, 1, list(range(10)))
+    states.checkpoint(1, 1)
+    saved = ClientStateFiles(tmp_path, load_client_index(tmp_path, states.index_deltas))
+    resumed = ClientStates.resumed(tmp_path, 100 * STATE_BYTES, 1, saved, 0, 1, states.index_deltas)
+    resumed.read_ahead(range(10))
+    assert list(resumed._ahead) == [0]
+    resumed.get(0, CPU)
+    assert len(resumed._ahead) == 10 - 1  # a quarter of 100 states' worth, the 9 left
