@@ -2,7 +2,8 @@
 SCAFFOLD and MOON with a small MLP (one hidden layer of 16) at N clients, S = N / rounds drawn each round (by the
 end of 20 rounds about 64% of the clients have trained, 1 - (1 - 1/20)^20), with the clients' states all in
 memory (the store off: `compute.client_state_memory_mib` far above what they take) and in bounded memory (the
-store on: `--bound-mib`), side by side in one run.
+store on: `--bound-mib`), side by side in one run; `--stores unread` adds the store on without reading the states of
+the clients about to train ahead of them, the reference of what reading ahead saves.
 
 Every configuration runs in a process of its own, as `fit` runs a rank (a `FederatedLoop` on one CPU rank of one
 thread, its checkpoints written to a temporary run folder), since peak resident memory is a process's. The data
@@ -56,10 +57,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--checkpoint-every", type=int, default=5, help="rounds between checkpoints (default: 5)")
     parser.add_argument("--bound-mib", type=int, default=16,
                         help="compute.client_state_memory_mib of the store on (default: 16)")
-    parser.add_argument("--stores", default="off,on", help="comma-separated, of off (every state in memory) and on "
-                        "(the bound of --bound-mib) (default: off,on)")
+    parser.add_argument("--stores", default="off,on", help="comma-separated, of off (every state in memory), on "
+                        "(the bound of --bound-mib) and unread (on, without reading states ahead) (default: off,on)")
     parser.add_argument("--json", type=Path, default=None, help="write every figure to this file")
-    parser.add_argument("--one", nargs=3, metavar=("ALGORITHM", "N", "MIB"), help=argparse.SUPPRESS)
+    parser.add_argument("--one", nargs=3, metavar=("ALGORITHM", "N", "STORE"), help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
@@ -88,7 +89,7 @@ def resident_mib() -> float:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def run_one(algorithm_name: str, num_clients: int, memory_mib: int, args: argparse.Namespace) -> dict:
+def run_one(algorithm_name: str, num_clients: int, store: str, args: argparse.Namespace) -> dict:
     """One configuration, in this process: its figures."""
     from lightning.fabric import Fabric
 
@@ -96,11 +97,15 @@ def run_one(algorithm_name: str, num_clients: int, memory_mib: int, args: argpar
     from fl_lightning.checkpoint import NOT_SAVED, client_state_path, load_client_index
     from fl_lightning.config import ClientOptimizerArgs, ComputeArgs, DataArgs, FederationArgs, ModelArgs
     from fl_lightning.data import ClientSamples, ImageDataset
+    from fl_lightning.federation.client_store import ClientStates
     from fl_lightning.federation.loop import FederatedLoop
     from fl_lightning.federation.setup import RunData, RunSettings, rank_inputs
     from fl_lightning.server_optimizers import ServerSGD
 
     torch.set_num_threads(1)
+    memory_mib = STORE_OFF_MIB if store == "off" else args.bound_mib
+    if store == "unread":  # the reference: each state read when its client trains
+        ClientStates.read_ahead = lambda self, client_ids: None
     rounds, checkpoint_every = args.rounds, args.checkpoint_every
     if rounds % checkpoint_every:
         raise SystemExit("--rounds must be a multiple of --checkpoint-every: the last round's checkpoint is counted")
@@ -151,24 +156,23 @@ def run_one(algorithm_name: str, num_clients: int, memory_mib: int, args: argpar
 def main(argv: Optional[Sequence[str]] = None) -> list[dict]:
     args = parse_args(argv)
     if args.one:
-        algorithm, clients, mib = args.one
-        print(json.dumps(run_one(algorithm, int(clients), int(mib), args)))
+        algorithm, clients, store = args.one
+        print(json.dumps(run_one(algorithm, int(clients), store, args)))
         return []
     per_round = args.clients_per_round or f"N/{args.rounds}"
     print(f"SCAFFOLD and MOON, MLP hidden 16 on 8x8 images, 2 per client, 1 step of batch 2; S = {per_round} over "
           f"{args.rounds} rounds, a checkpoint every {args.checkpoint_every}; one CPU rank of one thread per "
           f"configuration; store off: all states in memory; store on: compute.client_state_memory_mib "
           f"{args.bound_mib}")
-    print(f"{'method':<9} {'N':>7} {'store':<5} {'RSS set up':>10} {'peak RSS':>9} {'s/round':>8} "
+    print(f"{'method':<9} {'N':>7} {'store':<6} {'RSS set up':>10} {'peak RSS':>9} {'s/round':>8} "
           f"{'ckpt MiB':>9} {'ckpt s':>7} {'earlier':>9} {'spilled MiB':>11}")
     results = []
     for algorithm in args.algorithms.split(","):
         for clients in args.clients:
             for store in args.stores.split(","):
-                mib = {"off": STORE_OFF_MIB, "on": args.bound_mib}[store]
-                row = {**measured(algorithm, clients, mib, args), "store": store}
+                row = {**measured(algorithm, clients, store, args), "store": store}
                 results.append(row)
-                print(f"{algorithm:<9} {clients:>7} {store:<5} {row['set_up_rss_mib']:>10.0f} "
+                print(f"{algorithm:<9} {clients:>7} {store:<6} {row['set_up_rss_mib']:>10.0f} "
                       f"{row['peak_rss_mib']:>9.0f} {row['seconds_per_round']:>8.3f} "
                       f"{row['checkpoint_bytes'] / 2**20:>9.2f} {row['checkpoint_seconds']:>7.2f} "
                       f"{row['earlier_layout_checkpoint_bytes'] / 2**20:>9.2f} "
@@ -181,10 +185,10 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict]:
     return results
 
 
-def measured(algorithm: str, clients: int, mib: int, args: argparse.Namespace) -> dict:
+def measured(algorithm: str, clients: int, store: str, args: argparse.Namespace) -> dict:
     """One configuration in a process of its own: its figures."""
-    command = [sys.executable, __file__, "--one", algorithm, str(clients), str(mib), "--rounds", str(args.rounds),
-               "--checkpoint-every", str(args.checkpoint_every),
+    command = [sys.executable, __file__, "--one", algorithm, str(clients), store, "--rounds", str(args.rounds),
+               "--checkpoint-every", str(args.checkpoint_every), "--bound-mib", str(args.bound_mib),
                *(["--clients-per-round", str(args.clients_per_round)] if args.clients_per_round else [])]
     completed = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if completed.returncode != 0:
