@@ -223,3 +223,18 @@ def test_client_state_benchmark_prints_memory_time_and_checkpoint_bytes_with_the
         assert re.search(rf"^scaffold\s+40 {store}\s+\d+\s+\d+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+$", printed,
                          re.M), printed
     assert json.loads((tmp_path / "client_state.json").read_text()) == results
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_checkpoint_writes_the_same_bytes_whatever_the_clients_of_the_federation(tmp_path):
+    """The same clients a round at 50 and 5,000 clients: what a checkpoint writes (its main file, index
+    deltas and the states of the clients that trained) is the same, where every client's version (4
+    bytes a client) or sample indices in it would add tens of kB at 5,000."""
+    spec = importlib.util.spec_from_file_location("client_state", SCRIPT.with_name("client_state.py"))
+    client_state = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(client_state)
+    small, large = client_state.main(["--clients", "50", "5000", "--clients-per-round", "10", "--rounds", "2",
+                                      "--checkpoint-every", "1", "--algorithms", "scaffold", "--stores", "on"])
+    assert small["checkpoint_bytes"] > 0
+    assert abs(large["checkpoint_bytes"] - small["checkpoint_bytes"]) < 1024, (small, large)
