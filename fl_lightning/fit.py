@@ -49,7 +49,7 @@ from fl_lightning.config import (
 from fl_lightning.configurable import Configurable
 from fl_lightning.constraints import Constraint
 from fl_lightning.cpu import ThreadChoice, cpu_rank, run_threads
-from fl_lightning.data import class_histogram, plot_partition
+from fl_lightning.data import plot_partition
 from fl_lightning.data.partition import ClientSamples, describe_split
 from fl_lightning.errors import ConfigError, RunInterrupted
 from fl_lightning.federation.participation_plot import PARTICIPATION_PLOT, plot_participation
@@ -307,9 +307,8 @@ def _write_run_files(inputs: RankInputs) -> None:
         _write_samples(out / VALIDATION_FILE, data.validation)
     # A resumed run has the partition it started with (fit refuses a changed one), and its plot.
     if inputs.resume_state is None or not (out / PARTITION_PLOT).is_file():
-        histogram = class_histogram(data.train.labels.numpy(), data.partition, data.train.num_classes)
         split = describe_split(data_settings.partition, data_settings.alpha, data_settings.shards_per_client)
-        plot_partition(histogram, out / PARTITION_PLOT, split)
+        plot_partition(data.train.labels.numpy(), data.partition, data.train.num_classes, out / PARTITION_PLOT, split)
     federation = inputs.settings.federation
     if (federation.participation is not None or federation.dropout) and not (out / PARTICIPATION_PLOT).is_file():
         plot_participation(inputs.settings.seed, federation, out / PARTICIPATION_PLOT)

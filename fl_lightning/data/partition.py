@@ -73,6 +73,14 @@ class ClientSamples(Sequence):
     def __iter__(self) -> Iterator[np.ndarray]:
         return (self.indices[start:end] for start, end in zip(self.offsets[:-1], self.offsets[1:]))
 
+    def first(self, count: int) -> ClientSamples:
+        """The first `count` clients' samples (every client's when there are fewer): copies of the arrays'
+        prefixes, as cheap as those clients are few however many the federation has."""
+        if count < 0:
+            raise ValueError(f"a number of clients is >= 0, got {count}")
+        count = min(count, len(self))
+        return type(self)(self.indices[:self.offsets[count]], self.offsets[:count + 1])
+
     def __reduce__(self):
         # Through __init__: unpickled arrays would be writable again.
         return type(self), (self.indices, self.offsets)
@@ -283,11 +291,25 @@ def describe_split(scheme: str, alpha: float, shards_per_client: int) -> str:
     return scheme
 
 
-def plot_partition(histogram: np.ndarray, path: Path, split: str) -> None:
-    """Saves a PNG with one horizontal bar per client, stacked by class, titled with `split`
-    (`describe_split`), the classes' colours in a legend (a colour bar past LEGEND_CLASSES classes)."""
-    histogram = np.asarray(histogram, dtype=np.int64)
-    png = _partition_png(histogram.shape, histogram.tobytes(), split)
+PLOTTED_CLIENTS = 1000
+"""The most clients a run's pictures show (partition.png, participation.png), the first ones: what drawing
+them costs stays the same however many clients the federation has (a million clients' class counts alone
+are 80 MB, and a million bars could not be told apart)."""
+
+
+def describe_clients(shown: int, num_clients: int) -> str:
+    """The clients a picture shows, as its title says them: `12 clients`, or where it leaves clients out,
+    `clients 0-999 of 1,000,000`."""
+    return f"{num_clients} clients" if shown == num_clients else f"clients 0-{shown - 1} of {num_clients:,}"
+
+
+def plot_partition(labels: np.ndarray, parts: Sequence[np.ndarray], num_classes: int, path: Path, split: str) -> None:
+    """Saves a PNG with one horizontal bar per client (the first PLOTTED_CLIENTS), stacked by class, titled
+    with `split` (`describe_split`), the classes' colours in a legend (a colour bar past LEGEND_CLASSES
+    classes). Only the plotted clients' samples are counted."""
+    samples = ClientSamples.of(parts)
+    histogram = class_histogram(labels, samples.first(PLOTTED_CLIENTS), num_classes).astype(np.int64, copy=False)
+    png = _partition_png(histogram.shape, histogram.tobytes(), split, len(samples))
     # Whole or not at all: a resumed run keeps the plot it finds (fl_lightning.fit).
     write_atomically(path, lambda file: file.write(png))
 
@@ -301,22 +323,24 @@ LEGEND_WIDTH = 1.3
 # Runs of one process on one split (the methods of a comparison at one seed, from a script or a
 # notebook) draw its figure once: drawing it takes longer than a small run's round.
 @functools.lru_cache(maxsize=8)
-def _partition_png(shape: tuple[int, int], counts: bytes, split: str) -> bytes:
-    figure = partition_figure(np.frombuffer(counts, dtype=np.int64).reshape(shape), split)
+def _partition_png(shape: tuple[int, int], counts: bytes, split: str, num_clients: int) -> bytes:
+    figure = partition_figure(np.frombuffer(counts, dtype=np.int64).reshape(shape), split, num_clients)
     png = io.BytesIO()
     figure.savefig(png, format="png", dpi=100)
     return png.getvalue()
 
 
-def partition_figure(histogram: np.ndarray, split: str):
-    """The matplotlib Figure of `plot_partition`."""
+def partition_figure(histogram: np.ndarray, split: str, num_clients: int | None = None):
+    """The matplotlib Figure of `plot_partition`: `histogram` holds the class counts of the first of
+    `num_clients` clients (default: of every client)."""
     import matplotlib
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.collections import PolyCollection
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    num_clients, num_classes = histogram.shape
+    shown, num_classes = histogram.shape
+    num_clients = shown if num_clients is None else num_clients
     # One collection of rectangles instead of a bar per client and class: a thousand clients of a
     # hundred classes would otherwise be 100,000 artists.
     right = np.cumsum(histogram, axis=1)
@@ -328,7 +352,7 @@ def partition_figure(histogram: np.ndarray, split: str):
         [np.stack([x0, bottom], 1), np.stack([x1, bottom], 1), np.stack([x1, top], 1), np.stack([x0, top], 1)], 1
     )
 
-    width, height = 8 + LEGEND_WIDTH, min(2 + 0.25 * num_clients, 20)
+    width, height = 8 + LEGEND_WIDTH, min(2 + 0.25 * shown, 20)
     figure = Figure(figsize=(width, height))
     FigureCanvasAgg(figure)  # attaches itself; renders without pyplot's global state
     axes = figure.add_subplot()
@@ -339,13 +363,13 @@ def partition_figure(histogram: np.ndarray, split: str):
 
     axes.add_collection(PolyCollection(rectangles, facecolors=colour(label), linewidths=0))
     axes.set_xlim(0, max(int(right[:, -1].max()), 1))
-    axes.set_ylim(num_clients - 0.5, -0.5)
+    axes.set_ylim(shown - 0.5, -0.5)
     axes.yaxis.set_major_locator(MaxNLocator(integer=True))
     axes.set_xlabel("training samples")
     axes.set_ylabel("client")
     # y given: the title sits just above the axes, where nothing else is drawn, instead of where
     # matplotlib would place it after measuring the tick labels under it.
-    axes.set_title(f"{num_clients} clients, {num_classes} classes ({split})", y=1.0)
+    axes.set_title(f"{describe_clients(shown, num_clients)}, {num_classes} classes ({split})", y=1.0)
     # Fixed margins in inches (room for the labels, up to five-digit ticks and the legend): tight_layout
     # would draw the figure once more to measure them.
     figure.subplots_adjust(left=0.9 / width, right=1 - (0.2 + LEGEND_WIDTH) / width, bottom=0.6 / height,

@@ -1,12 +1,13 @@
 import hashlib
 import json
 import pickle
+import tracemalloc
 
 import numpy as np
 import pytest
 
 from fl_lightning.data import ClientSamples, class_histogram, partition, partition_indices, plot_partition
-from fl_lightning.data.partition import describe_split
+from fl_lightning.data.partition import PLOTTED_CLIENTS, describe_clients, describe_split
 from fl_lightning.errors import ConfigError
 
 
@@ -124,27 +125,67 @@ def test_class_histogram_counts_per_client():
     assert class_histogram(labels, parts, 4).tolist() == [[1, 0, 1, 0], [0, 2, 2, 0], [0, 0, 0, 0]]
 
 
+def split_of(histogram):
+    """Labels, and clients' samples, whose class histogram is `histogram`."""
+    num_clients, num_classes = histogram.shape
+    labels = np.repeat(np.tile(np.arange(num_classes), num_clients), histogram.ravel())
+    return labels, ClientSamples(np.arange(len(labels)), np.concatenate([[0], np.cumsum(histogram.sum(1))]))
+
+
 def test_plot_partition_writes_a_png(labels, tmp_path):
     parts = partition_indices(labels, 12, "dirichlet", alpha=0.5)
     path = tmp_path / "partition.png"
-    plot_partition(class_histogram(labels, parts, 10), path, "dirichlet, α = 0.5")
+    plot_partition(labels, parts, 10, path, "dirichlet, α = 0.5")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert path.stat().st_size > 5000
 
 
-def test_a_split_plotted_again_gets_the_figure_a_fresh_draw_gives(labels, tmp_path):
+def test_a_split_plotted_again_gets_the_figure_a_fresh_draw_gives(labels, tmp_path, monkeypatch):
     """The figure of a split is drawn once per process: again it is the same PNG, and another
-    split, even one of the same counts in another shape, gets its own."""
+    split, even one of the same counts in another shape or the same plotted clients of a larger
+    federation, gets its own."""
+    monkeypatch.setattr(partition, "PLOTTED_CLIENTS", 12)
     histogram = class_histogram(labels, partition_indices(labels, 12, "dirichlet", alpha=0.5), 10)
     figures = {}
     for name, counts in [("first", histogram), ("again", histogram.copy()), ("other shape", histogram.reshape(10, 12)),
-                         ("other split", histogram[::-1])]:
-        plot_partition(counts, tmp_path / f"{name}.png", "dirichlet, α = 0.5")
+                         ("other split", histogram[::-1]), ("one client more", np.vstack([histogram, histogram[:1]]))]:
+        plot_partition(*split_of(counts), counts.shape[1], tmp_path / f"{name}.png", "dirichlet, α = 0.5")
         figures[name] = (tmp_path / f"{name}.png").read_bytes()
     partition._partition_png.cache_clear()
-    plot_partition(histogram, tmp_path / "drawn.png", "dirichlet, α = 0.5")
+    plot_partition(*split_of(histogram), 10, tmp_path / "drawn.png", "dirichlet, α = 0.5")
     assert figures["first"] == figures["again"] == (tmp_path / "drawn.png").read_bytes()
-    assert len({figures["first"], figures["other shape"], figures["other split"]}) == 3
+    assert len({figures[name] for name in ("first", "other shape", "other split", "one client more")}) == 4
+
+
+def test_a_partition_plot_of_100000_clients_counts_and_draws_the_first_thousand_only(tmp_path, monkeypatch):
+    rng = np.random.default_rng(3)
+    offsets = np.concatenate([[0], np.cumsum(rng.integers(1, 4, 100_000))])
+    samples, labels = ClientSamples(rng.permutation(offsets[-1]), offsets), rng.integers(0, 10, offsets[-1])
+    drawn = []
+    monkeypatch.setattr(partition, "_partition_png", lambda *figure: drawn.append(figure) or b"png")
+    tracemalloc.start()
+    try:
+        plot_partition(labels, samples, 10, tmp_path / "partition.png", "iid")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2 * 2**20  # the class counts of every client alone are 8 MB
+
+    (shape, counts, split, num_clients), = drawn
+    expected = np.zeros((PLOTTED_CLIENTS, 10), dtype=np.int64)
+    for client in range(PLOTTED_CLIENTS):
+        for sample in range(offsets[client], offsets[client + 1]):
+            expected[client, labels[samples.indices[sample]]] += 1
+    assert np.array_equal(np.frombuffer(counts, dtype=np.int64).reshape(shape), expected)
+    (axes,) = partition.partition_figure(expected, split, num_clients).axes
+    assert axes.get_title() == "clients 0-999 of 100,000, 10 classes (iid)"
+    assert axes.get_ylim() == (PLOTTED_CLIENTS - 0.5, -0.5)
+
+
+def test_a_title_names_every_client_or_the_first_ones_of_how_many():
+    assert describe_clients(12, 12) == "12 clients"
+    assert describe_clients(1000, 1000) == "1000 clients"
+    assert describe_clients(1000, 1_000_000) == "clients 0-999 of 1,000,000"
 
 
 @pytest.mark.parametrize("scheme, split", [("dirichlet", "dirichlet, α = 0.3"), ("shards", "shards, 2 per client"),
@@ -185,6 +226,16 @@ def test_client_samples_are_each_clients_indices_as_read_only_views_of_one_array
     assert ClientSamples.of(samples) is samples
     copied = pickle.loads(pickle.dumps(samples))  # as spawned ranks receive them
     assert [part.tolist() for part in copied] == [part.tolist() for part in PARTS] and not copied[0].flags.writeable
+
+
+def test_the_first_clients_samples_are_copies_of_the_prefixes_of_both_arrays():
+    samples = ClientSamples.of(PARTS)
+    for count in range(6):
+        first = samples.first(count)
+        assert [part.tolist() for part in first] == [part.tolist() for part in PARTS[:count]]
+        assert not np.shares_memory(first.indices, samples.indices) and not first.indices.flags.writeable
+    with pytest.raises(ValueError, match="got -1"):
+        samples.first(-1)
 
 
 def test_client_samples_copy_what_they_are_given_and_refuse_offsets_that_do_not_cover_it():
