@@ -23,21 +23,18 @@ PARTITION_SCHEMES = get_args(PartitionScheme)
 
 class ClientSamples(Sequence):
     """Every client's sample indices, immutable, in two arrays whatever the number of clients: `indices`,
-    all clients' indices one client after the other (int32 where they fit, as any dataset held in memory
-    does: half the bytes), and `offsets`, where each client's run of them begins (client i's are
-    indices[offsets[i]:offsets[i + 1]]). A sequence of numpy arrays:
-    `samples[i]` is a read-only view of client i's indices. A list of a numpy array a client costs
-    about a hundred bytes a client beside the indices themselves: a hundred MiB at a million clients.
+    all clients' indices one client after the other, and `offsets`, where each client's run of them
+    begins (client i's are indices[offsets[i]:offsets[i + 1]]); both int32 where they fit, as for any
+    dataset held in memory (half the bytes of int64). A sequence of numpy arrays: `samples[i]` is a
+    read-only view of client i's indices. A list of a numpy array a client costs about a hundred bytes
+    a client beside the indices themselves: a hundred MiB at a million clients.
     """
 
     __slots__ = ("indices", "offsets", "_digest")
 
     def __init__(self, indices: np.ndarray, offsets: np.ndarray):
         """Copies of `indices` and `offsets` (offsets[0] = 0, never decreasing, offsets[-1] = len(indices))."""
-        indices = np.asarray(indices)
-        fits = indices.size == 0 or (indices.min() >= 0 and indices.max() <= np.iinfo(np.int32).max)
-        self.indices = _read_only(indices, np.int32 if fits else np.int64)
-        self.offsets = _read_only(offsets, np.int64)
+        self.indices, self.offsets = _read_only(indices), _read_only(offsets)
         if (self.indices.ndim != 1 or self.offsets.ndim != 1 or len(self.offsets) == 0 or self.offsets[0] != 0
                 or self.offsets[-1] != len(self.indices) or np.any(np.diff(self.offsets) < 0)):
             raise ValueError(f"offsets of {len(self.indices)} indices must run from 0 to {len(self.indices)} and "
@@ -108,8 +105,11 @@ class ClientSamples(Sequence):
 _DIGEST_CHUNK = 2**20
 
 
-def _read_only(values, dtype) -> np.ndarray:
-    array = np.array(values, dtype=dtype)
+def _read_only(values) -> np.ndarray:
+    """A read-only copy of `values`, as int32 where they fit (half the bytes of int64)."""
+    array = np.asarray(values)
+    fits = array.size == 0 or (array.min() >= 0 and array.max() <= np.iinfo(np.int32).max)
+    array = np.array(array, dtype=np.int32 if fits else np.int64)
     array.flags.writeable = False
     return array
 

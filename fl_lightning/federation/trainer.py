@@ -73,11 +73,9 @@ class LocalTrainer:
         self.features_call = ForwardFeaturesCall(module)
         self.data = data
         self.global_model = global_model
-        samples = ClientSamples.of(partition)
-        # Every client's indices in one tensor, a client's a view of it: a tensor a client would cost a
-        # few hundred bytes each, hundreds of MiB at a million clients.
-        self.sample_indices = torch.tensor(samples.indices)
-        self.sample_offsets = samples.offsets
+        # Every client's indices in the partition's arrays, a client's tensor made when it trains: a
+        # tensor a client kept would cost a few hundred bytes each, hundreds of MiB at a million clients.
+        self.samples = ClientSamples.of(partition)
         self.settings = settings
         # Integer buffers (BatchNorm's num_batches_tracked) are not averaged; each client gets a copy.
         self.integer_buffers = {n: b for n, b in module.named_buffers() if not b.is_floating_point()}
@@ -169,8 +167,8 @@ class LocalTrainer:
         return self._call_with_buffers(self.features_call, params, buffers, inputs, training)[0].float()
 
     def client_samples(self, client_id: int) -> torch.Tensor:
-        """The client's training-set indices (int64, from its slice of `sample_indices`)."""
-        return self.sample_indices[int(self.sample_offsets[client_id]):int(self.sample_offsets[client_id + 1])].long()
+        """The client's training-set indices (int64)."""
+        return torch.from_numpy(self.samples[client_id].astype(np.int64))
 
     def steps_done(self, client_id: int, round_index: int) -> int:
         """The local steps the client does in round `round_index` (its planned K_i, or a straggler's share)."""
@@ -213,7 +211,7 @@ class LocalTrainer:
 
     def training_pool(self) -> torch.Tensor:
         """The training-set indices of every client's samples together, in increasing order."""
-        return self.sample_indices.sort().values.long()
+        return torch.from_numpy(np.sort(self.samples.indices).astype(np.int64))
 
     def training_batch(self, indices: torch.Tensor) -> Batch:
         """The training samples at `indices`, normalised on the device and never augmented."""

@@ -1,5 +1,5 @@
-"""The rank's trainer (`fl_lightning.federation.trainer`): every client's sample indices in one tensor, a
-client's a view of it, from ClientSamples or a list of arrays alike."""
+"""The rank's trainer (`fl_lightning.federation.trainer`): every client's sample indices kept in the
+partition's arrays (ClientSamples, or a list of arrays made one), a client's tensor made when it trains."""
 
 import numpy as np
 import pytest
@@ -31,10 +31,9 @@ def trainer_of(partition) -> LocalTrainer:
 
 
 @pytest.mark.parametrize("given", ["lists", "client samples"])
-def test_each_clients_indices_are_a_slice_of_one_tensor_of_every_clients(given):
+def test_each_clients_indices_come_from_the_partitions_arrays(given):
     trainer = trainer_of(PARTS if given == "lists" else ClientSamples.of(PARTS))
-    # One tensor for all clients (int32: the indices fit), no tensor a client kept.
-    assert trainer.sample_indices.dtype == torch.int32 and trainer.sample_indices.numel() == 12
+    assert trainer.samples.indices.dtype == np.int32  # the partition's arrays, no tensor a client kept
     for client, part in enumerate(PARTS):
         samples = trainer.client_samples(client)
         assert samples.dtype == torch.long and samples.tolist() == part.tolist()
