@@ -81,11 +81,13 @@ def is_dropped(seed: int, round_index: int, client: int, dropout: float) -> bool
     return dropout > 0 and seeded_numpy_generator(seed, DROPOUT_STREAM, round_index, client).random() < dropout
 
 
-def aggregation_weights(clients: list[int], sizes: list[int], weighting: str) -> dict[int, float]:
+def aggregation_weights(clients: list[int], sizes: Sequence[int], weighting: str) -> dict[int, float]:
+    """Each client's weight; `sizes`, every client's number of samples (a list, or an array of a million
+    clients), taken as Python ints: the same floats whatever holds them."""
     if weighting == "uniform":
         return {c: 1.0 / len(clients) for c in clients}
-    total = sum(sizes[c] for c in clients)
-    return {c: sizes[c] / total for c in clients}
+    total = sum(int(sizes[c]) for c in clients)
+    return {c: int(sizes[c]) / total for c in clients}
 
 
 def clients_of_rank(clients: list[int], rank: int, world_size: int, stateful: bool) -> list[int]:

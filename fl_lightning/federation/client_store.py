@@ -31,10 +31,11 @@ as the draw is seeded), so reading them overlaps the training of the clients bef
 from __future__ import annotations
 
 import array
+import itertools
 import os
 import re
-from collections import OrderedDict, deque
-from collections.abc import Iterable, Mapping
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
@@ -76,14 +77,14 @@ class ClientStates:
         self._pin = torch.cuda.is_available()
         self._bytes = 0
         self._state_bytes = 0  # of the last state put or read
-        self._version = np.full(0, NOT_SAVED, dtype=np.int32)  # of each client's newest state
+        self._put_after: dict[int, int] = {}  # the round of each state in memory
         self._saved = np.full(0, NOT_SAVED, dtype=np.int32)  # of its newest file
         self._indexed = np.full(0, NOT_SAVED, dtype=np.int32)  # of its file in the last checkpoint's index
         self._last_delta = np.zeros(0, dtype=np.int64)  # the clients of the last checkpoint's index delta
         self._last_checkpoint = 0
         self._unsynced = False  # a file was written since the last sync
         self._superseded = _Superseded()
-        self._upcoming: deque[int] = deque()  # clients to read ahead, in the order they will train
+        self._upcoming: Iterator[int] = iter(())  # clients to read ahead, in the order they will train
         self._ahead: dict[int, tuple[int, Future]] = {}  # client -> (version, its reading)
         self._reader: Optional[ThreadPoolExecutor] = None
         for client_id, state in (initial or {}).items():
@@ -106,8 +107,7 @@ class ClientStates:
         versions = getattr(saved, "versions", None)
         if versions is not None:
             owned = np.arange(len(versions)) % world_size == rank
-            store._version = np.where(owned, versions, NOT_SAVED).astype(np.int32)
-            store._saved = store._version.copy()
+            store._saved = np.where(owned, versions, NOT_SAVED).astype(np.int32)
             store._indexed = (store._saved.copy() if index_deltas is not None
                               else np.full(len(versions), NOT_SAVED, dtype=np.int32))
         store._reserve(num_clients)
@@ -142,20 +142,21 @@ class ClientStates:
         self._state_bytes = _size(stored)
         self._bytes += self._state_bytes
         self._grow(client_id)
-        self._version[client_id] = self.round_completed
+        self._put_after[client_id] = self.round_completed
         while self._over_bound() and len(self.by_client) > 1:
             self._evict(next(iter(self.by_client)))
 
     def read_ahead(self, client_ids: Iterable[int]) -> None:
         """Read, in the background, the states on disk of `client_ids` (those about to train, in the
-        order they will), a window of them at a time; what was being read for others is let go."""
+        order they will: taken one by one as the window moves, never all at once), a window of them at
+        a time; what was being read for clients not among the window's first is let go."""
         if self.out_dir is None:
             return
-        upcoming = [c for c in client_ids if c not in self.by_client and self._version_of(self._saved, c) != NOT_SAVED]
-        wanted = set(upcoming)
-        for client_id in [c for c in self._ahead if c not in wanted]:
+        upcoming = iter(client_ids)
+        first = list(itertools.islice(upcoming, self._read_window()))
+        for client_id in [c for c in self._ahead if c not in first]:
             self._ahead.pop(client_id)[1].cancel()
-        self._upcoming = deque(c for c in upcoming if c not in self._ahead)
+        self._upcoming = itertools.chain(first, upcoming)
         self._read_upcoming()
 
     def checkpoint(self, round_completed: int, ranks: int) -> None:
@@ -192,10 +193,12 @@ class ClientStates:
 
     def _read_upcoming(self) -> None:
         window = self._read_window()
-        while self._upcoming and len(self._ahead) < window:
-            client_id = self._upcoming.popleft()
+        while len(self._ahead) < window:
+            client_id = next(self._upcoming, None)
+            if client_id is None:
+                return
             version = self._version_of(self._saved, client_id)
-            if client_id in self.by_client or version == NOT_SAVED:
+            if client_id in self.by_client or client_id in self._ahead or version == NOT_SAVED:
                 continue
             if self._reader is None:
                 self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="client-state-reader")
@@ -211,11 +214,12 @@ class ClientStates:
 
     def _drop(self, client_id: int) -> None:
         state = self.by_client.pop(client_id, None)
+        self._put_after.pop(client_id, None)
         if state is not None:
             self._bytes -= _size(state)
 
     def _write(self, client_id: int) -> None:
-        version, previous = int(self._version[client_id]), int(self._saved[client_id])
+        version, previous = self._put_after[client_id], int(self._saved[client_id])
         if self.out_dir is None or version == previous:
             return
         save_client_state(self.out_dir, client_id, version, self.by_client[client_id])
@@ -245,12 +249,11 @@ class ClientStates:
                 path.unlink(missing_ok=True)
 
     def _grow(self, client_id: int) -> None:
-        if client_id >= len(self._version):
-            self._reserve(max(client_id + 1, 2 * len(self._version)))
+        if client_id >= len(self._saved):
+            self._reserve(max(client_id + 1, 2 * len(self._saved)))
 
     def _reserve(self, size: int) -> None:
-        if size > len(self._version):
-            self._version = extended_versions(self._version, size)
+        if size > len(self._saved):
             self._saved = extended_versions(self._saved, size)
             self._indexed = extended_versions(self._indexed, size)
 

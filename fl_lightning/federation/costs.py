@@ -16,6 +16,7 @@ after a resume, which replays the draws of the rounds before it. What a deployme
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Callable, Optional
 
 import numpy as np
@@ -71,7 +72,7 @@ class RunCosts:
     """The counters of one run on one rank; `after_round` adds a round's and returns them."""
 
     def __init__(self, algorithm: Algorithm, server_optimizer: ServerOptimizer, federation: FederationArgs,
-                 seed: int, client_sizes: list[int], steps_done: Callable[[int, int], int], sizes: ModelSizes):
+                 seed: int, client_sizes: Sequence[int], steps_done: Callable[[int, int], int], sizes: ModelSizes):
         self.algorithm, self.server_optimizer, self.sizes = algorithm, server_optimizer, sizes
         self.federation, self.seed, self.client_sizes, self.steps_done = federation, seed, client_sizes, steps_done
         self.totals: Optional[dict[str, float]] = dict.fromkeys(COUNTERS, 0)
@@ -101,7 +102,7 @@ class RunCosts:
             for client in taking_part.drawn:
                 steps = self.steps_done(client, round_index)
                 passes = self.algorithm.step_passes(bool(self.reported_before[client]))
-                totals[SAMPLES] += samples_of_steps(self.client_sizes[client], steps, self.federation)
+                totals[SAMPLES] += samples_of_steps(int(self.client_sizes[client]), steps, self.federation)
                 totals[GRAD_EVALS] += passes.backward * steps
                 totals[FORWARD_PASSES] += passes.forward * steps
                 totals[DOWNLOAD_BYTES] += self._download(client)

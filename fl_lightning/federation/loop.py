@@ -9,6 +9,7 @@ around the rounds (evaluation, checkpoints, logs, stops) is a callback (`fl_ligh
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import Optional
 
 import torch
@@ -90,7 +91,7 @@ class FederatedLoop:
             {} if state is None else state["client_states"], engine.global_rank, engine.world_size,
             [] if state is None else state.get(CLIENT_INDEX), settings.federation.num_clients)
         self.trainer = self._local_trainer(device)
-        self._sizes = inputs.data.partition.sizes.tolist()
+        self._sizes = inputs.data.partition.sizes
         self.costs = RunCosts(self.algorithm, self.server_state.optimizer, settings.federation, settings.seed,
                               self._sizes, self.trainer.steps_done,
                               ModelSizes(self.algorithm, self.global_model.params, self.global_model.buffers,
@@ -220,17 +221,14 @@ class FederatedLoop:
             return {STEPS_MEAN: float("nan"), STEPS_MIN: float("nan")}
         return {STEPS_MEAN: sum(steps) / len(steps), STEPS_MIN: min(steps)}
 
-    def _clients_ahead(self, clients: list[int], round_index: int) -> list[int]:
-        """This rank's clients of the round, then those of the next round that do not train in this one:
-        the order in which their states will be asked for."""
+    def _clients_ahead(self, clients: list[int], round_index: int) -> Iterator[int]:
+        """This rank's clients of the round, then those of the next round (drawn once this round's are
+        all being read): the order in which their states will be asked for."""
         engine, settings = self.engine, self.inputs.settings
-        ahead = clients_of_rank(clients, engine.global_rank, engine.world_size, self.stateful)
+        yield from clients_of_rank(clients, engine.global_rank, engine.world_size, self.stateful)
         if round_index + 1 < self.rounds:
-            now = set(clients)
             later = round_clients(settings.seed, round_index + 1, settings.federation).reported
-            ahead += [c for c in clients_of_rank(later, engine.global_rank, engine.world_size, self.stateful)
-                      if c not in now]
-        return ahead
+            yield from clients_of_rank(later, engine.global_rank, engine.world_size, self.stateful)
 
     def _client_rounds(self, clients: list[int], round_index: int):
         """This rank's clients of the round, each set up only when the algorithm asks for it."""
