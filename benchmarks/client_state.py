@@ -113,7 +113,8 @@ def run_one(algorithm_name: str, num_clients: int, store: str, args: argparse.Na
     images, labels = random_images(POOL + 100, channels=1, image_size=8, seed=SEED)
     train = ImageDataset(images[:POOL], labels[:POOL], 10, (0.5,), (0.5,))
     test = ImageDataset(images[POOL:], labels[POOL:], 10, (0.5,), (0.5,))
-    partition = ClientSamples(np.arange(2 * num_clients) % POOL, np.arange(0, 2 * num_clients + 1, 2))
+    partition = ClientSamples(np.arange(2 * num_clients, dtype=np.int32) % POOL,
+                              np.arange(0, 2 * num_clients + 1, 2, dtype=np.int32))
     algorithm = SCAFFOLD() if algorithm_name == "scaffold" else MOON(projection_dim=16)
     settings = RunSettings(
         algorithm=algorithm, model=ModelArgs(name="mlp", options={"hidden": 16, "depth": 1}),

@@ -49,6 +49,8 @@ class RoundClients:
 
     @property
     def dropped(self) -> list[int]:
+        if len(self.reported) == len(self.drawn):  # the reported are drawn: none dropped
+            return []
         return sorted(set(self.drawn) - set(self.reported))
 
     def counts(self) -> dict[str, int]:

@@ -181,8 +181,9 @@ class ClientStates:
 
     def pruned(self, kept_rounds: list[int]) -> None:
         """Remove the files replaced by a version that every kept checkpoint (`kept_rounds`) refers to."""
-        for client_id, version in self._superseded.pop_replaced_by(min(kept_rounds, default=self._last_checkpoint)):
-            _remove(self.out_dir, client_id, version)
+        clients, versions = self._superseded.pop_replaced_by(min(kept_rounds, default=self._last_checkpoint))
+        for client_id, version in zip(clients, versions):  # one by one: no list of every file removed
+            _remove(self.out_dir, int(client_id), int(version))
 
     def _read_window(self) -> int:
         """How many states to read ahead: a quarter of the bound's worth, at most READ_AHEAD_STATES; one
@@ -275,15 +276,14 @@ class _Superseded:
         self.versions.append(version)
         self.replaced_by.append(replaced_by)
 
-    def pop_replaced_by(self, round_completed: int) -> list[tuple[int, int]]:
-        """The (client, version) of the files replaced by a version of `round_completed` or earlier, no
-        longer kept here."""
-        replaced_by = np.frombuffer(self.replaced_by, dtype=np.int32)
-        gone = replaced_by <= round_completed
-        columns = [np.frombuffer(column, dtype=np.int32) for column in (self.clients, self.versions)]
-        popped = list(zip(columns[0][gone].tolist(), columns[1][gone].tolist()))
-        kept = [column[~gone] for column in (*columns, replaced_by)]
-        self.clients, self.versions, self.replaced_by = (array.array("i", column.tobytes()) for column in kept)
+    def pop_replaced_by(self, round_completed: int) -> tuple[np.ndarray, np.ndarray]:
+        """The clients and versions of the files replaced by a version of `round_completed` or earlier,
+        no longer kept here."""
+        columns = [np.frombuffer(column, dtype=np.int32) for column in (self.clients, self.versions, self.replaced_by)]
+        gone = columns[2] <= round_completed
+        popped = columns[0][gone], columns[1][gone]
+        self.clients, self.versions, self.replaced_by = (array.array("i", column[~gone].tobytes())
+                                                         for column in columns)
         return popped
 
 

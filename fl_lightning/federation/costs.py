@@ -78,9 +78,9 @@ class RunCosts:
         self.totals: Optional[dict[str, float]] = dict.fromkeys(COUNTERS, 0)
         # A flag a client rather than a set of them: a million clients cost a megabyte.
         self.reported_before = np.zeros(federation.num_clients, dtype=bool)
-        self.last_step: Optional[tuple[set[int], bool]] = None
-        """The clients drawn in the round of the server's last step, and whether those that reported took
-        equal local steps; None before the first step."""
+        self.last_step: Optional[tuple[np.ndarray, bool]] = None
+        """The clients drawn in the round of the server's last step (a flag a client), and whether those
+        that reported took equal local steps; None before the first step."""
 
     def resume(self, history: list[dict]) -> None:
         """The counters at the end of `history`'s last round (a checkpoint's), and the draws before it.
@@ -113,7 +113,7 @@ class RunCosts:
 
     def _download(self, client: int) -> int:
         sizes, last_step = self.sizes, self.last_step
-        rebuilt = last_step is None or (client in last_step[0]
+        rebuilt = last_step is None or (last_step[0][client]
                                         and self.algorithm.rebuilds_from_models(self.server_optimizer, last_step[1]))
         return sizes.model + sizes.buffers + sizes.sent_down + (0 if rebuilt else sizes.rebuilt_down)
 
@@ -121,7 +121,9 @@ class RunCosts:
         if not taking_part.reported:  # no server step: the model and the server's tensors stay as they were
             return
         steps = {self.steps_done(client, round_index) for client in taking_part.reported}
-        self.last_step = (set(taking_part.drawn), len(steps) == 1)
+        drawn = np.zeros(self.federation.num_clients, dtype=bool)
+        drawn[taking_part.drawn] = True
+        self.last_step = (drawn, len(steps) == 1)
         self.reported_before[taking_part.reported] = True
 
 
