@@ -21,13 +21,16 @@ from fl_lightning.errors import ConfigError
 PARTITION_SCHEMES = get_args(PartitionScheme)
 
 
-class ClientSamples(Sequence):
+class ClientSamples:
     """Every client's sample indices, immutable, in two arrays whatever the number of clients: `indices`,
     all clients' indices one client after the other, and `offsets`, where each client's run of them
     begins (client i's are indices[offsets[i]:offsets[i + 1]]); both int32 where they fit, as for any
-    dataset held in memory (half the bytes of int64). A sequence of numpy arrays: `samples[i]` is a
-    read-only view of client i's indices. A list of a numpy array a client costs about a hundred bytes
-    a client beside the indices themselves: a hundred MiB at a million clients.
+    dataset held in memory (half the bytes of int64). Indexed and iterated as a sequence of numpy arrays
+    (`samples[i]` is a read-only view of client i's indices), but not a `collections.abc.Sequence`:
+    what walks collections item by item (Fabric's launcher, on the arguments of the ranks it spawns)
+    takes it whole, rather than rebuilding it from a million arrays. A list of a numpy array a client
+    costs about a hundred bytes a client beside the indices themselves: a hundred MiB at a million
+    clients.
     """
 
     __slots__ = ("indices", "offsets", "_digest")

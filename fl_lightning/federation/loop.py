@@ -254,7 +254,7 @@ class FederatedLoop:
         engine, completed, data = self.engine, self.completed_rounds, self.inputs.data
         if self.stateful:
             self.client_states.checkpoint(completed, engine.world_size)
-            engine.barrier()  # every shard is on disk before the main file marks the checkpoint complete
+            engine.barrier()  # every index delta is on disk before the main file marks the checkpoint complete
         if engine.global_rank == 0:
             save_checkpoint({
                 "round": completed,
