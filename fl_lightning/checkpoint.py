@@ -184,9 +184,10 @@ def load_client_state(out_dir: Path, client_id: int, version: int) -> dict:
 
 def _load_safetensors(path: Path, what: str) -> tuple[tuple[int, int], dict]:
     """The (client, version) and the state of a file written by `save_client_state`, its digest checked."""
-    if not path.is_file():
-        raise ValueError(f"{what} {path} is missing")
-    payload = path.read_bytes()
+    try:
+        payload = path.read_bytes()
+    except FileNotFoundError:
+        raise ValueError(f"{what} {path} is missing") from None
     try:
         state = safetensors.torch.load(payload)
         # The format: an 8-byte little-endian header length, then the JSON header.

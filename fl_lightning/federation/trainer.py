@@ -173,7 +173,7 @@ class LocalTrainer:
     def steps_done(self, client_id: int, round_index: int) -> int:
         """The local steps the client does in round `round_index` (its planned K_i, or a straggler's share)."""
         federation = self.settings.federation
-        planned = planned_steps(len(self.client_samples(client_id)), federation)
+        planned = planned_steps(len(self.samples[client_id]), federation)
         return local_steps_done(self.settings.seed, round_index, client_id, federation, planned)
 
     def client_round(self, client_id: int, round_index: int, state: dict[str, torch.Tensor],
