@@ -10,32 +10,36 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
-from typing import BinaryIO, Callable, Iterator, Optional
+from typing import BinaryIO, Callable, Iterator, Optional, Union
 
 from fl_lightning.errors import RunInterrupted, WriteFailed
 
 
-def replace_atomically(write: Callable[[Path], None], target: Path) -> None:
+def replace_atomically(write: Callable[[str], None], target: Union[str, os.PathLike]) -> None:
     """Make the new file through `write(temporary_path)`, then rename it over `target`; the temporary
-    file (`.<name>.<pid>.tmp`) is removed whatever happens."""
-    target = Path(target)
-    temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    file (`.<name>.<pid>.tmp`, its path a string) is removed whatever happens.
+
+    Paths are strings here, not pathlib objects: Python 3.11's pathlib interns every part of every
+    path it parses, and a client-state store past its bound writes a file of a new name for each
+    client of a round, which would grow the interpreter's table of interned strings by megabytes."""
+    directory, name = os.path.split(os.fspath(target))
+    temporary = os.path.join(directory, f".{name}.{os.getpid()}.tmp")
     with failures_reported_as_writes_of(target):
         try:
             write(temporary)
             os.replace(temporary, target)
         finally:
             if os.path.lexists(temporary):  # a read-only file system refuses to unlink even a missing file
-                temporary.unlink()
+                os.unlink(temporary)
 
 
-def write_atomically(target: Path, write: Callable[[BinaryIO], None], synced: bool = True) -> None:
+def write_atomically(target: Union[str, os.PathLike], write: Callable[[BinaryIO], None], synced: bool = True) -> None:
     """Replace `target` by what `write(file)` writes into a binary file, on disk before the rename.
     `synced=False` leaves it to the caller to sync (`os.sync`) before anything depends on the file
     surviving a crash of the machine: a process killed at any moment still leaves the old file or the
     new one whole, and writing many small files costs no disk flush each."""
 
-    def written(temporary: Path) -> None:
+    def written(temporary: str) -> None:
         with open(temporary, "wb") as file:
             write(file)
             file.flush()

@@ -145,14 +145,15 @@ _STATE_SUFFIX, _EARLIER_STATE_SUFFIX = ".safetensors", ".pt"
 
 def client_state_path(out_dir: Path, client_id: int, version: int) -> Path:
     """The file of client `client_id`'s state after round `version` (a thousand clients a folder)."""
-    return (Path(out_dir) / CLIENT_STATES / f"{client_id // 1000:04d}"
-            / f"client_{client_id:07d}.r{version:06d}{_STATE_SUFFIX}")
+    return Path(client_state_paths(out_dir, client_id, version)[0])
 
 
-def client_state_paths(out_dir: Path, client_id: int, version: int) -> tuple[Path, Path]:
-    """That file, and its name in runs of earlier versions (a torch.save file), either of which holds it."""
-    path = client_state_path(out_dir, client_id, version)
-    return path, path.with_suffix(_EARLIER_STATE_SUFFIX)
+def client_state_paths(out_dir: Path, client_id: int, version: int) -> tuple[str, str]:
+    """That file, and its name in runs of earlier versions (a torch.save file), either of which holds
+    it: strings, as the store makes them for every client of a round (`atomic_files.replace_atomically`
+    says why no pathlib objects)."""
+    name = os.path.join(out_dir, CLIENT_STATES, f"{client_id // 1000:04d}", f"client_{client_id:07d}.r{version:06d}")
+    return name + _STATE_SUFFIX, name + _EARLIER_STATE_SUFFIX
 
 
 def save_client_state(out_dir: Path, client_id: int, version: int, state: dict) -> None:
@@ -160,8 +161,8 @@ def save_client_state(out_dir: Path, client_id: int, version: int, state: dict) 
     a torch.save file, as a store past its bound does for every client of a round) whose metadata holds
     the client, the version and the digest. Written atomically but not synced: the store syncs the
     files a checkpoint refers to (`os.sync`, once) before the checkpoint."""
-    path = client_state_path(out_dir, client_id, version)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path = client_state_paths(out_dir, client_id, version)[0]
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     identity = {"client": str(client_id), "version": str(version)}
     payload = safetensors.torch.save(state, metadata={**identity, DIGEST: content_digest([identity, state])})
     atomic_files.write_atomically(path, lambda file: file.write(payload), synced=False)
@@ -172,8 +173,8 @@ def load_client_state(out_dir: Path, client_id: int, version: int) -> dict:
     when it is missing, unreadable, altered or another client's."""
     path, earlier = client_state_paths(out_dir, client_id, version)
     what = f"the state of client {client_id},"
-    if not path.is_file() and earlier.is_file():
-        saved = _load_verified(earlier, what)
+    if not os.path.isfile(path) and os.path.isfile(earlier):
+        saved = _load_verified(Path(earlier), what)
         identity, state = (saved["client"], saved["version"]), saved["state"]
     else:
         identity, state = _load_safetensors(path, what)
@@ -182,10 +183,11 @@ def load_client_state(out_dir: Path, client_id: int, version: int) -> dict:
     return state
 
 
-def _load_safetensors(path: Path, what: str) -> tuple[tuple[int, int], dict]:
+def _load_safetensors(path: str, what: str) -> tuple[tuple[int, int], dict]:
     """The (client, version) and the state of a file written by `save_client_state`, its digest checked."""
     try:
-        payload = path.read_bytes()
+        with open(path, "rb") as file:
+            payload = file.read()
     except FileNotFoundError:
         raise ValueError(f"{what} {path} is missing") from None
     try:

@@ -4,6 +4,7 @@ as WriteFailed naming the target, while other errors pass through as they are.""
 
 import errno
 import os
+from pathlib import Path
 
 import pytest
 
@@ -44,8 +45,8 @@ def test_the_new_content_goes_to_a_hidden_temporary_beside_the_target_while_the_
     seen = {}
 
     def write(temporary):
-        temporary.write_text("new\n")
-        seen["temporary"] = temporary
+        Path(temporary).write_text("new\n")
+        seen["temporary"] = Path(temporary)
         # A reader during the write still finds the old file whole.
         seen["target during the write"] = target.read_text()
 

@@ -31,6 +31,7 @@ as the draw is seeded), so reading them overlaps the training of the clients bef
 from __future__ import annotations
 
 import array
+import contextlib
 import itertools
 import os
 import re
@@ -289,7 +290,8 @@ class _Superseded:
 
 def _remove(out_dir: Path, client_id: int, version: int) -> None:
     for path in client_state_paths(out_dir, client_id, version):
-        path.unlink(missing_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def _size(state: dict[str, torch.Tensor]) -> int:

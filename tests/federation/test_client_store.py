@@ -133,8 +133,8 @@ def test_a_checkpoint_writes_only_the_states_changed_since_the_previous_one(tmp_
     states.checkpoint(1, 1)
     written = []
     write = atomic_files.write_atomically
-    monkeypatch.setattr(atomic_files, "write_atomically", lambda target, *a, **k: (written.append(target.name),
-                                                                                   write(target, *a, **k)))
+    monkeypatch.setattr(atomic_files, "write_atomically",
+                        lambda target, *a, **k: (written.append(os.path.basename(target)), write(target, *a, **k)))
     trained(states, 2, [4, 7])
     states.checkpoint(2, 1)
     assert sorted(written) == ["client_0000004.r000002.safetensors", "client_0000007.r000002.safetensors",
