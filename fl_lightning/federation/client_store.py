@@ -80,7 +80,7 @@ class ClientStates:
         self._state_bytes = 0  # of the last state put or read
         self._put_after: dict[int, int] = {}  # the round of each state in memory
         self._saved = np.full(0, NOT_SAVED, dtype=np.int32)  # of its newest file
-        self._indexed = np.full(0, NOT_SAVED, dtype=np.int32)  # of its file in the last checkpoint's index
+        self._unindexed = np.zeros(0, dtype=bool)  # its newest file is not in the last checkpoint's index
         self._last_delta = np.zeros(0, dtype=np.int64)  # the clients of the last checkpoint's index delta
         self._last_checkpoint = 0
         self._unsynced = False  # a file was written since the last sync
@@ -109,8 +109,8 @@ class ClientStates:
         if versions is not None:
             owned = np.arange(len(versions)) % world_size == rank
             store._saved = np.where(owned, versions, NOT_SAVED).astype(np.int32)
-            store._indexed = (store._saved.copy() if index_deltas is not None
-                              else np.full(len(versions), NOT_SAVED, dtype=np.int32))
+            store._unindexed = (np.zeros(len(versions), dtype=bool) if index_deltas is not None
+                                else store._saved != NOT_SAVED)
         store._reserve(num_clients)
         store._sweep(lambda client_id: client_id % world_size == rank)
         if rank == 0:
@@ -170,13 +170,13 @@ class ClientStates:
             os.sync()
             self._unsynced = False
         self._last_checkpoint = round_completed
-        changed = np.flatnonzero(self._saved != self._indexed)
+        changed = np.flatnonzero(self._unindexed)
         if self.index_deltas and self.index_deltas[-1][0] == round_completed:  # the same round again
             changed = np.union1d(self._last_delta, changed)
             self.index_deltas.pop()
         save_client_index(self.out_dir, round_completed, self.rank, changed.astype(np.int32),
                           self._saved[changed])
-        self._indexed[changed] = self._saved[changed]
+        self._unindexed[changed] = False
         self._last_delta = changed
         self.index_deltas.append((round_completed, ranks))
 
@@ -226,7 +226,7 @@ class ClientStates:
             return
         save_client_state(self.out_dir, client_id, version, self.by_client[client_id])
         self._saved[client_id] = version
-        self._unsynced = True
+        self._unindexed[client_id] = self._unsynced = True
         if previous == NOT_SAVED:
             return
         if previous > self._last_checkpoint:  # written since the last checkpoint: nothing refers to it
@@ -257,7 +257,7 @@ class ClientStates:
     def _reserve(self, size: int) -> None:
         if size > len(self._saved):
             self._saved = extended_versions(self._saved, size)
-            self._indexed = extended_versions(self._indexed, size)
+            self._unindexed = np.concatenate([self._unindexed, np.zeros(size - len(self._unindexed), dtype=bool)])
 
     @staticmethod
     def _version_of(versions: np.ndarray, client_id: int) -> int:
