@@ -4,7 +4,7 @@ all-reduce(sum) aggregates, stop requests riding on it."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -83,13 +83,35 @@ def is_dropped(seed: int, round_index: int, client: int, dropout: float) -> bool
     return dropout > 0 and seeded_numpy_generator(seed, DROPOUT_STREAM, round_index, client).random() < dropout
 
 
-def aggregation_weights(clients: list[int], sizes: Sequence[int], weighting: str) -> dict[int, float]:
+def aggregation_weights(clients: list[int], sizes: Sequence[int], weighting: str) -> ClientWeights:
     """Each client's weight; `sizes`, every client's number of samples (a list, or an array of a million
     clients), taken as Python ints: the same floats whatever holds them."""
-    if weighting == "uniform":
-        return {c: 1.0 / len(clients) for c in clients}
-    total = sum(int(sizes[c]) for c in clients)
-    return {c: int(sizes[c]) / total for c in clients}
+    return ClientWeights(clients, sizes, weighting)
+
+
+class ClientWeights(Mapping):
+    """A round's clients -> their aggregation weights, each computed when asked for (the same float a
+    dict of them would hold) rather than held: a dict of a round of 50,000 clients takes some 4 MB."""
+
+    def __init__(self, clients: list[int], sizes: Sequence[int], weighting: str):
+        self.clients, self.sizes, self.weighting = clients, sizes, weighting
+        self._ascending = np.sort(np.asarray(clients, dtype=np.int64))  # for membership
+        self._total = len(clients) if weighting == "uniform" else sum(int(sizes[c]) for c in clients)
+
+    def __getitem__(self, client: int) -> float:
+        if client not in self:
+            raise KeyError(client)
+        return 1.0 / self._total if self.weighting == "uniform" else int(self.sizes[client]) / self._total
+
+    def __contains__(self, client: object) -> bool:
+        position = int(np.searchsorted(self._ascending, client))
+        return position < len(self._ascending) and self._ascending[position] == client
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.clients)
+
+    def __len__(self) -> int:
+        return len(self.clients)
 
 
 def clients_of_rank(clients: list[int], rank: int, world_size: int, stateful: bool) -> list[int]:

@@ -6,6 +6,7 @@ import itertools
 import math
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -156,6 +157,21 @@ def test_sample_weights_are_each_clients_share_of_the_rounds_samples():
 def test_uniform_weights_ignore_the_sizes():
     weights = aggregation_weights([0, 3, 4], [1, 1000, 1, 2, 99], "uniform")
     assert weights == pytest.approx({0: 1 / 3, 3: 1 / 3, 4: 1 / 3})
+
+
+@pytest.mark.parametrize("weighting", ["num_samples", "uniform"])
+def test_the_weights_are_the_floats_of_a_dict_of_them_and_only_the_rounds_clients_have_one(weighting):
+    sizes = np.arange(1, 1001) * 7 % 113 + 1
+    clients = [3, 17, 18, 250, 999]
+    weights = aggregation_weights(clients, sizes, weighting)
+    total = sum(int(sizes[c]) for c in clients)
+    by_hand = {c: (int(sizes[c]) / total if weighting == "num_samples" else 1.0 / len(clients)) for c in clients}
+    assert [weights[c] for c in clients] == [by_hand[c] for c in clients]  # bit for bit
+    assert dict(weights) == by_hand and len(weights) == len(clients)
+    for outside in (0, 4, 249, 251, 1000, -1):
+        assert outside not in weights
+        with pytest.raises(KeyError):
+            weights[outside]
 
 
 def test_one_client_takes_the_whole_weight_either_way():
