@@ -46,6 +46,7 @@ from fl_lightning.federation.global_state import FlatGlobalModel
 from fl_lightning.federation.groups import client_updates, normalise_batches_in_float32
 from fl_lightning.federation.setup import RankInputs
 from fl_lightning.federation.trainer import LocalTrainer, TrainingData
+from fl_lightning.host_memory import release_free_heap
 from fl_lightning.lost_ranks import RankProcesses
 from fl_lightning.metric_names import STEPS_MEAN, STEPS_MIN
 
@@ -212,6 +213,7 @@ class FederatedLoop:
                    **self.costs.after_round(round_index, taking_part, aggregate[CLIENT_SECONDS].item()),
                    "round_seconds": time.perf_counter() - started - hooks_seconds}
         self.history.append(metrics)
+        release_free_heap()
         return metrics
 
     def _steps_done(self, clients: list[int], round_index: int) -> dict[str, float]:
