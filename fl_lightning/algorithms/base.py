@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Callable, ClassVar, Optional
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -80,9 +81,9 @@ class Algorithm(FrozenConfigurable):
         head); the same on every rank."""
         return network
 
-    def check_federation(self, federation: FederationArgs, client_sizes: list[int]) -> None:
+    def check_federation(self, federation: FederationArgs, client_sizes: np.ndarray) -> None:
         """Refuse a federation this algorithm cannot run as published (ConfigError); called once
-        the data is split, before training."""
+        the data is split, before training, with every client's number of samples."""
 
     def server_optimizer_for(self, configured: ServerOptimizer) -> ServerOptimizer:
         """The server optimizer this algorithm runs with, given the configured one; checked before

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 
 from fl_lightning.algorithms.base import PSEUDO_GRADIENT, Algorithm
@@ -56,7 +57,7 @@ class CTPFL(Algorithm):
         self.weight_decay = weight_decay
         self.clip_norm = clip_norm
 
-    def check_federation(self, federation: FederationArgs, client_sizes: list[int]) -> None:
+    def check_federation(self, federation: FederationArgs, client_sizes: np.ndarray) -> None:
         # local_epochs gives each client K_i = E * ceil(n_i / B) steps, and stragglers cut them: unequal
         # counts would give the clients different query points, and shared points are the method's premise.
         if federation.stragglers is not None:
@@ -65,7 +66,7 @@ class CTPFL(Algorithm):
                               federation.stragglers.init_args)
         if federation.local_epochs is None:
             return
-        steps = {planned_steps(n, federation) for n in client_sizes}
+        steps = {planned_steps(int(n), federation) for n in np.unique(client_sizes)}
         if len(steps) > 1:
             raise ConfigError(
                 "federation.local_epochs",

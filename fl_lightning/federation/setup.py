@@ -131,7 +131,7 @@ def load_run_data(settings: RunSettings, resume_state: Optional[dict], out_dir: 
     data, federation, seed = settings.data, settings.federation, settings.seed
     train_set, test_set = load_dataset(data.name, data.root, data.download)
     partition, validation = split_over_clients(train_set.labels.numpy(), data, federation.num_clients, seed)
-    settings.algorithm.check_federation(federation, partition.sizes.tolist())
+    settings.algorithm.check_federation(federation, partition.sizes)
     largest_client = int(partition.sizes.max())
     # Under local_epochs a batch larger than a client is its whole data (full-batch steps); under
     # local_steps every batch of every client would repeat samples.

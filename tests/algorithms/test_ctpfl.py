@@ -1,11 +1,14 @@
 """CTP-FL against Algorithm 1 of the paper written out: K gradients at the points predicted along the previous
 server direction, uniform aggregation, one server step."""
 
+import numpy as np
 import pytest
 import torch
 from reference import LinearProblem, assert_close, sampled, small_setup
 
 from fl_lightning.algorithms import CTPFL
+from fl_lightning.config import FederationArgs
+from fl_lightning.errors import ConfigError
 from fl_lightning.fit import fit
 from fl_lightning.server_optimizers import ServerSGD
 
@@ -41,3 +44,12 @@ def test_ctpfl_with_zero_span_is_minibatch_sgd(cifar_root, tmp_path):
         clients = sampled(r, setup)
         x = x - 0.5 * sum(problem.grad(x, c) for c in clients) / len(clients)
     assert_close(final, x)
+
+
+def test_local_epochs_are_refused_where_the_clients_sizes_give_them_unequal_steps():
+    # K_i = ceil(n_i / B): sizes 21 to 30 all give 3 steps of 10; a client of 31 gives 4.
+    equal = np.arange(21, 31)
+    federation = FederationArgs(num_clients=len(equal) + 1, clients_per_round=2, local_epochs=1, batch_size=10)
+    CTPFL().check_federation(federation, equal)
+    with pytest.raises(ConfigError, match="from 3 to 4 local steps"):
+        CTPFL().check_federation(federation, np.append(equal, 31))
