@@ -4,6 +4,7 @@ all-reduce(sum) aggregates, stop requests riding on it."""
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -35,7 +36,11 @@ def draw_from(online: Sequence[int], seed: int, round_index: int, clients_per_ro
     """`clients_per_round` of the `online` clients (all of them when fewer are), uniformly without
     replacement, ascending; with every client online, the draw the rounds always made."""
     generator = seeded_generator(seed, SAMPLING_STREAM, round_index)
-    return sorted(online[i] for i in torch.randperm(len(online), generator=generator)[:clients_per_round].tolist())
+    chosen = torch.randperm(len(online), generator=generator)[:clients_per_round].tolist()
+    if online != range(len(online)):  # every client online: the positions are the clients
+        chosen = [online[i] for i in chosen]
+    chosen.sort()
+    return chosen
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,8 @@ def round_clients(seed: int, round_index: int, federation: FederationArgs) -> Ro
     mini-batches' streams."""
     online = federation.online_clients.online(round_index, federation.num_clients, participation_draws(seed))
     drawn = draw_from(online, seed, round_index, federation.clients_per_round)
+    if not federation.dropout:  # the same list: a round of 50,000 clients is not copied
+        return RoundClients(online, drawn, drawn)
     return RoundClients(online, drawn, [c for c in drawn if not is_dropped(seed, round_index, c, federation.dropout)])
 
 
@@ -90,12 +97,12 @@ def aggregation_weights(clients: list[int], sizes: Sequence[int], weighting: str
 
 
 class ClientWeights(Mapping):
-    """A round's clients -> their aggregation weights, each computed when asked for (the same float a
-    dict of them would hold) rather than held: a dict of a round of 50,000 clients takes some 4 MB."""
+    """A round's clients (ascending, as a round draws them) -> their aggregation weights, each computed
+    when asked for (the same float a dict of them would hold) rather than held: a dict of a round of
+    50,000 clients takes some 4 MB."""
 
     def __init__(self, clients: list[int], sizes: Sequence[int], weighting: str):
         self.clients, self.sizes, self.weighting = clients, sizes, weighting
-        self._ascending = np.sort(np.asarray(clients, dtype=np.int64))  # for membership
         self._total = len(clients) if weighting == "uniform" else sum(int(sizes[c]) for c in clients)
 
     def __getitem__(self, client: int) -> float:
@@ -104,8 +111,8 @@ class ClientWeights(Mapping):
         return 1.0 / self._total if self.weighting == "uniform" else int(self.sizes[client]) / self._total
 
     def __contains__(self, client: object) -> bool:
-        position = int(np.searchsorted(self._ascending, client))
-        return position < len(self._ascending) and self._ascending[position] == client
+        position = bisect.bisect_left(self.clients, client)
+        return position < len(self.clients) and self.clients[position] == client
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.clients)
@@ -117,6 +124,8 @@ class ClientWeights(Mapping):
 def clients_of_rank(clients: list[int], rank: int, world_size: int, stateful: bool) -> list[int]:
     """Stateful clients stay with their owner rank (client id mod world size), where their state
     lives; stateless clients are dealt round-robin so ranks get nearly equal shares."""
+    if world_size == 1:  # all of them: no copy of a round of 50,000 clients
+        return clients
     if stateful:
         return [c for c in clients if c % world_size == rank]
     return clients[rank::world_size]
