@@ -1,16 +1,15 @@
 """Checkpoints: written atomically, checksummed, verified on load, the newest good one found for resume.
 
-Layout: out_dir/checkpoints/round_000010.ckpt ... and last.ckpt (a hard link to the newest), the
-file users and evaluation scripts load: a resume checks it too, and puts the newest good checkpoint
-in its place when it is damaged, missing or behind (`restore_last`).
-A checkpoint is a plain dict saved with `torch.save`, loadable with `torch.load`. Per-client state
-of stateful algorithms lives in the client-state store's files, out_dir/client_states/<id // 1000>/
-client_0001234.r000010.safetensors (client 1234's state after round 10;
-`fl_lightning.federation.client_store` writes them). Which file holds each client's state as of a
-checkpoint is an index made of deltas: before the main file (whose presence marks the checkpoint
-complete), each owner rank writes out_dir/client_states/index/round_000010.rank0.pt ..., the clients
-whose file changed since the previous checkpoint; the main file lists its deltas and every earlier
-one's (`CLIENT_INDEX`), which pruning keeps, so that no checkpoint writes every client's entry.
+Layout: out_dir/checkpoints/round_000010.ckpt ... and last.ckpt (a hard link to the newest), the file
+users and evaluation scripts load: a resume checks it too, and puts the newest good checkpoint in its
+place when it is damaged, missing or behind (`restore_last`). A checkpoint is a plain dict saved with
+`torch.save`, loadable with `torch.load`. Per-client state of stateful algorithms lives in the
+client-state store's files, out_dir/client_states/<id // 1000>/client_0001234.r000010.safetensors (client
+1234's state after round 10; `fl_lightning.federation.client_store` writes them). Which file holds each
+client's state as of a checkpoint is an index made of deltas: before the main file (whose presence marks
+the checkpoint complete), each owner rank writes out_dir/client_states/index/round_000010.rank0.pt ...,
+the clients whose file changed since the previous checkpoint; the main file lists its deltas and every
+earlier one's (`CLIENT_INDEX`), which pruning keeps, so that no checkpoint writes every client's entry.
 Checkpoints of earlier versions kept shards beside them instead (round_000010.clients_rank0.pt: every
 client's version, or its state itself), and still resume; pruning removes such a checkpoint's shards
 before its main file, and `remove_orphan_shards` clears those a kill left.
@@ -149,9 +148,8 @@ def client_state_path(out_dir: Path, client_id: int, version: int) -> Path:
 
 
 def client_state_paths(out_dir: Path, client_id: int, version: int) -> tuple[str, str]:
-    """That file, and its name in runs of earlier versions (a torch.save file), either of which holds
-    it: strings, as the store makes them for every client of a round (`atomic_files.replace_atomically`
-    says why no pathlib objects)."""
+    """That file, and its name in runs of earlier versions (a torch.save file): strings, not pathlib
+    objects (`atomic_files.replace_atomically` says why), as the store names them every round."""
     name = os.path.join(out_dir, CLIENT_STATES, f"{client_id // 1000:04d}", f"client_{client_id:07d}.r{version:06d}")
     return name + _STATE_SUFFIX, name + _EARLIER_STATE_SUFFIX
 
@@ -186,7 +184,7 @@ def load_client_state(out_dir: Path, client_id: int, version: int) -> dict:
 def _load_safetensors(path: str, what: str) -> tuple[tuple[int, int], dict]:
     """The (client, version) and the state of a file written by `save_client_state`, its digest checked."""
     try:
-        with open(path, "rb") as file:
+        with open(path, "rb") as file:  # not a pathlib object: see client_state_paths
             payload = file.read()
     except FileNotFoundError:
         raise ValueError(f"{what} {path} is missing") from None
