@@ -43,4 +43,3 @@ def test_the_free_pages_amid_blocks_in_use_go_back_to_the_system():
         pytest.skip("this C library has no malloc_trim")
     # 63 MiB freed amid the kept blocks: all but the pages the kept blocks and the free lists touch.
     assert int(returned_bytes) > 48 * 2**20
-
